@@ -1,0 +1,46 @@
+"""The one place where core errors become Python exceptions.
+
+The C++ core raises a single error type carrying errno, operation, path and
+byte range; the bindings call :func:`make_error` to turn it into the matching
+built-in ``OSError`` subclass (``FileNotFoundError``, ``PermissionError``, ...)
+with ``filename`` set and ``operation``/``offset``/``length`` attributes.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class ReadPastEOFError(OSError, EOFError):
+    """A read asked for bytes beyond the end of the file.
+
+    Raised instead of returning stale or zero bytes. It is an ``OSError``
+    (errno ``ENODATA``) and an ``EOFError``, so either ``except`` catches it.
+    """
+
+
+class HandleStateError(RuntimeError):
+    """The handle cannot be used in this state (closed, or inherited by fork)."""
+
+
+def make_error(
+    err: int,
+    message: str,
+    path: str,
+    operation: str,
+    offset: int,
+    length: int,
+    eof: bool,
+) -> BaseException:
+    exc: BaseException
+    if eof:
+        exc = ReadPastEOFError(_errno.ENODATA, message, path or None)
+    elif err == 0:
+        exc = HandleStateError(message)
+    else:
+        # OSError(errno, ...) picks the subclass (ENOENT -> FileNotFoundError...).
+        exc = OSError(err, message, path or None)
+    exc.operation = operation  # type: ignore[attr-defined]
+    exc.offset = offset  # type: ignore[attr-defined]
+    exc.length = length  # type: ignore[attr-defined]
+    return exc

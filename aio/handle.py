@@ -1,0 +1,430 @@
+"""AsyncIOHandle: DeepSpeed-compatible async file I/O on the native core."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, Union
+
+from . import _C, pinned
+from ._buffers import ResolvedBuffer, resolve
+from ._errors import HandleStateError
+
+PathArg = Union[str, "os.PathLike[str]", int]
+
+_READ, _WRITE = 0, 1
+_live_handles: weakref.WeakSet[AsyncIOHandle] = weakref.WeakSet()
+
+
+class AioFuture:
+    """A pending read or write.
+
+    The future owns the buffer (and, for GPU tensors, the pinned bounce
+    buffer) until the I/O is done, so dropping the caller's reference early
+    is safe.
+    """
+
+    __slots__ = ("_req", "_buf", "_finalize", "_settled", "_exc", "__weakref__")
+
+    def __init__(self, req: Any, buf: ResolvedBuffer, finalize: Callable[[], None] | None) -> None:
+        self._req = req
+        self._buf: ResolvedBuffer | None = buf
+        self._finalize = finalize
+        self._settled = False
+        self._exc: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._req.nbytes)
+
+    @property
+    def offset(self) -> int:
+        return int(self._req.offset)
+
+    def done(self) -> bool:
+        """True once the I/O has finished (successfully or not)."""
+        return bool(self._req.done())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block (GIL released) until done or `timeout` seconds pass; return done()."""
+        return bool(self._req.wait(-1.0 if timeout is None else max(0.0, float(timeout))))
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        try:
+            self._req.result()
+            if self._finalize is not None:
+                self._finalize()
+        except BaseException as e:  # noqa: BLE001 - stored and re-raised to the caller
+            self._exc = e
+        finally:
+            self._buf = None
+            self._finalize = None
+
+    def result(self, timeout: float | None = None) -> int:
+        """Wait, then return the number of bytes moved or raise the I/O error."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"I/O not done after {timeout} s")
+        self._settle()
+        if self._exc is not None:
+            raise self._exc
+        return self.nbytes
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait, then return the error (or None) without raising it."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"I/O not done after {timeout} s")
+        self._settle()
+        return self._exc
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        kind = "write" if self._req.is_write else "read"
+        return f"<AioFuture {kind} {self.nbytes} bytes at {self.offset} ({state})>"
+
+
+def _check_int(name: str, v: Any, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _check_bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+class AsyncIOHandle:
+    """Reads and writes buffers at file offsets with direct, asynchronous I/O.
+
+    Settings have DeepSpeed's meanings: ``block_size`` bytes per submitted I/O,
+    ``queue_depth`` I/Os in flight per worker, ``thread_count`` workers (each
+    request is split into that many contiguous slices), ``single_submit`` one
+    ``io_submit`` per I/O, ``overlap_events`` keep the queue full rather than
+    draining each batch. ``engine`` is ``"auto"`` (kernel AIO when it works
+    here, else posix threads; ``stats()["engine_reason"]`` says why),
+    ``"kernel_aio"`` or ``"posix"``.
+
+    Any size and offset work: the aligned middle of a request goes O_DIRECT,
+    unaligned edges go through the page cache, and memory that is not aligned
+    is staged through an aligned bounce buffer.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1048576,
+        queue_depth: int = 8,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        thread_count: int = 1,
+        engine: str = "auto",
+        *,
+        intra_op_parallelism: int | None = None,
+    ) -> None:
+        if intra_op_parallelism is not None:
+            thread_count = intra_op_parallelism
+        self._block_size = _check_int("block_size", block_size)
+        self._queue_depth = _check_int("queue_depth", queue_depth)
+        self._thread_count = _check_int("thread_count", thread_count)
+        if self._queue_depth > 65536:
+            raise ValueError(f"queue_depth must be <= 65536, got {queue_depth}")
+        if self._thread_count > 1024:
+            raise ValueError(f"thread_count must be <= 1024, got {thread_count}")
+        self._single_submit = _check_bool("single_submit", single_submit)
+        self._overlap_events = _check_bool("overlap_events", overlap_events)
+        if not isinstance(engine, str):
+            raise TypeError(f"engine must be a str, got {type(engine).__name__}")
+        known = ["auto", *_C.engines()]
+        if engine not in known:
+            raise ValueError(f"engine must be one of {known}, got {engine!r}")
+        self._c: Any = _C.Handle(
+            block_size=self._block_size,
+            queue_depth=self._queue_depth,
+            single_submit=self._single_submit,
+            overlap_events=self._overlap_events,
+            thread_count=self._thread_count,
+            engine=engine,
+        )
+        if engine == "auto" and self._c.engine != "kernel_aio":
+            warnings.warn(self._c.engine_reason, RuntimeWarning, stacklevel=2)
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._pending: list[AioFuture] = []
+        self._completed_since_wait = 0
+        self._closed = False
+        _live_handles.add(self)
+
+    # -- settings (DeepSpeed names) ------------------------------------------
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_thread_count(self) -> int:
+        return self._thread_count
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._thread_count
+
+    def get_alignment(self) -> int:
+        """Granularity at which requests take the zero-copy O_DIRECT path
+        (page size at least; larger if a file needed more)."""
+        return int(self._live().alignment())
+
+    @property
+    def engine(self) -> str:
+        return str(self._live().engine)
+
+    # -- I/O -----------------------------------------------------------------
+    def _live(self) -> Any:
+        if self._closed:
+            raise HandleStateError("AsyncIOHandle is closed")
+        if os.getpid() != self._pid:
+            raise HandleStateError(
+                "this AsyncIOHandle was created in another process (before fork); "
+                "create a new one in this process"
+            )
+        return self._c
+
+    def _submit(self, op: int, buffer: Any, path: PathArg, file_offset: int) -> AioFuture:
+        c = self._live()
+        if isinstance(file_offset, bool) or not isinstance(file_offset, int):
+            raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
+        if file_offset < 0:
+            raise ValueError(f"file_offset must be >= 0, got {file_offset}")
+        if isinstance(path, bool):
+            raise TypeError("path must be a str, os.PathLike or an int descriptor, got bool")
+        if isinstance(path, int):
+            if path < 0:
+                raise ValueError(f"file descriptor must be >= 0, got {path}")
+            spath, fd = "", path
+        elif isinstance(path, (str, os.PathLike)):
+            spath, fd = os.fspath(path), -1
+            if isinstance(spath, bytes):
+                spath = os.fsdecode(spath)
+            if not spath:
+                raise ValueError("path must not be empty")
+        else:
+            raise TypeError(
+                f"path must be a str, os.PathLike or an int descriptor, got {type(path).__name__}"
+            )
+        buf = resolve(buffer, writable=(op == _READ))
+        req = c.submit(op, buf.ptr, buf.nbytes, spath, fd, file_offset)
+        for note in c.take_notices():
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
+        finalize = None
+        if buf.cuda_tensor is not None and op == _READ:
+            host, dev = buf.keepalive, buf.cuda_tensor
+
+            def finalize() -> None:
+                dev.view(-1).copy_(host)
+
+        return AioFuture(req, buf, finalize)
+
+    def _track(self, fut: AioFuture) -> AioFuture:
+        with self._lock:
+            # Finished futures stay listed until wait() counts them; the list
+            # holds the buffers of unfinished ones alive.
+            self._pending.append(fut)
+        return fut
+
+    def sync_pread(self, buffer: Any, path: PathArg, file_offset: int = 0) -> int:
+        """Read len(buffer) bytes at `file_offset` into `buffer`; return bytes read."""
+        return self._submit(_READ, buffer, path, file_offset).result()
+
+    def sync_pwrite(self, buffer: Any, path: PathArg, file_offset: int = 0) -> int:
+        """Write `buffer` at `file_offset` (file created if missing, never truncated)."""
+        return self._submit(_WRITE, buffer, path, file_offset).result()
+
+    def async_pread(self, buffer: Any, path: PathArg, file_offset: int = 0) -> AioFuture:
+        """Start a read; returns a future. ``wait()`` also collects it."""
+        return self._track(self._submit(_READ, buffer, path, file_offset))
+
+    def async_pwrite(self, buffer: Any, path: PathArg, file_offset: int = 0) -> AioFuture:
+        """Start a write; returns a future. ``wait()`` also collects it."""
+        return self._track(self._submit(_WRITE, buffer, path, file_offset))
+
+    def pread(
+        self,
+        buffer: Any,
+        path: PathArg,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+    ) -> Any:
+        """DeepSpeed-style read: bytes read, or a future when ``async_op``.
+
+        ``validate`` re-reads the range with plain buffered I/O and raises
+        ``OSError(EIO)`` if the bytes differ.
+        """
+        if validate and async_op:
+            raise ValueError("validate=True needs async_op=False")
+        if async_op:
+            return self.async_pread(buffer, path, file_offset)
+        n = self.sync_pread(buffer, path, file_offset)
+        if validate:
+            self._validate(buffer, path, file_offset, "read")
+        return n
+
+    def pwrite(
+        self,
+        buffer: Any,
+        path: PathArg,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+    ) -> Any:
+        """DeepSpeed-style write: bytes written, or a future when ``async_op``."""
+        if validate and async_op:
+            raise ValueError("validate=True needs async_op=False")
+        if async_op:
+            return self.async_pwrite(buffer, path, file_offset)
+        n = self.sync_pwrite(buffer, path, file_offset)
+        if validate:
+            self._validate(buffer, path, file_offset, "write")
+        return n
+
+    def read(self, buffer: Any, path: PathArg, validate: bool = False) -> int:
+        """Older DeepSpeed name: synchronous read at offset 0."""
+        return int(self.pread(buffer, path, validate=validate))
+
+    def write(self, buffer: Any, path: PathArg, validate: bool = False) -> int:
+        """Older DeepSpeed name: synchronous write at offset 0."""
+        return int(self.pwrite(buffer, path, validate=validate))
+
+    def _validate(self, buffer: Any, path: PathArg, offset: int, what: str) -> None:
+        import numpy as np
+
+        b = resolve(buffer, writable=False)
+        if b.cuda_tensor is not None:
+            mine = b.keepalive.numpy().view(np.uint8).reshape(-1)
+        else:
+            mine = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * b.nbytes).from_address(b.ptr))
+        if isinstance(path, int):
+            ref = os.pread(path, b.nbytes, offset)
+        else:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                ref = f.read(b.nbytes)
+        if len(ref) != b.nbytes or not np.array_equal(mine, np.frombuffer(ref, dtype=np.uint8)):
+            import errno
+
+            raise OSError(
+                errno.EIO,
+                f"validation after {what} failed: bytes at offset {offset}, length {b.nbytes} "
+                "differ from a buffered read of the file",
+                os.fspath(path) if not isinstance(path, int) else None,
+            )
+
+    def wait(self) -> int:
+        """Wait for every async request; return how many completed since the last wait().
+
+        Returns 0 when nothing was pending. If any failed, all are still
+        waited for and the first error is raised.
+        """
+        self._live()
+        with self._lock:
+            futs, self._pending = self._pending, []
+        first: BaseException | None = None
+        for f in futs:
+            exc = f.exception()
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:
+            raise first
+        return len(futs)
+
+    def pending(self) -> int:
+        """Number of async requests submitted and not yet collected by wait()."""
+        with self._lock:
+            return sum(1 for f in self._pending if not f.done())
+
+    # -- pinned memory ---------------------------------------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        """A pinned 1-D CPU tensor of `num_elem` elements with example_tensor's dtype."""
+        return pinned.new_locked_tensor(num_elem, example_tensor.dtype)
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        """Release a tensor from new_cpu_locked_tensor (safe against stale views)."""
+        return pinned.free_locked_tensor(tensor)
+
+    def is_pinned(self, tensor: Any) -> bool:
+        return pinned.is_locked(tensor)
+
+    # -- lifecycle -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests, bytes, I/Os, io_submit calls, retries, resumed
+        short transfers, bounce/edge bytes, buffered fallback, engine and why."""
+        s = dict(self._live().stats())
+        s.update(
+            block_size=self._block_size,
+            queue_depth=self._queue_depth,
+            thread_count=self._thread_count,
+            single_submit=self._single_submit,
+            overlap_events=self._overlap_events,
+            pending=self.pending(),
+            locked_bytes=pinned.locked_bytes(),
+        )
+        return s
+
+    def _drain(self) -> None:
+        if not self._closed and os.getpid() == self._pid:
+            self._c.drain()
+
+    def close(self) -> None:
+        """Wait for in-flight I/O, then stop the workers. Idempotent."""
+        if self._closed:
+            return
+        self._drain()
+        self._closed = True
+        if os.getpid() == self._pid:
+            self._c = None
+
+    def __enter__(self) -> AsyncIOHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Buffers of dropped futures are held by self._pending; drain before
+        # they can be freed so no worker writes into released memory.
+        try:
+            self._drain()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        eng = "closed" if self._closed else self._c.engine
+        return (
+            f"AsyncIOHandle(block_size={self._block_size}, queue_depth={self._queue_depth}, "
+            f"single_submit={self._single_submit}, overlap_events={self._overlap_events}, "
+            f"thread_count={self._thread_count}, engine={eng!r})"
+        )
+
+
+@atexit.register
+def _drain_all_at_exit() -> None:
+    # I/O still in flight at interpreter exit completes before modules and
+    # buffers are torn down.
+    for h in list(_live_handles):
+        try:
+            h._drain()
+        except Exception:
+            pass

@@ -1,0 +1,99 @@
+// A handle: settings, a fixed set of worker threads (each with its own engine
+// instance), request planning and statistics. Callers pass raw memory, a byte
+// count and a file offset; nothing here knows about Python or torch.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine.h"
+#include "request.h"
+
+namespace aio {
+
+struct Stats {
+  std::string engine;
+  std::string engine_reason;
+  uint64_t read_requests = 0, write_requests = 0;
+  uint64_t bytes_read = 0, bytes_written = 0;
+  uint64_t failed_requests = 0;
+  uint64_t ios = 0, submit_calls = 0, getevents_calls = 0;
+  uint64_t retries = 0, short_resumed = 0;
+  uint64_t bounce_bytes = 0, edge_bytes = 0, buffered_bytes = 0;
+  bool buffered_fallback = false;
+  uint64_t outstanding = 0;
+  size_t alignment = 0;
+};
+
+class Handle {
+ public:
+  // engine: "auto" (kernel_aio if it works here, else posix), or a registered name.
+  Handle(const Settings& s, const std::string& engine);
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  // Opens `path` (or uses the caller's descriptor `fd` when path is empty),
+  // checks the range, and queues the I/O. Throws aio::Error for anything
+  // detectable before I/O starts (missing file, read past end of file...).
+  std::shared_ptr<RequestState> submit(Op op, char* buf, uint64_t nbytes, const std::string& path,
+                                       int fd, int64_t offset);
+  // Waits until no request of this handle is in flight.
+  void drain();
+
+  Stats stats() const;
+  const Settings& settings() const { return settings_; }
+  const std::string& engine_name() const { return engine_name_; }
+  const std::string& engine_reason() const { return engine_reason_; }
+  FaultInjector& faults() { return faults_; }
+  // Largest direct-I/O granularity this handle has used (page size at least).
+  size_t alignment() const { return alignment_.load(); }
+  // Messages for the user (buffered fallback...), each returned once.
+  std::vector<std::string> take_notices();
+  // True in a child process that inherited this handle through fork().
+  bool forked() const;
+
+ private:
+  struct Task {
+    std::shared_ptr<RequestState> req;
+    std::vector<Slice> pieces;
+  };
+  struct Worker {
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Task> queue;
+    bool stop = false;
+    std::unique_ptr<Engine> engine;
+  };
+  void worker_main(Worker* w);
+  void enqueue(size_t worker, Task t);
+  void on_request_done(RequestState& r);
+
+  Settings settings_;
+  std::string engine_name_;
+  std::string engine_reason_;
+  Counters counters_;
+  FaultInjector faults_;
+  std::vector<Worker*> workers_;
+  pid_t owner_pid_;
+
+  std::atomic<size_t> alignment_;
+  mutable std::mutex mu_;  // guards outstanding_, notices_, request stats
+  std::condition_variable idle_cv_;
+  uint64_t outstanding_ = 0;
+  uint64_t read_requests_ = 0, write_requests_ = 0, bytes_read_ = 0, bytes_written_ = 0;
+  uint64_t failed_ = 0;
+  bool buffered_fallback_ = false;
+  bool fallback_noticed_ = false;
+  std::vector<std::string> notices_;
+};
+
+}  // namespace aio
