@@ -6,7 +6,14 @@ with a posix thread-pool fallback. Start with :class:`AsyncIOHandle`.
 
 from ._errors import HandleStateError, ReadPastEOFError
 from .handle import AioFuture, AsyncIOHandle
-from .pinned import Lease, PinnedPool, free_locked_tensor, is_locked, locked_bytes, new_locked_tensor
+from .pinned import (
+    Lease,
+    PinnedPool,
+    free_locked_tensor,
+    is_locked,
+    locked_bytes,
+    new_locked_tensor,
+)
 
 __version__ = "0.1.0"
 

@@ -58,7 +58,9 @@ def resolve(buffer: Any, *, writable: bool, argname: str = "buffer") -> Resolved
             raise ValueError(f"{argname}: array must be C-contiguous (use np.ascontiguousarray)")
         if writable and not buffer.flags.writeable:
             raise ValueError(f"{argname}: array is read-only; a read needs a writable buffer")
-        return ResolvedBuffer(int(buffer.__array_interface__["data"][0]), int(buffer.nbytes), buffer)
+        return ResolvedBuffer(
+            int(buffer.__array_interface__["data"][0]), int(buffer.nbytes), buffer
+        )
     if isinstance(buffer, (str, int, float)) or buffer is None:
         raise TypeError(
             f"{argname}: expected a tensor, numpy array or buffer object, "

@@ -19,8 +19,11 @@ class ReadPastEOFError(OSError, EOFError):
     """
 
 
-class HandleStateError(RuntimeError):
-    """The handle cannot be used in this state (closed, or inherited by fork)."""
+class HandleStateError(ValueError):
+    """The handle cannot be used in this state (closed, or inherited through fork).
+
+    A ValueError, like I/O on a closed Python file object.
+    """
 
 
 def make_error(
@@ -40,7 +43,7 @@ def make_error(
     else:
         # OSError(errno, ...) picks the subclass (ENOENT -> FileNotFoundError...).
         exc = OSError(err, message, path or None)
-    exc.operation = operation  # type: ignore[attr-defined]
-    exc.offset = offset  # type: ignore[attr-defined]
-    exc.length = length  # type: ignore[attr-defined]
+    # Context for callers and logs: which operation, which bytes.
+    for name, value in (("operation", operation), ("offset", offset), ("length", length)):
+        setattr(exc, name, value)
     return exc

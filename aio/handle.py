@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import threading
 import warnings
@@ -28,7 +29,7 @@ class AioFuture:
     is safe.
     """
 
-    __slots__ = ("_req", "_buf", "_finalize", "_settled", "_exc", "__weakref__")
+    __slots__ = ("_req", "_buf", "_finalize", "_settled", "_exc", "_observed", "__weakref__")
 
     def __init__(self, req: Any, buf: ResolvedBuffer, finalize: Callable[[], None] | None) -> None:
         self._req = req
@@ -36,6 +37,7 @@ class AioFuture:
         self._finalize = finalize
         self._settled = False
         self._exc: BaseException | None = None
+        self._observed = False  # the caller has seen the outcome via result()/exception()
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +74,7 @@ class AioFuture:
         if not self.wait(timeout):
             raise TimeoutError(f"I/O not done after {timeout} s")
         self._settle()
+        self._observed = True
         if self._exc is not None:
             raise self._exc
         return self.nbytes
@@ -81,6 +84,7 @@ class AioFuture:
         if not self.wait(timeout):
             raise TimeoutError(f"I/O not done after {timeout} s")
         self._settle()
+        self._observed = True
         return self._exc
 
     def __repr__(self) -> str:
@@ -315,7 +319,7 @@ class AsyncIOHandle:
         if b.cuda_tensor is not None:
             mine = b.keepalive.numpy().view(np.uint8).reshape(-1)
         else:
-            mine = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * b.nbytes).from_address(b.ptr))
+            mine = np.ctypeslib.as_array((ctypes.c_uint8 * b.nbytes).from_address(b.ptr))
         if isinstance(path, int):
             ref = os.pread(path, b.nbytes, offset)
         else:
@@ -336,16 +340,19 @@ class AsyncIOHandle:
         """Wait for every async request; return how many completed since the last wait().
 
         Returns 0 when nothing was pending. If any failed, all are still
-        waited for and the first error is raised.
+        waited for and the first error the caller has not already seen through
+        the future's result() is raised.
         """
         self._live()
         with self._lock:
             futs, self._pending = self._pending, []
         first: BaseException | None = None
         for f in futs:
-            exc = f.exception()
-            if exc is not None and first is None:
-                first = exc
+            seen = f._observed
+            f.wait()
+            f._settle()
+            if f._exc is not None and not seen and first is None:
+                first = f._exc
         if first is not None:
             raise first
         return len(futs)

@@ -2,10 +2,9 @@
 // anything that can block, call the core, translate aio::Error. Only
 // (pointer, byte count, offset) crosses into the core; Python validates
 // buffers, dtypes and devices.
+#include <errno.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
-#include <errno.h>
 
 #include "../core/alignment.h"
 #include "../core/engine.h"
@@ -44,6 +43,8 @@ py::dict stats_dict(const aio::Stats& s) {
   d["buffered_bytes"] = s.buffered_bytes;
   d["buffered_fallback"] = s.buffered_fallback;
   d["outstanding"] = s.outstanding;
+  d["tasks"] = s.tasks;
+  d["max_inflight"] = s.max_inflight;
   d["alignment"] = s.alignment;
   return d;
 }
@@ -73,8 +74,10 @@ PYBIND11_MODULE(_C, m) {
       if (p) std::rethrow_exception(p);
     } catch (const aio::Error& e) {
       py::object make = py::module_::import("aio._errors").attr("make_error");
-      py::object exc = make(e.err(), std::string(e.what()), e.path(), e.op(), e.offset(),
-                            e.length(), e.eof());
+      // OSError appends the filename itself; keep it out of the message.
+      const std::string msg =
+          aio::format_error(e.err(), e.op(), "", e.offset(), e.length(), e.detail());
+      py::object exc = make(e.err(), msg, e.path(), e.op(), e.offset(), e.length(), e.eof());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
@@ -108,8 +111,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("overlap_events"), py::arg("thread_count"), py::arg("engine"))
       .def(
           "submit",
-          [](aio::Handle& h, int op, uintptr_t ptr, uint64_t nbytes, const std::string& path, int fd,
-             int64_t offset) { return h.submit(parse_op(op), as_ptr(ptr), nbytes, path, fd, offset); },
+          [](aio::Handle& h, int op, uintptr_t ptr, uint64_t nbytes, const std::string& path,
+             int fd, int64_t offset) {
+            return h.submit(parse_op(op), as_ptr(ptr), nbytes, path, fd, offset);
+          },
           py::arg("op"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"), py::arg("fd"),
           py::arg("offset"), py::call_guard<py::gil_scoped_release>())
       .def("drain", &aio::Handle::drain, py::call_guard<py::gil_scoped_release>())
@@ -122,7 +127,9 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "inject_fault",
           [](aio::Handle& h, const std::string& kind, int err, const std::string& op, uint64_t nth,
-             uint64_t count) { h.faults().arm(parse_fault(kind), err, parse_fault_op(op), nth, count); },
+             uint64_t count) {
+            h.faults().arm(parse_fault(kind), err, parse_fault_op(op), nth, count);
+          },
           py::arg("kind"), py::arg("errno"), py::arg("op"), py::arg("nth"), py::arg("count"))
       .def("clear_fault", [](aio::Handle& h) { h.faults().disarm(); })
       .def("fault_hits", [](aio::Handle& h) { return h.faults().hits(); });
@@ -134,7 +141,8 @@ PYBIND11_MODULE(_C, m) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {1});
       })
-      .def_property_readonly("ptr", [](aio::PinnedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly(
+          "ptr", [](aio::PinnedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &aio::PinnedBuffer::size)
       .def_property_readonly("locked", &aio::PinnedBuffer::locked);
 
@@ -145,7 +153,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("release", &aio::PinnedPool::release)
       .def("available", &aio::PinnedPool::available)
-      .def("slot_ptr", [](aio::PinnedPool& p, size_t i) { return reinterpret_cast<uintptr_t>(p.slot(i)); })
+      .def("slot_ptr",
+           [](aio::PinnedPool& p, size_t i) { return reinterpret_cast<uintptr_t>(p.slot(i)); })
       .def_property_readonly("count", &aio::PinnedPool::count)
       .def_property_readonly("slot_bytes", &aio::PinnedPool::slot_bytes)
       .def_property_readonly("total_bytes", &aio::PinnedPool::total_bytes);

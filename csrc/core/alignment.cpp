@@ -34,7 +34,7 @@ static size_t read_sysfs_size(const std::string& path) {
 
 Alignment probe_alignment(int fd) {
   Alignment a;
-  struct statx sx {};
+  struct statx sx{};
   long rc = syscall(SYS_statx, fd, "", AT_EMPTY_PATH, STATX_DIOALIGN | STATX_TYPE, &sx);
   if (rc == 0 && (sx.stx_mask & STATX_DIOALIGN)) {
     if (sx.stx_dio_offset_align == 0) {

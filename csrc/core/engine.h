@@ -25,14 +25,22 @@ struct Settings {
 
 // Counters shared by the workers of one handle (relaxed atomics: statistics).
 struct Counters {
-  std::atomic<uint64_t> ios{0};            // I/Os completed (chunks and edges)
-  std::atomic<uint64_t> submit_calls{0};   // io_submit system calls
+  std::atomic<uint64_t> ios{0};           // I/Os completed (chunks and edges)
+  std::atomic<uint64_t> submit_calls{0};  // io_submit system calls
   std::atomic<uint64_t> getevents_calls{0};
-  std::atomic<uint64_t> retries{0};        // EINTR/EAGAIN retried
-  std::atomic<uint64_t> short_resumed{0};  // short transfers resumed
-  std::atomic<uint64_t> bounce_bytes{0};   // bytes staged through a bounce buffer
-  std::atomic<uint64_t> edge_bytes{0};     // unaligned edge bytes (buffered)
-  std::atomic<uint64_t> buffered_bytes{0}; // bytes through buffered descriptors
+  std::atomic<uint64_t> retries{0};         // EINTR/EAGAIN retried
+  std::atomic<uint64_t> short_resumed{0};   // short transfers resumed
+  std::atomic<uint64_t> bounce_bytes{0};    // bytes staged through a bounce buffer
+  std::atomic<uint64_t> edge_bytes{0};      // unaligned edge bytes (buffered)
+  std::atomic<uint64_t> buffered_bytes{0};  // bytes through buffered descriptors
+  std::atomic<uint64_t> tasks{0};           // request slices run by workers
+  std::atomic<uint64_t> max_inflight{0};    // most I/Os one worker had in flight
+
+  void note_inflight(uint64_t n) {
+    uint64_t cur = max_inflight.load(std::memory_order_relaxed);
+    while (n > cur && !max_inflight.compare_exchange_weak(cur, n, std::memory_order_relaxed)) {
+    }
+  }
 };
 
 struct Slice {

@@ -55,8 +55,8 @@ class KaioEngine final : public Engine {
       std::string detail;
       if (e == EAGAIN)
         detail = "the system-wide AIO limit is exhausted: fs.aio-nr=" +
-                 read_proc("/proc/sys/fs/aio-nr") + " of fs.aio-max-nr=" +
-                 read_proc("/proc/sys/fs/aio-max-nr") +
+                 read_proc("/proc/sys/fs/aio-nr") +
+                 " of fs.aio-max-nr=" + read_proc("/proc/sys/fs/aio-max-nr") +
                  "; raise it (sysctl -w fs.aio-max-nr=1048576) or lower queue_depth x "
                  "thread_count x number of handles";
       else if (e == ENOSYS)
@@ -83,7 +83,8 @@ class KaioEngine final : public Engine {
       // blocks in io_submit anyway, so use the plain loop in block_size chunks.
       for (uint64_t pos = 0; pos < s.len; pos += s_.block_size) {
         const uint64_t n = std::min<uint64_t>(s_.block_size, s.len - pos);
-        sync_transfer(*s.file, s.op, false, s.buf + pos, n, s.off + static_cast<int64_t>(pos), c_, f_);
+        sync_transfer(*s.file, s.op, false, s.buf + pos, n, s.off + static_cast<int64_t>(pos), c_,
+                      f_);
       }
       return;
     }
@@ -169,6 +170,7 @@ class KaioEngine final : public Engine {
         if (r > 0) {
           submitted += static_cast<size_t>(r);
           inflight += static_cast<unsigned>(r);
+          c_.note_inflight(inflight);
           submit_spins = 0;
           continue;
         }

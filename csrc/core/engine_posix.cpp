@@ -15,12 +15,14 @@ namespace {
 
 class PosixEngine final : public Engine {
  public:
-  explicit PosixEngine(const EngineContext& ctx) : s_(ctx.settings), c_(ctx.counters), f_(ctx.faults) {}
+  explicit PosixEngine(const EngineContext& ctx)
+      : s_(ctx.settings), c_(ctx.counters), f_(ctx.faults) {}
   const char* name() const override { return "posix"; }
 
   void transfer(const Slice& s) override {
     const size_t align = s.direct ? s.file->alignment().offset : 1;
-    const uint64_t chunk = std::max<uint64_t>(align, static_cast<uint64_t>(s_.block_size) / align * align);
+    const uint64_t chunk =
+        std::max<uint64_t>(align, static_cast<uint64_t>(s_.block_size) / align * align);
     if (s.direct && s.bounce) ensure_stage(chunk);
     for (uint64_t pos = 0; pos < s.len; pos += chunk) {
       const uint64_t n = std::min<uint64_t>(chunk, s.len - pos);

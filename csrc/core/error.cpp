@@ -5,8 +5,8 @@
 
 namespace aio {
 
-std::string format_error(int err, const std::string& op, const std::string& path,
-                         int64_t offset, uint64_t length, const std::string& detail) {
+std::string format_error(int err, const std::string& op, const std::string& path, int64_t offset,
+                         uint64_t length, const std::string& detail) {
   std::ostringstream os;
   os << op << " failed";
   if (!path.empty()) os << " on '" << path << "'";

@@ -35,7 +35,7 @@ class Error : public std::runtime_error {
 };
 
 // Formats "op failed on PATH at offset O, length L: strerror (detail)".
-std::string format_error(int err, const std::string& op, const std::string& path,
-                         int64_t offset, uint64_t length, const std::string& detail);
+std::string format_error(int err, const std::string& op, const std::string& path, int64_t offset,
+                         uint64_t length, const std::string& detail);
 
 }  // namespace aio

@@ -111,7 +111,8 @@ int64_t File::size() const {
   if (fstat(fd, &st) != 0) throw Error(errno, "fstat", path_, 0, 0);
   if (S_ISBLK(st.st_mode)) {
     uint64_t bytes = 0;
-    if (ioctl(fd, BLKGETSIZE64, &bytes) != 0) throw Error(errno, "ioctl(BLKGETSIZE64)", path_, 0, 0);
+    if (ioctl(fd, BLKGETSIZE64, &bytes) != 0)
+      throw Error(errno, "ioctl(BLKGETSIZE64)", path_, 0, 0);
     return static_cast<int64_t>(bytes);
   }
   if (!S_ISREG(st.st_mode)) return -1;

@@ -38,7 +38,8 @@ Handle::Handle(const Settings& s, const std::string& engine)
     } catch (const Error& e) {
       make_all("posix");
       engine_name_ = "posix";
-      engine_reason_ = std::string("auto: kernel AIO unavailable, using posix threads: ") + e.what();
+      engine_reason_ =
+          std::string("auto: kernel AIO unavailable, using posix threads: ") + e.what();
     }
   } else {
     make_all(engine);
@@ -89,6 +90,7 @@ void Handle::worker_main(Worker* w) {
       t = std::move(w->queue.front());
       w->queue.pop_front();
     }
+    counters_.tasks.fetch_add(1, std::memory_order_relaxed);
     std::optional<Error> err;
     for (const Slice& p : t.pieces) {
       try {
@@ -145,7 +147,8 @@ std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
                 "AsyncIOHandle in this process");
   if (offset < 0) throw Error(EINVAL, opn, where, offset, nbytes, "file offset must be >= 0");
   if (buf == nullptr && nbytes > 0) throw Error(EINVAL, opn, where, offset, nbytes, "null buffer");
-  if (path.empty() && fd < 0) throw Error(EBADF, opn, where, offset, nbytes, "no path and no descriptor");
+  if (path.empty() && fd < 0)
+    throw Error(EBADF, opn, where, offset, nbytes, "no path and no descriptor");
 
   std::shared_ptr<File> file = path.empty() ? File::adopt(fd, op) : File::open(path, op, &faults_);
   if (file->fell_back()) {
@@ -164,7 +167,8 @@ std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
     if (size >= 0 && static_cast<uint64_t>(offset) + nbytes > static_cast<uint64_t>(size))
       throw Error(ENODATA, "read", file->path(), offset, nbytes,
                   "read past end of file: the file has " + std::to_string(size) +
-                      " bytes, the request ends at byte " + std::to_string(offset + static_cast<int64_t>(nbytes)),
+                      " bytes, the request ends at byte " +
+                      std::to_string(offset + static_cast<int64_t>(nbytes)),
                   true);
   }
 
@@ -204,13 +208,15 @@ std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
     const int64_t head_end = std::min(round_up(offset, g), end);
     const int64_t tail_start = std::max(round_down(end, g), head_end);
     const bool bounce =
-        reinterpret_cast<uintptr_t>(buf + (head_end - offset)) % std::max<size_t>(al.memory, 1) != 0;
+        reinterpret_cast<uintptr_t>(buf + (head_end - offset)) % std::max<size_t>(al.memory, 1) !=
+        0;
     const int64_t units = (tail_start - head_end) / g;
     int64_t pos = head_end;
     size_t last = 0;
     for (size_t i = 0; i < nthreads && units > 0; ++i) {
-      const int64_t take = units / static_cast<int64_t>(nthreads) +
-                           (static_cast<int64_t>(i) < units % static_cast<int64_t>(nthreads) ? 1 : 0);
+      const int64_t take =
+          units / static_cast<int64_t>(nthreads) +
+          (static_cast<int64_t>(i) < units % static_cast<int64_t>(nthreads) ? 1 : 0);
       if (take == 0) continue;
       Slice s = slice(pos, pos + take * g, true, false);
       s.bounce = bounce;
@@ -218,8 +224,10 @@ std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
       pos += take * g;
       last = i;
     }
-    if (head_end > offset) per_worker[0].insert(per_worker[0].begin(), slice(offset, head_end, false, true));
-    if (end > tail_start) per_worker[units > 0 ? last : 0].push_back(slice(tail_start, end, false, true));
+    if (head_end > offset)
+      per_worker[0].insert(per_worker[0].begin(), slice(offset, head_end, false, true));
+    if (end > tail_start)
+      per_worker[units > 0 ? last : 0].push_back(slice(tail_start, end, false, true));
   }
 
   int ntasks = 0;
@@ -269,6 +277,8 @@ Stats Handle::stats() const {
   st.bounce_bytes = counters_.bounce_bytes.load();
   st.edge_bytes = counters_.edge_bytes.load();
   st.buffered_bytes = counters_.buffered_bytes.load();
+  st.tasks = counters_.tasks.load();
+  st.max_inflight = counters_.max_inflight.load();
   st.alignment = alignment_.load();
   return st;
 }

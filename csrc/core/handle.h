@@ -29,6 +29,7 @@ struct Stats {
   uint64_t bounce_bytes = 0, edge_bytes = 0, buffered_bytes = 0;
   bool buffered_fallback = false;
   uint64_t outstanding = 0;
+  uint64_t tasks = 0, max_inflight = 0;
   size_t alignment = 0;
 };
 

@@ -62,8 +62,7 @@ PinnedBuffer::~PinnedBuffer() {
   munmap(ptr_, mapped_);
 }
 
-PinnedPool::PinnedPool(size_t count, size_t slot_bytes, bool lock)
-    : count_(count), slot_bytes_(0) {
+PinnedPool::PinnedPool(size_t count, size_t slot_bytes, bool lock) : count_(count), slot_bytes_(0) {
   if (count == 0 || slot_bytes == 0)
     throw Error(EINVAL, "pinned pool", "", 0, 0, "count and slot size must be positive");
   // Each slot starts on a page boundary so every slot is direct-I/O aligned.

@@ -55,7 +55,8 @@ void sync_transfer(File& file, Op op, bool direct, char* buf, uint64_t len, int6
       continue;
     }
     if (static_cast<uint64_t>(r) < want) c.short_resumed.fetch_add(1, std::memory_order_relaxed);
-    if (!use_direct) c.buffered_bytes.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
+    if (!use_direct)
+      c.buffered_bytes.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
     c.ios.fetch_add(1, std::memory_order_relaxed);
     done += static_cast<uint64_t>(r);
     spins = 0;

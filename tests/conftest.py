@@ -1,0 +1,47 @@
+import os
+
+import numpy as np
+import pytest
+
+import aio
+
+ENGINES = ["kernel_aio", "posix"]
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def pattern() -> np.ndarray:
+    """64 MiB + a few bytes of random data, sliced by the tests."""
+    rng = np.random.default_rng(1234)
+    return rng.integers(0, 256, size=64 * MiB + 8192, dtype=np.uint8)
+
+
+@pytest.fixture
+def fpath(tmp_path):
+    return str(tmp_path / "data.bin")
+
+
+def aligned_empty(n: int, misalign: int = 0) -> np.ndarray:
+    """A uint8 array of n bytes whose address is page-aligned plus `misalign`."""
+    raw = np.empty(n + 8192, dtype=np.uint8)
+    base = (-raw.ctypes.data) % 4096
+    return raw[base + misalign : base + misalign + n]
+
+
+def make_file(path: str, data: bytes | np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(bytes(memoryview(data)))
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    return request.param
+
+
+def handle(**kw) -> aio.AsyncIOHandle:
+    return aio.AsyncIOHandle(**kw)
+
+
+def pytest_report_header(config):
+    h = aio.AsyncIOHandle()
+    return [f"aio engine auto -> {h.engine}: {h.stats()['engine_reason']}", f"pid {os.getpid()}"]

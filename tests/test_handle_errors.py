@@ -1,0 +1,216 @@
+"""Every error path of AsyncIOHandle: real OS errors and API misuse."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+from conftest import ENGINES, MiB, handle
+
+import aio
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_missing_file_is_file_not_found(engine, tmp_path):
+    h = handle(engine=engine)
+    p = str(tmp_path / "nope.bin")
+    with pytest.raises(FileNotFoundError) as ei:
+        h.sync_pread(np.empty(10, np.uint8), p, 5)
+    e = ei.value
+    assert e.errno == errno.ENOENT and e.filename == p
+    assert e.operation.startswith("open") and e.offset == 0
+    with pytest.raises(FileNotFoundError):
+        h.async_pread(np.empty(10, np.uint8), p)
+    assert h.wait() == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_read_past_eof_raises_and_never_returns_stale_bytes(engine, fpath):
+    h = handle(engine=engine)
+    with open(fpath, "wb") as f:
+        f.write(b"x" * 10000)
+    out = np.full(8192, 0xAB, np.uint8)
+    with pytest.raises(aio.ReadPastEOFError) as ei:
+        h.sync_pread(out, fpath, 4096)
+    e = ei.value
+    assert isinstance(e, OSError) and isinstance(e, EOFError)
+    assert e.errno == errno.ENODATA and e.filename == fpath
+    assert e.offset == 4096 and e.length == 8192
+    assert "10000 bytes" in str(e)
+    # An empty file and an offset beyond the end too.
+    open(fpath, "wb").close()
+    with pytest.raises(EOFError):
+        h.sync_pread(bytearray(1), fpath, 0)
+
+
+def test_write_to_directory_is_is_a_directory(tmp_path):
+    h = handle()
+    with pytest.raises(IsADirectoryError) as ei:
+        h.sync_pwrite(b"abc", str(tmp_path))
+    assert ei.value.filename == str(tmp_path)
+
+
+def test_real_enospc_surfaces_as_oserror():
+    """/dev/full rejects O_DIRECT (buffered fallback) and fails writes with ENOSPC."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    h = handle()
+    with pytest.warns(RuntimeWarning, match="O_DIRECT"):
+        with pytest.raises(OSError) as ei:
+            h.sync_pwrite(np.ones(4096, np.uint8), "/dev/full", 0)
+    assert ei.value.errno == errno.ENOSPC
+    assert ei.value.filename == "/dev/full" and ei.value.length > 0
+    assert h.stats()["failed_requests"] == 1
+
+
+def test_permission_denied_as_unprivileged_user(tmp_path):
+    """Root bypasses file modes, so the check runs in a forked child that
+    drops to 'nobody' (modules are already imported, so no path access is needed)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user")
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"x" * 100)
+    os.chmod(secret, 0o600)
+    os.chmod(tmp_path, 0o755)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        msg = b"no error"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            h = aio.AsyncIOHandle()
+            h.sync_pread(np.empty(10, np.uint8), str(secret))
+        except PermissionError as e:
+            msg = f"PermissionError {e.errno} {e.filename}".encode()
+        except BaseException as e:  # noqa: BLE001
+            msg = f"other {type(e).__name__} {e}".encode()
+        os.write(wfd, msg)
+        os._exit(0)
+    os.close(wfd)
+    got = os.read(rfd, 4096).decode()
+    os.close(rfd)
+    os.waitpid(pid, 0)
+    assert got == f"PermissionError 13 {secret}", got
+
+
+# -- misuse: ValueError / TypeError naming the argument ------------------------
+
+
+def test_negative_offset(fpath):
+    h = handle()
+    with pytest.raises(ValueError, match="file_offset"):
+        h.sync_pwrite(b"abc", fpath, -1)
+    with pytest.raises(TypeError, match="file_offset"):
+        h.sync_pwrite(b"abc", fpath, 1.5)
+
+
+def test_non_contiguous_buffers(fpath):
+    torch = pytest.importorskip("torch")
+    h = handle()
+    with pytest.raises(ValueError, match="contiguous"):
+        h.sync_pwrite(np.arange(20, dtype=np.uint8)[::2], fpath)
+    with pytest.raises(ValueError, match="contiguous"):
+        h.sync_pwrite(torch.arange(20).reshape(4, 5).t(), fpath)
+    with pytest.raises(ValueError, match="contiguous"):
+        h.sync_pwrite(memoryview(bytearray(20))[::2], fpath)
+
+
+def test_read_into_read_only_buffers(fpath):
+    h = handle()
+    with open(fpath, "wb") as f:
+        f.write(b"z" * 100)
+    with pytest.raises(ValueError, match="read-only"):
+        h.sync_pread(b"\0" * 10, fpath)
+    ro = np.zeros(10, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        h.sync_pread(ro, fpath)
+
+
+def test_unsupported_buffer_and_path_types(fpath):
+    h = handle()
+    with pytest.raises(TypeError, match="buffer"):
+        h.sync_pwrite("text", fpath)
+    with pytest.raises(TypeError, match="buffer"):
+        h.sync_pwrite(object(), fpath)
+    with pytest.raises(TypeError, match="path"):
+        h.sync_pwrite(b"a", 3.5)
+    with pytest.raises(ValueError, match="path"):
+        h.sync_pwrite(b"a", "")
+    with pytest.raises(ValueError, match="descriptor"):
+        h.sync_pwrite(b"a", -3)
+
+
+def test_bad_descriptor_is_oserror():
+    h = handle()
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(OSError) as ei:
+        h.sync_pwrite(b"a", w)
+    assert ei.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize(
+    "kw,exc,name",
+    [
+        ({"block_size": 0}, ValueError, "block_size"),
+        ({"block_size": -4096}, ValueError, "block_size"),
+        ({"queue_depth": 0}, ValueError, "queue_depth"),
+        ({"queue_depth": "8"}, TypeError, "queue_depth"),
+        ({"thread_count": 0}, ValueError, "thread_count"),
+        ({"thread_count": 2.0}, TypeError, "thread_count"),
+        ({"single_submit": 1}, TypeError, "single_submit"),
+        ({"overlap_events": None}, TypeError, "overlap_events"),
+        ({"engine": "libaio"}, ValueError, "engine"),
+        ({"engine": 3}, TypeError, "engine"),
+        ({"block_size": True}, TypeError, "block_size"),
+    ],
+)
+def test_bad_settings(kw, exc, name):
+    with pytest.raises(exc, match=name):
+        aio.AsyncIOHandle(**kw)
+
+
+def test_closed_handle(fpath):
+    h = handle()
+    h.sync_pwrite(b"abc", fpath)
+    h.close()
+    h.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        h.sync_pwrite(b"abc", fpath)
+    with pytest.raises(ValueError, match="closed"):
+        h.wait()
+    with aio.AsyncIOHandle() as h2:
+        h2.sync_pwrite(b"abc", fpath)
+    with pytest.raises(ValueError, match="closed"):
+        h2.async_pread(bytearray(3), fpath)
+
+
+def test_wait_with_nothing_pending_is_zero():
+    assert handle().wait() == 0
+
+
+def test_future_timeout_and_repr(fpath):
+    h = handle()
+    f = h.async_pwrite(np.ones(4 * MiB, np.uint8), fpath)
+    assert "AioFuture write" in repr(f)
+    assert f.result(timeout=60) == 4 * MiB
+    assert f.exception() is None
+    assert h.wait() == 1
+
+
+def test_validate_detects_mismatch(fpath, monkeypatch):
+    h = handle()
+    data = np.arange(8192, dtype=np.uint8)
+    assert h.pwrite(data, fpath, validate=True) == 8192
+    out = np.empty_like(data)
+    assert h.pread(out, fpath, validate=True) == 8192
+    with pytest.raises(ValueError, match="validate"):
+        h.pread(out, fpath, validate=True, async_op=True)
+    # A buffer that differs from the file must fail validation with EIO.
+    out[5] ^= 0xFF
+    with pytest.raises(OSError) as ei:
+        h._validate(out, fpath, 0, "read")
+    assert ei.value.errno == errno.EIO and "validation" in str(ei.value)

@@ -1,0 +1,165 @@
+"""Pinned memory: locked tensors, pools with leases, mlock failure reporting."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import aio
+from aio import _C
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64]
+)
+def test_new_cpu_locked_tensor(dtype):
+    h = aio.AsyncIOHandle()
+    before = aio.locked_bytes()
+    ex = torch.empty(0, dtype=dtype)
+    t = h.new_cpu_locked_tensor(1000, ex)
+    assert t.dtype == dtype and t.numel() == 1000 and t.device.type == "cpu"
+    assert t.data_ptr() % 4096 == 0
+    assert h.is_pinned(t)
+    assert not h.is_pinned(torch.empty(10))
+    if not torch.cuda.is_available():
+        assert aio.locked_bytes() >= before + 1000 * t.element_size()
+    t.fill_(1)
+    assert h.free_cpu_locked_tensor(t)
+    assert t.numel() == 0 and not h.is_pinned(t)
+    assert not h.free_cpu_locked_tensor(torch.empty(3))
+
+
+def test_locked_memory_returns_when_last_view_goes():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA pinned memory is accounted by torch")
+    import gc
+
+    base = aio.locked_bytes()
+    t = aio.new_locked_tensor(1 << 20, torch.uint8)
+    view = t[10:20]
+    assert aio.locked_bytes() >= base + (1 << 20)
+    assert aio.free_locked_tensor(t)
+    assert aio.locked_bytes() >= base + (1 << 20)  # a view still uses it
+    view.fill_(3)  # and stays valid
+    del view
+    gc.collect()
+    assert aio.locked_bytes() == base
+
+
+def test_locked_tensor_roundtrip(tmp_path):
+    h = aio.AsyncIOHandle()
+    src = h.new_cpu_locked_tensor(3 << 20, torch.empty(0, dtype=torch.float32))
+    src.copy_(torch.randn(3 << 20))
+    p = str(tmp_path / "t.bin")
+    assert h.sync_pwrite(src, p) == src.numel() * 4
+    dst = h.new_cpu_locked_tensor(3 << 20, src)
+    h.sync_pread(dst, p)
+    assert torch.equal(src, dst)
+    assert h.stats()["bounce_bytes"] == 0  # aligned memory: zero-copy direct path
+
+
+def test_mlock_failure_names_limit_and_size():
+    _C.set_lock_fault(errno.ENOMEM)
+    try:
+        with pytest.raises(OSError) as ei:
+            aio.new_locked_tensor(123456, torch.uint8)
+        msg = str(ei.value)
+        assert "RLIMIT_MEMLOCK" in msg and "123456" in msg
+        assert ei.value.errno == errno.ENOMEM
+        with pytest.raises(OSError, match="RLIMIT_MEMLOCK"):
+            aio.PinnedPool(2, 4096)
+    finally:
+        _C.set_lock_fault(0)
+
+
+def test_real_mlock_failure_under_small_rlimit():
+    """An unprivileged child with RLIMIT_MEMLOCK=64 KiB asks for 1 MiB."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to an unprivileged user")
+    import resource
+
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        msg = "no error"
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
+            os.setgid(65534)
+            os.setuid(65534)
+            _C.PinnedBuffer(1 << 20, True)
+        except OSError as e:
+            msg = f"{e.errno}|{e}"
+        except BaseException as e:  # noqa: BLE001
+            msg = f"other {e!r}"
+        os.write(wfd, msg.encode())
+        os._exit(0)
+    os.close(wfd)
+    got = os.read(rfd, 8192).decode()
+    os.close(rfd)
+    os.waitpid(pid, 0)
+    err, _, text = got.partition("|")
+    assert err in (str(errno.ENOMEM), str(errno.EPERM), str(errno.EAGAIN)), got
+    assert "65536 bytes" in text and "1048576" in text, text
+
+
+def test_pool_leases():
+    pool = aio.PinnedPool(3, 10000)
+    assert pool.slot_bytes % 4096 == 0 and pool.slot_bytes >= 10000
+    assert pool.total_bytes == 3 * pool.slot_bytes
+    leases = [pool.acquire() for _ in range(3)]
+    assert pool.available() == 0
+    assert len({lease.ptr for lease in leases}) == 3
+    assert all(lease.ptr % 4096 == 0 for lease in leases)
+    with pytest.raises(TimeoutError, match="buffer count"):
+        pool.acquire(timeout=0.05)
+    t = leases[0].tensor(torch.float32, 100)
+    t.fill_(2.5)
+    assert leases[0].tensor(torch.float32)[:100].sum().item() == 250.0
+    with pytest.raises(ValueError, match="does not fit"):
+        leases[1].tensor(torch.float32, 10**6)
+    for lease in leases:
+        lease.release()
+    leases[0].release()  # double release is a no-op on the lease
+    assert pool.available() == 3
+    with pool.acquire() as lease:
+        mv = lease.buffer()
+        mv[:3] = b"abc"
+        assert pool.available() == 2
+    assert pool.available() == 3
+
+
+def test_pool_slot_roundtrip(tmp_path):
+    pool = aio.PinnedPool(2, 1 << 20)
+    h = aio.AsyncIOHandle()
+    with pool.acquire() as a, pool.acquire() as b:
+        np.frombuffer(a.buffer(), np.uint8)[:] = 7
+        h.sync_pwrite(a.buffer(), str(tmp_path / "p.bin"))
+        h.sync_pread(b.buffer(), str(tmp_path / "p.bin"))
+        assert (np.frombuffer(b.buffer(), np.uint8) == 7).all()
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_pool_bad_sizes(bad):
+    with pytest.raises(ValueError, match="count"):
+        aio.PinnedPool(bad, 4096)
+    with pytest.raises(ValueError, match="slot_bytes"):
+        aio.PinnedPool(1, bad)
+
+
+@pytest.mark.cuda
+def test_cuda_tensor_roundtrip_through_bounce(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here; run on a GPU machine")
+    h = aio.AsyncIOHandle()
+    src = torch.randn(5 << 20, device="cuda")
+    p = str(tmp_path / "gpu.bin")
+    assert h.sync_pwrite(src, p, 4096) == src.numel() * 4
+    dst = torch.empty_like(src)
+    fut = h.async_pread(dst, p, 4096)
+    assert fut.result() == src.numel() * 4
+    assert torch.equal(src, dst)
+    loc = h.new_cpu_locked_tensor(10, src)
+    assert loc.is_pinned() and h.is_pinned(loc)
