@@ -1,0 +1,258 @@
+"""Typed models of the DeepSpeed-format blocks aio reads.
+
+Defaults and meanings follow DeepSpeed 0.19 (the `aio` block and
+`zero_optimization.offload_param` / `offload_optimizer`), so an existing
+DeepSpeed config means the same thing here. Stricter than DeepSpeed where
+strictness saves a user hours: unknown keys in these blocks, unresolved
+"auto", block sizes the drive cannot take, nvme without a path.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+
+
+def _unresolved_auto(v: Any) -> None:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        raise ValueError(
+            "'auto' was not resolved: it is filled in by the HF Trainer / Lightning "
+            "integrations; give a number here"
+        )
+
+
+def _as_int(v: Any) -> Any:
+    """Accept 1e8-style numbers where an integer is meant; refuse bools and fractions."""
+    _unresolved_auto(v)
+    if isinstance(v, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise ValueError(f"expected a whole number, got {v}")
+        return int(v)
+    if isinstance(v, str):
+        try:
+            f = float(v)
+        except ValueError:
+            raise ValueError(f"expected an integer, got the string {v!r}") from None
+        if not f.is_integer():
+            raise ValueError(f"expected a whole number, got {v!r}")
+        return int(f)
+    return v
+
+
+def _as_device(v: Any) -> Any:
+    _unresolved_auto(v)
+    if isinstance(v, str):
+        return v.strip().lower()
+    if v is None:
+        return "none"
+    return v
+
+
+def _as_path(v: Any) -> Any:
+    _unresolved_auto(v)
+    if v is None:
+        return None
+    import os
+
+    if isinstance(v, (str, os.PathLike)):
+        s = os.fspath(v)
+        if not s:
+            raise ValueError("must not be empty")
+        return s
+    raise ValueError(f"expected a directory path, got {type(v).__name__}")
+
+
+def _as_float(v: Any) -> Any:
+    _unresolved_auto(v)
+    if isinstance(v, bool):
+        raise ValueError("expected a number, got a boolean")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_as_int)]
+Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_as_device)]
+PathStr = Annotated[Optional[str], BeforeValidator(_as_path)]
+Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v), v)[1])]
+Ratio = Annotated[float, BeforeValidator(_as_float), Field(ge=0.0, le=1.0)]
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class AioConfig(_Block):
+    """The top-level ``aio`` block: how the swappers' I/O is submitted."""
+
+    block_size: Int = Field(1048576, gt=0, description="bytes per submitted I/O")
+    queue_depth: Int = Field(8, gt=0, le=65536, description="I/Os in flight per worker thread")
+    intra_op_parallelism: Int = Field(
+        1,
+        gt=0,
+        le=1024,
+        validation_alias=AliasChoices("intra_op_parallelism", "thread_count"),
+        description="worker threads; each request is split into this many slices",
+    )
+    single_submit: Bool = Field(False, description="one io_submit per I/O instead of per batch")
+    overlap_events: Bool = Field(True, description="keep the queue full as completions arrive")
+    use_gds: Bool = Field(False, description="GPUDirect Storage (DeepSpeed only; aio ignores it)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_thread_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "thread_count" in data and "intra_op_parallelism" in data:
+            if data["thread_count"] != data["intra_op_parallelism"]:
+                raise ValueError(
+                    "thread_count and intra_op_parallelism are the same setting and disagree "
+                    f"({data['thread_count']} vs {data['intra_op_parallelism']}); keep one "
+                    "(intra_op_parallelism is the name DeepSpeed reads)"
+                )
+            data = {k: v for k, v in data.items() if k != "thread_count"}
+        return data
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_multiple(cls, v: int) -> int:
+        if v % 4096:
+            raise ValueError(
+                f"{v} is not a multiple of 4096; direct I/O moves whole blocks "
+                "(try 262144, 1048576 or 4194304)"
+            )
+        return v
+
+    @property
+    def thread_count(self) -> int:
+        return self.intra_op_parallelism
+
+    def handle_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`aio.AsyncIOHandle`."""
+        return {
+            "block_size": self.block_size,
+            "queue_depth": self.queue_depth,
+            "single_submit": self.single_submit,
+            "overlap_events": self.overlap_events,
+            "thread_count": self.intra_op_parallelism,
+        }
+
+    def to_deepspeed(self) -> dict[str, Any]:
+        """The block as DeepSpeed 0.19 and aio.config both read it (real booleans)."""
+        return {
+            "block_size": self.block_size,
+            "queue_depth": self.queue_depth,
+            "intra_op_parallelism": self.intra_op_parallelism,
+            "single_submit": self.single_submit,
+            "overlap_events": self.overlap_events,
+            "use_gds": self.use_gds,
+        }
+
+
+class _OffloadBase(_Block):
+    device: Device = Field("none", description="none | cpu | nvme")
+    nvme_path: PathStr = Field(None, description="directory on a fast local drive (device nvme)")
+    pin_memory: Bool = Field(True, description="page-locked CPU buffers")
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> _OffloadBase:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError(
+                "nvme_path: required when device is 'nvme' (a directory on a local drive)"
+            )
+        return self
+
+
+class OffloadParamConfig(_OffloadBase):
+    """``zero_optimization.offload_param``: where parameter partitions live."""
+
+    buffer_count: Int = Field(5, gt=0, description="pinned buffers for parameter swapping")
+    buffer_size: Int = Field(100_000_000, gt=0, description="elements per parameter buffer")
+    max_in_cpu: Int = Field(1_000_000_000, ge=0, description="elements kept in CPU memory")
+
+
+class OffloadOptimizerConfig(_OffloadBase):
+    """``zero_optimization.offload_optimizer``: where optimizer sub-groups live."""
+
+    buffer_count: Int = Field(4, gt=0, description="pinned buffers for optimizer swapping")
+    pipeline_read: Bool = Field(False, description="read sub-group i+1 during step of i")
+    pipeline_write: Bool = Field(False, description="write sub-group i-1 during step of i")
+    fast_init: Bool = Field(False, description="skip the initial NVMe write of optimizer state")
+    ratio: Ratio = Field(1.0, description="fraction of the optimizer step on CPU")
+    # Accepted because DeepSpeed 0.19 reads them; aio does not use them.
+    super_offload: Bool = False
+    cpuadam_cores_perc: Ratio = 0.8
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pipeline_read or self.pipeline_write
+
+
+class ZeroConfig(BaseModel):
+    """The parts of ``zero_optimization`` the offload path depends on; other
+    ZeRO keys are DeepSpeed's business and pass through untouched."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    stage: Int = Field(0, ge=0, le=3)
+    sub_group_size: Int = Field(1_000_000_000, gt=0, description="elements per optimizer sub-group")
+    offload_param: Optional[OffloadParamConfig] = None
+    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nested_aio(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "aio" in data:
+            raise ValueError(
+                "aio: the aio block belongs at the top level of the config, not inside "
+                "zero_optimization (DeepSpeed silently ignores it there)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _param_offload_needs_stage3(self) -> ZeroConfig:
+        p = self.offload_param
+        if p is not None and p.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"stage: offload_param with device '{p.device}' needs stage 3 "
+                f"(parameter partitioning); this config has stage {self.stage}"
+            )
+        return self
+
+    def param_device(self) -> str:
+        return self.offload_param.device if self.offload_param else "none"
+
+    def optimizer_device(self) -> str:
+        return self.offload_optimizer.device if self.offload_optimizer else "none"
+
+
+class OffloadConfig(BaseModel):
+    """What aio reads from a DeepSpeed config: the ``aio`` block and ``zero_optimization``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    aio: AioConfig = Field(default_factory=AioConfig)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+
+    @property
+    def offload_param(self) -> OffloadParamConfig | None:
+        return self.zero_optimization.offload_param
+
+    @property
+    def offload_optimizer(self) -> OffloadOptimizerConfig | None:
+        return self.zero_optimization.offload_optimizer
+
+    def nvme_paths(self) -> list[str]:
+        out: list[str] = []
+        for blk in (self.offload_param, self.offload_optimizer):
+            if blk is not None and blk.device == "nvme" and blk.nvme_path not in out:
+                out.append(str(blk.nvme_path))
+        return out

@@ -1,0 +1,597 @@
+"""aio-sweep: measure a drive across aio settings and print the best ``aio`` block.
+
+    aio-sweep /local_nvme                    # smart search, about a minute or two
+    aio-sweep /local_nvme --exhaustive       # every combination of the space
+    aio-sweep /nvme0 /nvme1 --json trials.json --plot sweep.png
+
+Runs in-process: one AsyncIOHandle per configuration, O_DIRECT, one file per
+directory preallocated once and reused, removed at the end (also on Ctrl-C).
+The smart search measures block_size x queue_depth first, then threads and
+submission modes around the best two, then re-measures the top five with more
+repeats; it visits about a fifth of the full grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .handle import AsyncIOHandle
+from .pinned import new_locked_tensor
+from .quickcheck import parse_size
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    block_size: int
+    queue_depth: int
+    thread_count: int
+    single_submit: bool
+    overlap_events: bool
+
+    def aio_block(self) -> dict[str, Any]:
+        """Keys read by both aio.config and DeepSpeed 0.19 (real booleans)."""
+        return {
+            "block_size": self.block_size,
+            "queue_depth": self.queue_depth,
+            "intra_op_parallelism": self.thread_count,
+            "single_submit": self.single_submit,
+            "overlap_events": self.overlap_events,
+        }
+
+    def short(self) -> str:
+        bs = self.block_size
+        b = f"{bs >> 20}M" if bs % (1 << 20) == 0 else f"{bs >> 10}K"
+        return (
+            f"bs={b:>4s} qd={self.queue_depth:<3d} t={self.thread_count} "
+            f"ss={int(self.single_submit)} ov={int(self.overlap_events)}"
+        )
+
+
+@dataclass
+class Space:
+    block_sizes: list[int]
+    queue_depths: list[int]
+    threads: list[int]
+    single_submit: list[bool]
+    overlap_events: list[bool]
+
+    def all(self) -> list[Setting]:
+        return [
+            Setting(*c)
+            for c in itertools.product(
+                self.block_sizes,
+                self.queue_depths,
+                self.threads,
+                self.single_submit,
+                self.overlap_events,
+            )
+        ]
+
+    def size(self) -> int:
+        return (
+            len(self.block_sizes)
+            * len(self.queue_depths)
+            * len(self.threads)
+            * len(self.single_submit)
+            * len(self.overlap_events)
+        )
+
+
+@dataclass
+class Trial:
+    setting: Setting
+    direction: str
+    gbps: float
+    seconds: float
+    nbytes: int
+    stage: str
+
+
+class SweepError(Exception):
+    """A problem found before any I/O (bad directory, no space, no O_DIRECT)."""
+
+
+class Progress:
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.monotonic()
+        self._last_line = 0.0
+
+    def step(self, note: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        frac = min(1.0, self.done / self.total)
+        bar = "#" * int(frac * 30)
+        line = f"[{bar:<30s}] {self.done}/{self.total} trials {time.monotonic() - self.t0:5.0f}s  {note}"
+        now = time.monotonic()
+        if self.tty:
+            sys.stderr.write("\r" + line[:150].ljust(150))
+            sys.stderr.flush()
+        elif now - self._last_line > 5 or self.done == self.total:
+            sys.stderr.write(line + "\n")
+            self._last_line = now
+
+    def grow(self, extra: int) -> None:
+        self.total += extra
+
+    def close(self) -> None:
+        if self.tty and not self.quiet:
+            sys.stderr.write("\n")
+
+
+class Drive:
+    """The files the sweep reads and writes: one per directory, preallocated."""
+
+    def __init__(self, dirs: Sequence[str], io_size: int, allow_buffered: bool) -> None:
+        self.dirs = [os.path.abspath(d) for d in dirs]
+        self.io_size = io_size
+        self.allow_buffered = allow_buffered
+        self.paths: list[str] = []
+        self.buffered = False
+        self.buf: Any = None
+
+    def check(self) -> None:
+        """Every check that can fail before any I/O."""
+        for d in self.dirs:
+            if not os.path.exists(d):
+                raise SweepError(f"{d}: no such directory")
+            if not os.path.isdir(d):
+                raise SweepError(f"{d}: not a directory")
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise SweepError(f"{d}: not writable by this user")
+            free = shutil.disk_usage(d).free
+            if free < self.io_size + (64 << 20):
+                raise SweepError(
+                    f"{d}: {free / 2**30:.2f} GiB free, the sweep needs {self.io_size / 2**30:.2f} GiB "
+                    "plus 64 MiB headroom; lower --io-size"
+                )
+            probe = os.path.join(d, f".aio-sweep-probe-{os.getpid()}")
+            try:
+                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+                os.close(fd)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise SweepError(f"{d}: cannot create a file: {e.strerror}") from None
+                if not self.allow_buffered:
+                    raise SweepError(
+                        f"{d}: the filesystem does not support O_DIRECT, so results would measure "
+                        "the page cache, not the drive. Use a directory on the drive itself, or "
+                        "pass --allow-buffered to sweep buffered I/O anyway"
+                    ) from None
+                self.buffered = True
+            finally:
+                if os.path.exists(probe):
+                    os.unlink(probe)
+
+    def prepare(self) -> None:
+        import torch
+
+        self.buf = new_locked_tensor(self.io_size, torch.uint8)
+        self.buf.random_(0, 256)
+        h = AsyncIOHandle(block_size=1 << 20, queue_depth=16)
+        for d in self.dirs:
+            p = os.path.join(d, f"aio-sweep-{os.getpid()}.bin")
+            self.paths.append(p)
+            # Allocate the whole file once: writing into new blocks is much
+            # slower than overwriting and would skew the write trials.
+            with open(p, "wb") as f:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, self.io_size)
+                except OSError:
+                    pass
+            h.sync_pwrite(self.buf, p)
+        h.close()
+
+    def run(self, s: Setting, direction: str) -> float:
+        """Seconds to move io_size bytes per directory with setting `s`."""
+        h = AsyncIOHandle(
+            block_size=s.block_size,
+            queue_depth=s.queue_depth,
+            thread_count=s.thread_count,
+            single_submit=s.single_submit,
+            overlap_events=s.overlap_events,
+        )
+        try:
+            call = h.async_pread if direction == "read" else h.async_pwrite
+            t0 = time.perf_counter()
+            futs = [call(self.buf, p) for p in self.paths]  # drives run concurrently
+            for f in futs:
+                f.result()
+            return time.perf_counter() - t0
+        finally:
+            h.close()
+
+    def cleanup(self) -> None:
+        for p in self.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        self.paths = []
+
+
+@dataclass
+class Sweep:
+    drive: Drive
+    space: Space
+    directions: list[str]
+    repeats: int = 2
+    budget_seconds: float | None = None
+    seed: int = 0
+    quiet: bool = False
+    trials: list[Trial] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.t0 = time.monotonic()
+        self.progress = Progress(0, self.quiet)
+        self.out_of_budget = False
+
+    # -- measuring -------------------------------------------------------------
+    def _budget_left(self) -> bool:
+        if self.budget_seconds is None:
+            return True
+        if time.monotonic() - self.t0 > self.budget_seconds:
+            self.out_of_budget = True
+            return False
+        return True
+
+    def measure(self, settings: Sequence[Setting], repeats: int, stage: str) -> None:
+        """Each repeat visits every setting in a fresh random order, so slow
+        drift of the drive (bursts, host cache) spreads over all of them."""
+        self.progress.grow(len(settings) * repeats * len(self.directions))
+        nbytes = self.drive.io_size * len(self.drive.paths)
+        for _ in range(repeats):
+            order = list(settings)
+            self.rng.shuffle(order)
+            for s in order:
+                for d in self.directions:
+                    if not self._budget_left():
+                        return
+                    sec = self.drive.run(s, d)
+                    gbps = nbytes / sec / 1e9
+                    self.trials.append(Trial(s, d, gbps, sec, nbytes, stage))
+                    best = self.best()
+                    note = f"best {self.score(best):.2f} GB/s {best.short()}" if best else ""
+                    self.progress.step(note)
+
+    # -- statistics --------------------------------------------------------------
+    def samples(self, s: Setting, direction: str) -> list[float]:
+        return [t.gbps for t in self.trials if t.setting == s and t.direction == direction]
+
+    def median(self, s: Setting, direction: str) -> float:
+        xs = self.samples(s, direction)
+        return statistics.median(xs) if xs else 0.0
+
+    def score(self, s: Setting) -> float:
+        """Harmonic mean of the per-direction medians: the rate at which equal
+        amounts of reading and writing get done."""
+        meds = [self.median(s, d) for d in self.directions]
+        if any(m <= 0 for m in meds):
+            return 0.0
+        return len(meds) / sum(1 / m for m in meds)
+
+    def measured(self) -> list[Setting]:
+        seen = {t.setting for t in self.trials}
+        return [s for s in seen if all(self.samples(s, d) for d in self.directions)]
+
+    def ranking(self) -> list[Setting]:
+        return sorted(self.measured(), key=self.score, reverse=True)
+
+    def best(self) -> Setting | None:
+        r = self.ranking()
+        return r[0] if r else None
+
+    def spread(self, s: Setting) -> tuple[float, float]:
+        """(lowest, highest) score over repeats, pairing the i-th samples."""
+        per = [self.samples(s, d) for d in self.directions]
+        n = min(len(x) for x in per)
+        scores = [len(per) / sum(1 / x[i] for x in per) for i in range(n)]
+        return (min(scores), max(scores)) if scores else (0.0, 0.0)
+
+    # -- searches ------------------------------------------------------------------
+    def exhaustive(self) -> None:
+        self.measure(self.space.all(), self.repeats, "exhaustive")
+
+    def smart(self) -> None:
+        sp = self.space
+        t0 = 1 if 1 in sp.threads else sp.threads[0]
+        ss0 = False if False in sp.single_submit else sp.single_submit[0]
+        ov0 = True if True in sp.overlap_events else sp.overlap_events[0]
+        # Stage 1: the two settings that matter most, others at their defaults.
+        coarse = [Setting(b, q, t0, ss0, ov0) for b in sp.block_sizes for q in sp.queue_depths]
+        self.measure(coarse, self.repeats, "coarse")
+        top = [s for s in self.ranking() if s in coarse][:2]
+        # Stage 2: threads and submission modes around the two best.
+        fine = []
+        for s in top:
+            for t, ss, ov in itertools.product(sp.threads, sp.single_submit, sp.overlap_events):
+                cand = Setting(s.block_size, s.queue_depth, t, ss, ov)
+                if cand not in coarse and cand not in fine:
+                    fine.append(cand)
+        self.measure(fine, self.repeats, "refine")
+        # Stage 3: more repeats for the leaders, so the pick is not one lucky run.
+        leaders = self.ranking()[:5]
+        self.measure(leaders, max(2, self.repeats + 1), "confirm")
+
+
+def fio_reference(path: str, s: Setting, io_size: int, direction: str) -> float | None:
+    """fio (libaio, O_DIRECT) at the same settings on the same file: GB/s."""
+    fio = shutil.which("fio")
+    if not fio:
+        return None
+    per = io_size // s.thread_count
+    cmd = [
+        fio,
+        "--name=aio-sweep-ref",
+        f"--filename={path}",
+        f"--rw={direction}",
+        f"--bs={s.block_size}",
+        f"--iodepth={s.queue_depth}",
+        "--ioengine=libaio",
+        "--direct=1",
+        f"--size={per}",
+        f"--numjobs={s.thread_count}",
+        f"--offset_increment={per}",
+        "--group_reporting",
+        "--output-format=json",
+        "--thread",
+    ]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout
+        job = json.loads(out[out.index("{") :])["jobs"][0][direction]
+        return float(job["bw_bytes"]) / 1e9
+    except (subprocess.SubprocessError, ValueError, KeyError, OSError):
+        return None
+
+
+def plot(sweep: Sweep, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SweepError("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, axes = plt.subplots(
+        1, len(sweep.directions), figsize=(6 * len(sweep.directions), 4.5), squeeze=False
+    )
+    sp = sweep.space
+    for ax, d in zip(axes[0], sweep.directions):
+        for q in sp.queue_depths:
+            xs, ys = [], []
+            for b in sp.block_sizes:
+                vals = [
+                    sweep.median(s, d)
+                    for s in sweep.measured()
+                    if s.block_size == b and s.queue_depth == q
+                ]
+                if vals:
+                    xs.append(b)
+                    ys.append(max(vals))
+            if xs:
+                ax.plot(xs, ys, marker="o", label=f"queue_depth {q}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block_size (bytes)")
+        ax.set_ylabel("GB/s (median; best over threads/modes)")
+        ax.set_title(f"{d}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("aio-sweep: " + ", ".join(sweep.drive.dirs))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _sizes(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _bools(text: str) -> list[bool]:
+    m = {"true": True, "false": False, "1": True, "0": False}
+    try:
+        return [m[x.strip().lower()] for x in text.split(",") if x.strip()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true/false values, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="aio-sweep",
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("dirs", nargs="+", metavar="DIR", help="directory on each drive to measure")
+    ap.add_argument("--block-sizes", type=_sizes, default=_sizes("128K,256K,512K,1M,2M,4M"))
+    ap.add_argument("--queue-depths", type=_ints, default=_ints("4,8,16,32,64"))
+    ap.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
+    ap.add_argument("--single-submit", type=_bools, default=[False, True], metavar="BOOLS")
+    ap.add_argument("--overlap-events", type=_bools, default=[True, False], metavar="BOOLS")
+    ap.add_argument(
+        "--io-size", type=parse_size, default=parse_size("256M"), help="bytes per trial per DIR"
+    )
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration and direction")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--read-only", action="store_true")
+    g.add_argument("--write-only", action="store_true")
+    ap.add_argument("--exhaustive", action="store_true", help="measure the full grid")
+    ap.add_argument("--budget-seconds", type=float, help="stop measuring after this long")
+    ap.add_argument("--json", metavar="FILE", help="write every trial as JSON")
+    ap.add_argument("--plot", metavar="PNG", help="plot throughput over block size x queue depth")
+    ap.add_argument("--emit-config", action="store_true", help="print only the aio block")
+    ap.add_argument("--allow-buffered", action="store_true", help="sweep even without O_DIRECT")
+    ap.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
+    ap.add_argument("--top", type=int, default=8, help="rows in the results table")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Space:
+    for name in ("block_sizes", "queue_depths", "threads", "single_submit", "overlap_events"):
+        if not getattr(a, name):
+            ap.error(f"--{name.replace('_', '-')} must list at least one value")
+    for b in a.block_sizes:
+        if b <= 0 or b % 4096:
+            ap.error(f"--block-sizes: {b} is not a positive multiple of 4096")
+    for q in a.queue_depths:
+        if not 1 <= q <= 65536:
+            ap.error(f"--queue-depths: {q} is outside 1..65536")
+    for t in a.threads:
+        if not 1 <= t <= 256:
+            ap.error(f"--threads: {t} is outside 1..256")
+    if a.io_size < 1 << 20 or a.io_size % 4096:
+        ap.error("--io-size must be at least 1M and a multiple of 4096")
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    dedup = lambda xs: list(dict.fromkeys(xs))  # noqa: E731
+    return Space(
+        sorted(set(a.block_sizes)),
+        sorted(set(a.queue_depths)),
+        sorted(set(a.threads)),
+        dedup(a.single_submit),
+        dedup(a.overlap_events),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    space = validate_args(ap, a)
+    directions = ["read"] if a.read_only else ["write"] if a.write_only else ["read", "write"]
+    drive = Drive(a.dirs, a.io_size, a.allow_buffered)
+    log = (lambda *x: print(*x, file=sys.stderr)) if a.emit_config else print
+    try:
+        drive.check()
+    except SweepError as e:
+        print(f"aio-sweep: {e}", file=sys.stderr)
+        return 2
+    # SIGTERM cleans up like Ctrl-C does.
+    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    sweep = Sweep(drive, space, directions, a.repeats, a.budget_seconds, a.seed, quiet=False)
+    t0 = time.monotonic()
+    try:
+        if drive.buffered:
+            log("aio-sweep: WARNING: no O_DIRECT here; measuring buffered I/O (--allow-buffered)")
+        mode = "exhaustive" if a.exhaustive else "smart"
+        log(
+            f"aio-sweep: {mode} search over {space.size()} configurations, "
+            f"{a.io_size / 2**20:.0f} MiB per trial per DIR, {', '.join(directions)}, "
+            f"{a.repeats} repeats"
+        )
+        drive.prepare()
+        (sweep.exhaustive if a.exhaustive else sweep.smart)()
+        sweep.progress.close()
+        elapsed = time.monotonic() - t0
+        best = sweep.best()
+        if best is None:
+            print("aio-sweep: no configuration was measured (budget too small?)", file=sys.stderr)
+            return 1
+        ranking = sweep.ranking()
+        log(
+            f"\nmeasured {len(sweep.measured())} configurations, {len(sweep.trials)} trials in {elapsed:.0f} s"
+        )
+        if sweep.out_of_budget:
+            log(f"note: stopped at --budget-seconds {a.budget_seconds}; the search is incomplete")
+        hdr = "  ".join(f"{d:>14s}" for d in directions)
+        log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]")
+        for i, s in enumerate(ranking[: a.top], 1):
+            cols = "  ".join(
+                f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions
+            )
+            lo, hi = sweep.spread(s)
+            log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]")
+        if len(ranking) > 1:
+            lo1, hi1 = sweep.spread(ranking[0])
+            lo2, hi2 = sweep.spread(ranking[1])
+            if lo1 <= hi2:
+                log(
+                    "  note: the top two overlap within their spread; on this drive they are "
+                    "indistinguishable -- either is a good choice"
+                )
+        ref: dict[str, float] = {}
+        if not a.no_fio and not drive.buffered:
+            for d in directions:
+                r = fio_reference(drive.paths[0], best, a.io_size, d)
+                if r:
+                    ref[d] = r
+            if ref:
+                for d, r in ref.items():
+                    log(
+                        f"  fio at the same settings, {d}: {r:.2f} GB/s -> aio/fio = {sweep.median(best, d) / r:.2f}"
+                    )
+            elif not shutil.which("fio"):
+                log("  (fio not installed: no device reference; apt-get install fio)")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(
+                    {
+                        "dirs": drive.dirs,
+                        "io_size": a.io_size,
+                        "mode": mode,
+                        "elapsed_s": elapsed,
+                        "space": asdict(space),
+                        "best": best.aio_block(),
+                        "fio_gbps": ref,
+                        "trials": [
+                            {
+                                **asdict(t.setting),
+                                "direction": t.direction,
+                                "gbps": t.gbps,
+                                "seconds": t.seconds,
+                                "bytes": t.nbytes,
+                                "stage": t.stage,
+                            }
+                            for t in sweep.trials
+                        ],
+                    },
+                    f,
+                    indent=1,
+                )
+        if a.plot:
+            plot(sweep, a.plot)
+            log(f"  plot written to {a.plot}")
+        block = json.dumps({"aio": best.aio_block()}, indent=2)
+        if not a.emit_config:
+            print("\nbest aio block (paste into your DeepSpeed config):")
+        print(block)
+        return 0
+    except KeyboardInterrupt:
+        print("\naio-sweep: interrupted; removing sweep files", file=sys.stderr)
+        return 130
+    except SweepError as e:
+        print(f"aio-sweep: {e}", file=sys.stderr)
+        return 2
+    finally:
+        drive.cleanup()
+        signal.signal(signal.SIGTERM, old)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""Memory estimate before allocation, and the aio-config CLI."""
+
+import json
+
+import pytest
+
+from aio.config import dtype_bytes, estimate_memory, load_config
+from aio.config.__main__ import main as config_main
+
+CFG = {
+    "zero_optimization": {
+        "stage": 3,
+        "sub_group_size": 1e8,
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": "/p",
+            "buffer_count": 5,
+            "buffer_size": 1e7,
+            "max_in_cpu": 1e6,
+        },
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/o", "buffer_count": 4},
+    }
+}
+
+
+def test_estimate_components():
+    est = estimate_memory(CFG, 1e9, "bf16")
+    assert est.pinned["offload_param buffers"] == 5 * 10**7 * 2
+    assert est.pinned["offload_param max_in_cpu"] == 10**6 * 2
+    # Each optimizer buffer: one sub-group of fp32 master + grad + 2 Adam states.
+    assert est.pinned["offload_optimizer buffers"] == 4 * 10**8 * 16
+    assert est.pinned_bytes == sum(est.pinned.values())
+    assert est.nvme == {"/p": 10**9 * 2, "/o": 10**9 * 16}
+    assert "pinned CPU memory per process" in est.format()
+
+
+def test_estimate_small_model_caps_subgroup_and_resident():
+    est = estimate_memory(CFG, 1000, "fp32")
+    assert est.pinned["offload_optimizer buffers"] == 4 * 1000 * 16
+    assert est.pinned["offload_param max_in_cpu"] == 1000 * 4
+
+
+def test_estimate_unpinned_and_cpu_devices():
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": False},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        }
+    }
+    est = estimate_memory(cfg, 100, "fp16")
+    assert est.cpu == {"offload_param (all in CPU)": 200}
+    assert est.pinned == {"offload_optimizer (all in CPU)": 1600}
+    assert est.nvme == {}
+
+
+def test_check_against_machine(tmp_path):
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        }
+    }
+    assert estimate_memory(cfg, 1000).check() == []
+    huge = estimate_memory(cfg, 10**15)
+    problems = huge.check()
+    assert any("drive space" in p for p in problems)
+    assert any("CPU memory" in p for p in problems)
+    with pytest.warns(ResourceWarning):
+        huge.warn()
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "many", True])
+def test_bad_num_params(bad):
+    with pytest.raises((ValueError, TypeError)):
+        estimate_memory(CFG, bad)
+
+
+def test_dtypes():
+    torch = pytest.importorskip("torch")
+    assert dtype_bytes("bf16") == 2 and dtype_bytes(torch.float32) == 4 and dtype_bytes(8) == 8
+    with pytest.raises(ValueError, match="accepted"):
+        dtype_bytes("fp12")
+
+
+def test_cli_estimate_and_validate(tmp_path, capsys):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(CFG))
+    assert config_main(["estimate", str(p), "--params", "1e9", "--dtype", "bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pinned_bytes"] == estimate_memory(load_config(CFG), 1e9, "bf16").pinned_bytes
+    assert config_main(["validate", str(p)]) == 0
+    capsys.readouterr()
+    p.write_text(json.dumps({"aio": {"queue_depth": 0}}))
+    assert config_main(["validate", str(p)]) == 2
+    assert "aio.queue_depth" in capsys.readouterr().err
