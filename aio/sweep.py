@@ -24,6 +24,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -120,7 +121,8 @@ class Progress:
             return
         frac = min(1.0, self.done / self.total)
         bar = "#" * int(frac * 30)
-        line = f"[{bar:<30s}] {self.done}/{self.total} trials {time.monotonic() - self.t0:5.0f}s  {note}"
+        took = time.monotonic() - self.t0
+        line = f"[{bar:<30s}] {self.done}/{self.total} trials {took:5.0f}s  {note}"
         now = time.monotonic()
         if self.tty:
             sys.stderr.write("\r" + line[:150].ljust(150))
@@ -160,8 +162,8 @@ class Drive:
             free = shutil.disk_usage(d).free
             if free < self.io_size + (64 << 20):
                 raise SweepError(
-                    f"{d}: {free / 2**30:.2f} GiB free, the sweep needs {self.io_size / 2**30:.2f} GiB "
-                    "plus 64 MiB headroom; lower --io-size"
+                    f"{d}: {free / 2**30:.2f} GiB free, the sweep needs "
+                    f"{self.io_size / 2**30:.2f} GiB plus 64 MiB headroom; lower --io-size"
                 )
             probe = os.path.join(d, f".aio-sweep-probe-{os.getpid()}")
             try:
@@ -244,6 +246,8 @@ class Sweep:
         self.t0 = time.monotonic()
         self.progress = Progress(0, self.quiet)
         self.out_of_budget = False
+        # (setting, direction) -> GB/s samples, so ranking stays cheap.
+        self._samples: dict[tuple[Setting, str], list[float]] = {}
 
     # -- measuring -------------------------------------------------------------
     def _budget_left(self) -> bool:
@@ -269,13 +273,16 @@ class Sweep:
                     sec = self.drive.run(s, d)
                     gbps = nbytes / sec / 1e9
                     self.trials.append(Trial(s, d, gbps, sec, nbytes, stage))
-                    best = self.best()
-                    note = f"best {self.score(best):.2f} GB/s {best.short()}" if best else ""
+                    self._samples.setdefault((s, d), []).append(gbps)
+                    note = ""
+                    if not self.quiet:
+                        best = self.best()
+                        note = f"best {self.score(best):.2f} GB/s {best.short()}" if best else ""
                     self.progress.step(note)
 
     # -- statistics --------------------------------------------------------------
     def samples(self, s: Setting, direction: str) -> list[float]:
-        return [t.gbps for t in self.trials if t.setting == s and t.direction == direction]
+        return list(self._samples.get((s, direction), ()))
 
     def median(self, s: Setting, direction: str) -> float:
         xs = self.samples(s, direction)
@@ -290,8 +297,8 @@ class Sweep:
         return len(meds) / sum(1 / m for m in meds)
 
     def measured(self) -> list[Setting]:
-        seen = {t.setting for t in self.trials}
-        return [s for s in seen if all(self.samples(s, d) for d in self.directions)]
+        seen = {s for s, _ in self._samples}
+        return [s for s in seen if all((s, d) in self._samples for d in self.directions)]
 
     def ranking(self) -> list[Setting]:
         return sorted(self.measured(), key=self.score, reverse=True)
@@ -375,7 +382,7 @@ def plot(sweep: Sweep, path: str) -> None:
         1, len(sweep.directions), figsize=(6 * len(sweep.directions), 4.5), squeeze=False
     )
     sp = sweep.space
-    for ax, d in zip(axes[0], sweep.directions):
+    for ax, d in zip(axes[0], sweep.directions, strict=False):
         for q in sp.queue_depths:
             xs, ys = [], []
             for b in sp.block_sizes:
@@ -428,7 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(__doc__ or "").splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("dirs", nargs="+", metavar="DIR", help="directory on each drive to measure")
+    ap.add_argument(
+        "dirs", nargs="*", metavar="DIR",
+        help="directory on each drive to measure (default: a temporary directory, removed after)",
+    )
     ap.add_argument("--block-sizes", type=_sizes, default=_sizes("128K,256K,512K,1M,2M,4M"))
     ap.add_argument("--queue-depths", type=_ints, default=_ints("4,8,16,32,64"))
     ap.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
@@ -485,12 +495,19 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     space = validate_args(ap, a)
     directions = ["read"] if a.read_only else ["write"] if a.write_only else ["read", "write"]
-    drive = Drive(a.dirs, a.io_size, a.allow_buffered)
     log = (lambda *x: print(*x, file=sys.stderr)) if a.emit_config else print
+    tmp = None
+    if not a.dirs:
+        tmp = tempfile.mkdtemp(prefix="aio-sweep-")
+        a.dirs = [tmp]
+        log(f"aio-sweep: no DIR given; measuring a temporary directory, {tmp}")
+    drive = Drive(a.dirs, a.io_size, a.allow_buffered)
     try:
         drive.check()
     except SweepError as e:
         print(f"aio-sweep: {e}", file=sys.stderr)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
         return 2
     # SIGTERM cleans up like Ctrl-C does.
     old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -515,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         ranking = sweep.ranking()
         log(
-            f"\nmeasured {len(sweep.measured())} configurations, {len(sweep.trials)} trials in {elapsed:.0f} s"
+            f"\nmeasured {len(sweep.measured())} configurations, "
+            f"{len(sweep.trials)} trials in {elapsed:.0f} s"
         )
         if sweep.out_of_budget:
             log(f"note: stopped at --budget-seconds {a.budget_seconds}; the search is incomplete")
@@ -544,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
             if ref:
                 for d, r in ref.items():
                     log(
-                        f"  fio at the same settings, {d}: {r:.2f} GB/s -> aio/fio = {sweep.median(best, d) / r:.2f}"
+                        f"  fio at the same settings, {d}: {r:.2f} GB/s -> "
+                        f"aio/fio = {sweep.median(best, d) / r:.2f}"
                     )
             elif not shutil.which("fio"):
                 log("  (fio not installed: no device reference; apt-get install fio)")
@@ -590,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         drive.cleanup()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
         signal.signal(signal.SIGTERM, old)
 
 

@@ -79,7 +79,8 @@ def from_lightning(**kwargs: Any) -> OffloadConfig:
             parts.append(
                 (
                     k,
-                    f"not a DeepSpeedStrategy keyword{f'; did you mean {close[0]!r}?' if close else ''}",
+                    "not a DeepSpeedStrategy keyword"
+                    + (f"; did you mean {close[0]!r}?" if close else ""),
                 )
             )
         raise ConfigError(parts, "from_lightning")

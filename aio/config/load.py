@@ -13,13 +13,13 @@ import os
 from collections.abc import Mapping
 from typing import Any, Union
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .models import AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig
 
 ConfigSource = Union[Mapping[str, Any], str, "os.PathLike[str]", OffloadConfig]
 
-_BLOCK_FIELDS = {
+_BLOCK_FIELDS: dict[str, type[BaseModel]] = {
     "aio": AioConfig,
     "offload_param": OffloadParamConfig,
     "offload_optimizer": OffloadOptimizerConfig,

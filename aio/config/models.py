@@ -9,7 +9,7 @@ strictness saves a user hours: unknown keys in these blocks, unresolved
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
@@ -83,7 +83,7 @@ def _as_float(v: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_as_int)]
 Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_as_device)]
-PathStr = Annotated[Optional[str], BeforeValidator(_as_path)]
+PathStr = Annotated[str | None, BeforeValidator(_as_path)]
 Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v), v)[1])]
 Ratio = Annotated[float, BeforeValidator(_as_float), Field(ge=0.0, le=1.0)]
 
@@ -204,8 +204,8 @@ class ZeroConfig(BaseModel):
 
     stage: Int = Field(0, ge=0, le=3)
     sub_group_size: Int = Field(1_000_000_000, gt=0, description="elements per optimizer sub-group")
-    offload_param: Optional[OffloadParamConfig] = None
-    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    offload_param: OffloadParamConfig | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -239,8 +239,8 @@ class OffloadConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    aio: AioConfig = Field(default_factory=AioConfig)
-    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=lambda: AioConfig())
+    zero_optimization: ZeroConfig = Field(default_factory=lambda: ZeroConfig())
 
     @property
     def offload_param(self) -> OffloadParamConfig | None:
