@@ -108,7 +108,7 @@ class SweepError(Exception):
 
 class Progress:
     def __init__(self, total: int, quiet: bool) -> None:
-        self.total = max(total, 1)
+        self.total = total
         self.done = 0
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
@@ -119,7 +119,7 @@ class Progress:
         self.done += 1
         if self.quiet:
             return
-        frac = min(1.0, self.done / self.total)
+        frac = min(1.0, self.done / max(self.total, 1))
         bar = "#" * int(frac * 30)
         took = time.monotonic() - self.t0
         line = f"[{bar:<30s}] {self.done}/{self.total} trials {took:5.0f}s  {note}"
@@ -436,7 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
-        "dirs", nargs="*", metavar="DIR",
+        "dirs",
+        nargs="*",
+        metavar="DIR",
         help="directory on each drive to measure (default: a temporary directory, removed after)",
     )
     ap.add_argument("--block-sizes", type=_sizes, default=_sizes("128K,256K,512K,1M,2M,4M"))

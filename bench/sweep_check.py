@@ -23,8 +23,11 @@ def run(args: list[str]) -> tuple[dict, float]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "aio.sweep", *args, "--json", out, "--no-fio"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "aio.sweep", *args, "--json", out, "--no-fio"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     dt = time.monotonic() - t0
     with open(out) as f:
         data = json.load(f)
@@ -35,12 +38,22 @@ def run(args: list[str]) -> tuple[dict, float]:
 def scores(data: dict) -> dict[tuple, float]:
     per: dict[tuple, dict[str, list[float]]] = {}
     for t in data["trials"]:
-        key = (t["block_size"], t["queue_depth"], t["thread_count"], t["single_submit"], t["overlap_events"])
+        key = (
+            t["block_size"],
+            t["queue_depth"],
+            t["thread_count"],
+            t["single_submit"],
+            t["overlap_events"],
+        )
         per.setdefault(key, {}).setdefault(t["direction"], []).append(t["gbps"])
     out = {}
     for k, dirs in per.items():
-        meds = [sorted(v)[len(v) // 2] if len(v) % 2 else sum(sorted(v)[len(v) // 2 - 1: len(v) // 2 + 1]) / 2
-                for v in dirs.values()]
+        meds = [
+            sorted(v)[len(v) // 2]
+            if len(v) % 2
+            else sum(sorted(v)[len(v) // 2 - 1 : len(v) // 2 + 1]) / 2
+            for v in dirs.values()
+        ]
         out[k] = len(meds) / sum(1 / m for m in meds)
     return out
 
@@ -51,7 +64,13 @@ def main() -> int:
     ex, t_ex = run([*args, "--exhaustive"])
     ex_scores = scores(ex)
     b = smart["best"]
-    pick = (b["block_size"], b["queue_depth"], b["intra_op_parallelism"], b["single_submit"], b["overlap_events"])
+    pick = (
+        b["block_size"],
+        b["queue_depth"],
+        b["intra_op_parallelism"],
+        b["single_submit"],
+        b["overlap_events"],
+    )
     best_ex = max(ex_scores.values())
     ratio = ex_scores[pick] / best_ex
     print(f"smart search:      {t_smart:6.0f} s, pick {b}")

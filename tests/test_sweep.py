@@ -12,8 +12,19 @@ import pytest
 from aio import sweep as sw
 from aio.config import load_config
 
-TINY = ["--io-size", "2M", "--block-sizes", "256K,1M", "--queue-depths", "2,8",
-        "--threads", "1,2", "--repeats", "1", "--no-fio"]
+TINY = [
+    "--io-size",
+    "2M",
+    "--block-sizes",
+    "256K,1M",
+    "--queue-depths",
+    "2,8",
+    "--threads",
+    "1,2",
+    "--repeats",
+    "1",
+    "--no-fio",
+]
 
 
 def _leftovers(d):
@@ -26,9 +37,14 @@ def test_tiny_real_sweep(tmp_path, capsys):
     d.mkdir()
     assert sw.main([str(d), *TINY, "--json", str(j)]) == 0
     out = capsys.readouterr().out
-    block = json.loads(out[out.index("{"):])
-    assert set(block["aio"]) == {"block_size", "queue_depth", "intra_op_parallelism",
-                                 "single_submit", "overlap_events"}
+    block = json.loads(out[out.index("{") :])
+    assert set(block["aio"]) == {
+        "block_size",
+        "queue_depth",
+        "intra_op_parallelism",
+        "single_submit",
+        "overlap_events",
+    }
     assert isinstance(block["aio"]["single_submit"], bool)
     cfg = load_config(block)  # pastes into aio.config unchanged
     assert cfg.aio.to_deepspeed()["block_size"] == block["aio"]["block_size"]
@@ -95,8 +111,13 @@ class FakeDrive(sw.Drive):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_smart_search_finds_near_best_in_quarter_of_trials(seed):
-    space = sw.Space([128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20],
-                     [4, 8, 16, 32, 64], [1, 2, 4], [False, True], [True, False])
+    space = sw.Space(
+        [128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20],
+        [4, 8, 16, 32, 64],
+        [1, 2, 4],
+        [False, True],
+        [True, False],
+    )
     ex_drive, sm_drive = FakeDrive(0.03, seed), FakeDrive(0.03, seed + 100)
     ex = sw.Sweep(ex_drive, space, ["read", "write"], repeats=2, seed=seed, quiet=True)
     ex.exhaustive()
@@ -155,10 +176,17 @@ def test_no_o_direct_refused_unless_allowed(tmp_path, capsys, monkeypatch):
     assert d.buffered
 
 
-@pytest.mark.parametrize("argv", [
-    ["--block-sizes", "1000"], ["--queue-depths", "0"], ["--threads", "x"],
-    ["--io-size", "100"], ["--repeats", "0"], ["--single-submit", "maybe"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--block-sizes", "1000"],
+        ["--queue-depths", "0"],
+        ["--threads", "x"],
+        ["--io-size", "100"],
+        ["--repeats", "0"],
+        ["--single-submit", "maybe"],
+    ],
+)
 def test_bad_arguments(tmp_path, argv):
     with pytest.raises(SystemExit) as ei:
         sw.main([str(tmp_path), *argv])

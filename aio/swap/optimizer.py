@@ -1,0 +1,550 @@
+"""OptimizerSwapper: optimizer sub-groups paged through pinned buffers.
+
+The unit is a sub-group of ``sub_group_size`` elements. Its fp32 gradient,
+fp32 master weights and every optimizer state tensor live back to back in one
+aligned region of the swap file::
+
+    [ grad | master | state_0 | state_1 | ... ]
+
+so reading a sub-group is one I/O and writing it back (everything but the
+gradient, which the step consumes) is one I/O. The optimizer's state tensors
+are discovered by stepping the optimizer once on a probe parameter, not
+hard-coded, so any elementwise torch optimizer works (Adam's two moments,
+SGD's momentum, Adagrad's sum...). Scalar state such as Adam's ``step`` stays
+in CPU memory.
+
+Pipelined (``pipeline_read``/``pipeline_write``): the read of sub-group i+1
+and the write of sub-group i-1 run on separate handles while sub-group i is
+stepped, so a step costs about max(I/O, compute), not their sum.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..handle import AioFuture, AsyncIOHandle
+from ..pinned import Lease
+from .param import SwapStateError
+from .pool import BufferPool
+from .storage import SwapStorage, align_up
+
+CHECKPOINT_VERSION = 1
+
+
+def discover_state_spec(optimizer_cls: Any, **hyper: Any) -> list[tuple[str, Any]]:
+    """(name, dtype) of the per-element state tensors `optimizer_cls` keeps,
+    found by stepping it once on a small probe parameter."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    p.grad = torch.full((8,), 1e-3)
+    opt = optimizer_cls([p], **hyper)
+    opt.step()
+    spec = []
+    for name, v in opt.state[p].items():
+        if torch.is_tensor(v) and v.shape == p.shape:
+            spec.append((str(name), v.dtype))
+    return spec
+
+
+@dataclass
+class _SubGroup:
+    index: int
+    numel: int
+    offset: int  # of the region in the swap file
+    parts: dict[str, tuple[int, Any]]  # name -> (byte offset in region, dtype)
+    region: int  # bytes
+    scalars: dict[str, Any] | None = None  # None until its first step
+    valid: bool = False  # drive copy holds a complete state
+    grad_future: AioFuture | None = None
+    proxy: Any = None
+    history: list[str] = field(default_factory=list)
+
+
+class OptimizerSwapper:
+    """Swaps optimizer sub-groups to files under ``nvme_path``.
+
+    ``optimizer_cls``/``hyper``: the torch optimizer applied per sub-group
+    (e.g. ``torch.optim.Adam, {"lr": 1e-3}``). ``buffer_count`` pinned buffers
+    each hold one whole sub-group.
+    """
+
+    def __init__(
+        self,
+        nvme_path: str,
+        optimizer_cls: Any,
+        hyper: dict[str, Any] | None = None,
+        *,
+        buffer_count: int = 4,
+        pipeline_read: bool = False,
+        pipeline_write: bool = False,
+        pin_memory: bool = True,
+        sub_group_size: int | None = None,
+        aio: dict[str, Any] | None = None,
+        job_id: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        need = 1 + int(pipeline_read) + int(pipeline_write)
+        if buffer_count < need:
+            modes = " and ".join(
+                m
+                for m, on in (("pipeline_read", pipeline_read), ("pipeline_write", pipeline_write))
+                if on
+            )
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.buffer_count={buffer_count} is too small for "
+                f"{modes or 'swapping'}: the pipeline holds one sub-group being stepped"
+                f"{', one being read ahead' if pipeline_read else ''}"
+                f"{', one being written back' if pipeline_write else ''}; "
+                f"set buffer_count to at least {need}"
+            )
+        self.optimizer_cls = optimizer_cls
+        self.hyper = dict(hyper or {})
+        self.spec = discover_state_spec(optimizer_cls, **self.hyper)
+        self.buffer_count = buffer_count
+        self.pipeline_read = pipeline_read
+        self.pipeline_write = pipeline_write
+        self.pin_memory = pin_memory
+        self.sub_group_size = sub_group_size
+        self.storage = SwapStorage(nvme_path, "optimizer", job_id, rank)
+        self.file = self.storage.file("optimizer.swp")
+        kw = dict(aio or {})
+        self.reader = AsyncIOHandle(**kw)
+        self.writer = AsyncIOHandle(**kw)
+        self.groups: dict[int, _SubGroup] = {}
+        self.pool: BufferPool | None = None
+        self.optimizer: Any = None
+        self.broken: str | None = None
+        self.steps = 0
+        self.counters = {"bytes_read": 0, "bytes_written": 0, "subgroup_steps": 0}
+        self.closed = False
+
+    @classmethod
+    def from_config(
+        cls, config: Any, optimizer_cls: Any, hyper: dict[str, Any] | None = None, **kw: Any
+    ) -> OptimizerSwapper:
+        from ..config import load_config
+
+        cfg = load_config(config)
+        o = cfg.offload_optimizer
+        if o is None or o.device != "nvme":
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device must be 'nvme' for an OptimizerSwapper"
+            )
+        return cls(
+            str(o.nvme_path),
+            optimizer_cls,
+            hyper,
+            buffer_count=o.buffer_count,
+            pipeline_read=o.pipeline_read,
+            pipeline_write=o.pipeline_write,
+            pin_memory=o.pin_memory,
+            sub_group_size=cfg.zero_optimization.sub_group_size,
+            aio=cfg.aio.handle_kwargs(),
+            **kw,
+        )
+
+    # -- layout --------------------------------------------------------------------
+    def _layout(self, numel: int) -> tuple[dict[str, tuple[int, Any]], int]:
+        import torch
+
+        parts: dict[str, tuple[int, Any]] = {}
+        off = 0
+        for name, dtype in [("grad", torch.float32), ("param", torch.float32), *self.spec]:
+            parts[name] = (off, dtype)
+            off = align_up(off + numel * torch.empty(0, dtype=dtype).element_size())
+        return parts, off
+
+    def register_subgroup(self, index: int, numel: int) -> None:
+        """Reserve the drive region for sub-group `index` of `numel` elements."""
+        self._check_usable()
+        import torch
+
+        if index in self.groups:
+            raise ValueError(f"sub-group {index} is already registered")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"sub-group {index}: numel must be a positive int, got {numel!r}")
+        if self.sub_group_size is not None and numel > self.sub_group_size:
+            raise ValueError(
+                f"sub-group {index} has {numel} elements, more than "
+                f"zero_optimization.sub_group_size={self.sub_group_size}; raise sub_group_size "
+                f"to at least {numel} or split the group"
+            )
+        parts, region = self._layout(numel)
+        if self.pool is not None and region > self.pool.slot_bytes:
+            if self.optimizer is not None or self.pool.available() != self.pool.count:
+                raise ValueError(
+                    f"sub-group {index} ({numel} elements) is larger than the swap buffers, which "
+                    "were sized at the first step; register every sub-group before stepping"
+                )
+            self.pool = None  # still setting up and idle: re-size on next use
+        off = self.file.allocate(region)
+        g = _SubGroup(index, numel, off, parts, region)
+        g.proxy = torch.nn.Parameter(torch.empty(0))
+        self.groups[index] = g
+
+    def _pool(self) -> BufferPool:
+        if self.pool is None:
+            if not self.groups:
+                raise ValueError("no sub-groups registered")
+            slot = max(g.region for g in self.groups.values())
+            self.pool = BufferPool(
+                self.buffer_count,
+                slot,
+                self.pin_memory,
+                "zero_optimization.offload_optimizer.buffer_count",
+                "zero_optimization.sub_group_size",
+            )
+        return self.pool
+
+    def _views(self, g: _SubGroup, lease: Lease) -> dict[str, Any]:
+        return {
+            name: BufferPool.view(lease, dt, g.numel, off) for name, (off, dt) in g.parts.items()
+        }
+
+    def pinned_bytes(self) -> int:
+        return self._pool().pinned_bytes if self.groups else 0
+
+    # -- initial state and gradients -------------------------------------------------
+    def initialize(self, index: int, master: Any) -> None:
+        """Write a sub-group's fp32 master weights, with zero gradient and
+        state, to the drive (synchronously)."""
+        import torch
+
+        self._check_usable()
+        g = self.groups[index]
+        src = master.detach().reshape(-1)
+        if src.numel() != g.numel:
+            raise ValueError(f"sub-group {index}: expected {g.numel} elements, got {src.numel()}")
+        lease = self._pool().acquire()
+        try:
+            views = self._views(g, lease)
+            for v in views.values():
+                v.zero_()
+            views["param"].copy_(src.to(torch.float32))
+            self.writer.sync_pwrite(lease.buffer()[: g.region], self.file.path, g.offset)
+            self.counters["bytes_written"] += g.region
+        finally:
+            lease.release()
+        g.scalars = None
+        g.valid = True
+
+    def write_gradient(self, index: int, grad: Any, async_op: bool = True) -> AioFuture:
+        """Write a sub-group's fp32 gradient (e.g. during backward). The
+        future keeps `grad` alive; the next step waits for it."""
+        import torch
+
+        self._check_usable()
+        g = self.groups[index]
+        src = grad.detach().reshape(-1)
+        if src.numel() != g.numel or src.dtype != torch.float32:
+            raise ValueError(
+                f"sub-group {index}: gradient must be {g.numel} fp32 elements, "
+                f"got {src.numel()} of {src.dtype}"
+            )
+        if g.grad_future is not None:
+            g.grad_future.result()
+        fut = self.writer.async_pwrite(
+            src.contiguous(), self.file.path, g.offset + g.parts["grad"][0]
+        )
+        self.counters["bytes_written"] += g.numel * 4
+        g.grad_future = fut
+        if not async_op:
+            self._settle_grad(g)
+        return fut
+
+    def _settle_grad(self, g: _SubGroup) -> None:
+        fut, g.grad_future = g.grad_future, None
+        if fut is not None:
+            fut.result()
+
+    # -- the step ----------------------------------------------------------------------
+    def _ensure_optimizer(self) -> None:
+        if self.optimizer is None:
+            proxies = [self.groups[i].proxy for i in sorted(self.groups)]
+            self.optimizer = self.optimizer_cls(proxies, **self.hyper)
+
+    def _apply(self, g: _SubGroup, views: dict[str, Any]) -> None:
+        import torch
+
+        proxy = g.proxy
+        proxy.data = views["param"]
+        proxy.grad = views["grad"]
+        st = self.optimizer.state[proxy]
+        st.clear()
+        if g.scalars is not None:
+            st.update(g.scalars)
+            for name, _ in self.spec:
+                st[name] = views[name]
+        # else: first step of this sub-group -- the optimizer creates its own
+        # state exactly as it would in memory; it is copied into the buffer below.
+        self.optimizer.step()
+        names = {n for n, _ in self.spec}
+        for name in names:
+            t = st.get(name)
+            if t is None:
+                raise SwapStateError(
+                    f"optimizer did not produce state '{name}' for sub-group {g.index}"
+                )
+            if t.data_ptr() != views[name].data_ptr():
+                views[name].copy_(t)
+        g.scalars = {
+            k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items() if k not in names
+        }
+        st.clear()
+        proxy.grad = None
+        proxy.data = torch.empty(0)
+
+    def step(self, after: Callable[[int, Any], None] | None = None) -> None:
+        """One optimizer step over every sub-group, in index order.
+
+        `after(index, master_view)` runs right after each sub-group's update
+        (e.g. to copy the new weights into the model's low-precision params).
+        Pipelined per pipeline_read / pipeline_write.
+
+        If anything fails, every I/O still in flight is drained, sub-groups
+        whose write did not land are marked invalid, the swapper refuses
+        further steps (the optimizer state is now partly stepped), and the
+        error is raised; import_checkpoint() restores a consistent state.
+        """
+        self._check_usable()
+        order = sorted(self.groups)
+        for i in order:
+            if not self.groups[i].valid:
+                raise SwapStateError(
+                    f"sub-group {i} has no valid state on the drive; initialize() it first"
+                )
+        self._ensure_optimizer()
+        pool = self._pool()
+        reads: dict[int, tuple[Lease, AioFuture]] = {}
+        writes: collections.deque[tuple[int, Lease, AioFuture]] = collections.deque()
+        held: list[Lease] = []
+
+        def finish_write(entry: tuple[int, Lease, AioFuture]) -> None:
+            i, lease, fut = entry
+            try:
+                fut.result()
+                self.groups[i].valid = True
+            finally:
+                lease.release()
+                held.remove(lease)
+
+        def start_read(i: int) -> None:
+            g = self.groups[i]
+            lease = pool.try_acquire()
+            while lease is None and writes:
+                finish_write(writes.popleft())
+                lease = pool.try_acquire()
+            if lease is None:  # cannot happen with the construction-time check
+                raise SwapStateError("no free optimizer swap buffer")
+            held.append(lease)
+            self._settle_grad(g)
+            fut = self.reader.async_pread(lease.buffer()[: g.region], self.file.path, g.offset)
+            self.counters["bytes_read"] += g.region
+            reads[i] = (lease, fut)
+
+        try:
+            for k, i in enumerate(order):
+                if i not in reads:
+                    start_read(i)
+                if self.pipeline_read and k + 1 < len(order):
+                    start_read(order[k + 1])
+                lease, fut = reads.pop(i)
+                fut.result()
+                g = self.groups[i]
+                views = self._views(g, lease)
+                self._apply(g, views)
+                # The drive copy is stale from here until the write lands.
+                g.valid = False
+                self.counters["subgroup_steps"] += 1
+                if after is not None:
+                    after(i, views["param"])
+                p_off = g.parts["param"][0]
+                wfut = self.writer.async_pwrite(
+                    lease.buffer()[p_off : g.region], self.file.path, g.offset + p_off
+                )
+                self.counters["bytes_written"] += g.region - p_off
+                if self.pipeline_write:
+                    writes.append((i, lease, wfut))
+                    while writes and writes[0][2].done():
+                        finish_write(writes.popleft())
+                else:
+                    finish_write((i, lease, wfut))
+            while writes:
+                finish_write(writes.popleft())
+            self.steps += 1
+        except BaseException as e:
+            # Drain: nothing may still be reading into or writing from a buffer.
+            for _lease, fut in reads.values():
+                fut.exception()
+            while writes:
+                i, lease, fut = writes.popleft()
+                if fut.exception() is None:
+                    self.groups[i].valid = True
+                lease.release()
+                held.remove(lease)
+            for lease in held:
+                lease.release()
+            self.broken = (
+                f"optimizer step {self.steps + 1} failed ({type(e).__name__}: {e}); the swapped "
+                "optimizer state is partly updated. Restore it with import_checkpoint()"
+            )
+            raise
+
+    def read_master(self, index: int) -> Any:
+        """A CPU copy of a sub-group's fp32 master weights."""
+        import torch
+
+        g = self.groups[index]
+        out = torch.empty(g.numel, dtype=torch.float32)
+        self.reader.sync_pread(out, self.file.path, g.offset + g.parts["param"][0])
+        return out
+
+    # -- checkpoint ----------------------------------------------------------------------
+    def export_checkpoint(self, directory: str) -> None:
+        """Write every sub-group's master weights and optimizer state, plus a
+        manifest with checksums, to `directory` (created atomically: a crash
+        leaves no half-written checkpoint under that name)."""
+        import torch
+
+        self._check_usable()
+        if os.path.exists(directory) and os.listdir(directory):
+            raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
+        parent = os.path.dirname(os.path.abspath(directory))
+        tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+        try:
+            manifest: dict[str, Any] = {
+                "version": CHECKPOINT_VERSION,
+                "optimizer": f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}",
+                "spec": [[n, str(d)] for n, d in self.spec],
+                "steps": self.steps,
+                "groups": {},
+            }
+            scalars = {}
+            pool = self._pool()
+            for i in sorted(self.groups):
+                g = self.groups[i]
+                self._settle_grad(g)
+                p_off = g.parts["param"][0]
+                with pool.acquire() as lease:
+                    buf = lease.buffer()[p_off : g.region]
+                    self.reader.sync_pread(buf, self.file.path, g.offset + p_off)
+                    path = os.path.join(tmp, f"subgroup_{i}.bin")
+                    self.writer.sync_pwrite(buf, path, 0)
+                    crc = zlib.crc32(buf)
+                manifest["groups"][str(i)] = {
+                    "numel": g.numel,
+                    "bytes": g.region - p_off,
+                    "crc32": crc,
+                }
+                scalars[i] = g.scalars
+            torch.save(
+                {"scalars": scalars, "param_groups": self._param_groups()},
+                os.path.join(tmp, "scalars.pt"),
+            )
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(directory):
+                os.rmdir(directory)
+            os.rename(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        if self.optimizer is None:
+            return []
+        return [
+            {k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups
+        ]
+
+    def import_checkpoint(self, directory: str) -> None:
+        """Load a checkpoint from export_checkpoint() into the swap files.
+        Every file is verified (size and checksum) before the state counts as valid."""
+        import torch
+
+        self._check_open()
+        with open(os.path.join(directory, "manifest.json")) as f:
+            manifest = json.load(f)
+        if manifest.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"unsupported checkpoint version {manifest.get('version')!r}")
+        spec = [[n, str(d)] for n, d in self.spec]
+        if manifest["spec"] != spec:
+            raise ValueError(
+                f"checkpoint optimizer state {manifest['spec']} does not match "
+                f"this optimizer's {spec}"
+            )
+        if sorted(int(i) for i in manifest["groups"]) != sorted(self.groups):
+            raise ValueError("checkpoint sub-groups do not match the registered sub-groups")
+        extra = torch.load(os.path.join(directory, "scalars.pt"), weights_only=False)
+        pool = self._pool()
+        for i in sorted(self.groups):
+            g = self.groups[i]
+            meta = manifest["groups"][str(i)]
+            p_off = g.parts["param"][0]
+            if meta["numel"] != g.numel or meta["bytes"] != g.region - p_off:
+                raise ValueError(f"checkpoint sub-group {i} has a different size")
+            g.valid = False
+            with pool.acquire() as lease:
+                buf = lease.buffer()[p_off : g.region]
+                self.reader.sync_pread(buf, os.path.join(directory, f"subgroup_{i}.bin"), 0)
+                if zlib.crc32(buf) != meta["crc32"]:
+                    raise OSError(5, f"checkpoint sub-group {i} fails its checksum", directory)
+                self.writer.sync_pwrite(buf, self.file.path, g.offset + p_off)
+            g.scalars = extra["scalars"][i]
+            g.valid = True
+        self._ensure_optimizer()
+        for pg, saved in zip(self.optimizer.param_groups, extra["param_groups"], strict=False):
+            pg.update(saved)
+        self.steps = manifest["steps"]
+        self.broken = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "subgroups": len(self.groups),
+            "steps": self.steps,
+            "state_tensors": [n for n, _ in self.spec],
+            "pinned_buffer_bytes": self.pool.pinned_bytes if self.pool else 0,
+            "drive_bytes": self.file.size,
+            "broken": self.broken,
+            "swap_dir": self.storage.dir,
+        }
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("OptimizerSwapper is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self.broken:
+            raise SwapStateError(self.broken)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for g in self.groups.values():
+            if g.grad_future is not None:
+                g.grad_future.exception()
+        self.reader.close()
+        self.writer.close()
+        self.storage.close()
+
+    def __enter__(self) -> OptimizerSwapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,406 @@
+"""ParamSwapper: parameter partitions paged between the drive and a fixed
+pool of pinned buffers.
+
+Life of a partition: ``register`` (slot reserved on the drive, or kept in CPU
+memory when it is small or fits in ``max_in_cpu``) -> ``write`` (its values
+go to the drive) -> ``prefetch``/``swap_in`` (read into a pool buffer; the
+returned tensor is a view of that buffer) -> ``release`` (buffer back to the
+pool, no write-back: parameters are read-only between steps) -> after the
+optimizer step, ``write`` again, or ``swap_out`` of a modified buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from ..handle import AioFuture, AsyncIOHandle
+from ..pinned import Lease, new_locked_tensor
+from .pool import BufferPool, PoolExhaustedError
+from .storage import SwapStorage
+
+
+class SwapStateError(RuntimeError):
+    """A partition or sub-group whose on-drive copy cannot be trusted (a
+    write to it failed), or that is used in a state that does not allow it."""
+
+
+class State(enum.Enum):
+    RESIDENT = "resident"  # kept in CPU memory, never on the drive
+    ON_DRIVE = "on_drive"  # only on the drive
+    IN_FLIGHT = "in_flight"  # being read into a buffer
+    AVAILABLE = "available"  # in a buffer, readable
+    WRITING = "writing"  # being written to the drive
+    INVALID = "invalid"  # a write failed: the drive copy is not trustworthy
+
+
+@dataclass
+class _Partition:
+    pid: Any
+    numel: int
+    dtype: Any
+    nbytes: int
+    state: State
+    offset: int = -1
+    lease: Lease | None = None
+    tensor: Any = None  # resident tensor, or view of the leased buffer
+    future: AioFuture | None = None
+    written: bool = False  # has the drive copy ever been written?
+    releasing: bool = False  # release the buffer once the pending write lands
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class ParamSwapper:
+    """Pages parameter partitions through ``buffer_count`` pinned buffers of
+    ``buffer_size`` elements (of ``dtype``) to files under ``nvme_path``.
+
+    Partitions smaller than ``min_swap_bytes`` stay in CPU memory (an I/O
+    would cost more than it saves), as do the first ``max_in_cpu`` elements.
+    """
+
+    def __init__(
+        self,
+        nvme_path: str,
+        *,
+        dtype: Any,
+        buffer_count: int = 5,
+        buffer_size: int = 100_000_000,
+        max_in_cpu: int = 1_000_000_000,
+        pin_memory: bool = True,
+        aio: dict[str, Any] | None = None,
+        min_swap_bytes: int = 64 * 1024,
+        job_id: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        if max_in_cpu < 0:
+            raise ValueError(
+                f"zero_optimization.offload_param.max_in_cpu must be >= 0, got {max_in_cpu}"
+            )
+        self.dtype = dtype
+        self.buffer_size = int(buffer_size)
+        self.max_in_cpu = int(max_in_cpu)
+        self.pin_memory = pin_memory
+        self.min_swap_bytes = min_swap_bytes
+        self.pool = BufferPool(
+            int(buffer_count),
+            self.buffer_size * _itemsize(dtype),
+            pin_memory,
+            "zero_optimization.offload_param.buffer_count",
+            "zero_optimization.offload_param.buffer_size",
+        )
+        self.storage = SwapStorage(nvme_path, "param", job_id, rank)
+        self.file = self.storage.file("params.swp")
+        kw = dict(aio or {})
+        self.reader = AsyncIOHandle(**kw)
+        self.writer = AsyncIOHandle(**kw)
+        self.parts: dict[Any, _Partition] = {}
+        self.resident_numel = 0
+        self.counters = {
+            "swap_in": 0,
+            "prefetch": 0,
+            "hits": 0,
+            "release": 0,
+            "writes": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "resident_bytes": 0,
+        }
+        self.closed = False
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: Any, **kw: Any) -> ParamSwapper:
+        """From an OffloadConfig (or anything aio.config.load_config takes)."""
+        from ..config import load_config
+
+        cfg = load_config(config)
+        p = cfg.offload_param
+        if p is None or p.device != "nvme":
+            raise ValueError(
+                "zero_optimization.offload_param.device must be 'nvme' for a ParamSwapper"
+            )
+        return cls(
+            str(p.nvme_path),
+            dtype=dtype,
+            buffer_count=p.buffer_count,
+            buffer_size=p.buffer_size,
+            max_in_cpu=p.max_in_cpu,
+            pin_memory=p.pin_memory,
+            aio=cfg.aio.handle_kwargs(),
+            **kw,
+        )
+
+    # -- registration ------------------------------------------------------------
+    def register(self, pid: Any, numel: int, dtype: Any | None = None) -> State:
+        """Declare a partition; returns where it will live (RESIDENT or ON_DRIVE)."""
+        self._check_open()
+        if pid in self.parts:
+            raise ValueError(f"partition {pid!r} is already registered")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"partition {pid!r}: numel must be a positive int, got {numel!r}")
+        dtype = dtype or self.dtype
+        nbytes = numel * _itemsize(dtype)
+        small = nbytes < self.min_swap_bytes
+        if small or self.resident_numel + numel <= self.max_in_cpu:
+            t = new_locked_tensor(numel, dtype) if self.pin_memory else _empty(numel, dtype)
+            if not small:
+                self.resident_numel += numel
+            self.counters["resident_bytes"] += nbytes
+            self.parts[pid] = _Partition(pid, numel, dtype, nbytes, State.RESIDENT, tensor=t)
+            return State.RESIDENT
+        if nbytes > self.pool.slot_bytes:
+            need = -(-nbytes // _itemsize(self.dtype))
+            raise ValueError(
+                f"partition {pid!r} has {numel} elements ({nbytes} bytes), more than one swap "
+                f"buffer holds ({self.buffer_size} elements of {self.dtype}); raise "
+                f"zero_optimization.offload_param.buffer_size to at least {need}"
+            )
+        off = self.file.allocate(nbytes)
+        self.parts[pid] = _Partition(pid, numel, dtype, nbytes, State.ON_DRIVE, offset=off)
+        return State.ON_DRIVE
+
+    # -- moving data ----------------------------------------------------------------
+    def write(self, pid: Any, tensor: Any, async_op: bool = False) -> None:
+        """Store new values for a partition (initial values, or after a step)."""
+        p = self._part(pid)
+        src = tensor.detach().reshape(-1)
+        if src.numel() != p.numel or src.dtype != p.dtype:
+            raise ValueError(
+                f"partition {pid!r}: expected {p.numel} elements of {p.dtype}, "
+                f"got {src.numel()} of {src.dtype}"
+            )
+        if p.state == State.RESIDENT:
+            p.tensor.copy_(src)
+            return
+        self._settle(p)
+        if p.lease is not None:
+            p.tensor.copy_(src)  # keep the buffered copy coherent; write from it
+            src = p.tensor
+        # The future holds `src` alive until the write lands.
+        p.future = self.writer.async_pwrite(src.contiguous(), self.file.path, p.offset)
+        p.state = State.WRITING
+        p.releasing = False
+        self.counters["writes"] += 1
+        self.counters["bytes_written"] += p.nbytes
+        if not async_op:
+            self._settle(p)
+
+    def swap_in(self, pids: list[Any], async_op: bool = False) -> list[Any]:
+        """Make partitions available; returns their tensors (views of pool
+        buffers for partitions on the drive). With async_op the reads are only
+        started: call synchronize() (or swap_in again) before using them."""
+        self._check_open()
+        parts = [self._part(pid) for pid in pids]
+        need = sum(1 for p in parts if p.lease is None and p.state != State.RESIDENT)
+        if need > self.pool.count:
+            raise PoolExhaustedError(
+                f"{need} partitions requested at once but only {self.pool.count} swap buffers "
+                f"exist; raise zero_optimization.offload_param.buffer_count to at least {need}"
+            )
+        for p in parts:
+            self._start_read(p, must=True)
+        if not async_op:
+            for p in parts:
+                self._settle(p)
+        return [p.tensor for p in parts]
+
+    def prefetch(self, pids: list[Any]) -> int:
+        """Start reading partitions that will be needed soon, as far as free
+        buffers allow; returns how many reads were started."""
+        started = 0
+        for pid in pids:
+            p = self._part(pid)
+            if p.state == State.ON_DRIVE:
+                if not self._start_read(p, must=False):
+                    break
+                started += 1
+                self.counters["prefetch"] += 1
+        return started
+
+    def _start_read(self, p: _Partition, must: bool) -> bool:
+        if p.state == State.INVALID:
+            raise SwapStateError(
+                f"partition {p.pid!r}: its drive copy is invalid after a failed write; "
+                "write() it again before reading"
+            )
+        if p.state in (State.RESIDENT, State.AVAILABLE, State.IN_FLIGHT):
+            self.counters["hits"] += 1
+            return True
+        if p.state == State.WRITING:
+            self._settle(p)
+        if not p.written:
+            raise SwapStateError(f"partition {p.pid!r} was never written; write() it first")
+        lease = self.pool.try_acquire()
+        while lease is None:
+            if not self._free_one_buffer():
+                if not must:
+                    return False
+                held = [q.pid for q in self.parts.values() if q.lease is not None]
+                raise PoolExhaustedError(
+                    f"no free parameter swap buffer: all {self.pool.count} hold available "
+                    f"partitions ({held[:8]}{'...' if len(held) > 8 else ''}); release() them "
+                    f"after use or raise zero_optimization.offload_param.buffer_count"
+                )
+            lease = self.pool.try_acquire()
+        p.lease = lease
+        p.tensor = BufferPool.view(lease, p.dtype, p.numel)
+        p.future = self.reader.async_pread(p.tensor, self.file.path, p.offset)
+        p.state = State.IN_FLIGHT
+        self.counters["swap_in"] += 1
+        self.counters["bytes_read"] += p.nbytes
+        return True
+
+    def _free_one_buffer(self) -> bool:
+        """Wait for a buffered partition that is being written back to finish
+        and release its buffer; False if no buffer can come back this way."""
+        for q in self.parts.values():
+            if q.lease is not None and q.future is not None and q.releasing:
+                self._settle(q)
+                return True
+        return False
+
+    def release(self, pids: list[Any]) -> None:
+        """Give buffers back without writing (parameters are read-only between steps)."""
+        for pid in pids:
+            p = self._part(pid)
+            if p.state == State.RESIDENT or p.lease is None:
+                continue
+            self._settle(p)
+            if p.lease is not None:
+                self._drop_buffer(p)
+                self.counters["release"] += 1
+
+    def swap_out(self, pids: list[Any], async_op: bool = False) -> None:
+        """Write modified buffered partitions back, then release their buffers."""
+        for pid in pids:
+            p = self._part(pid)
+            if p.state == State.RESIDENT:
+                continue
+            self._settle(p)
+            if p.state != State.AVAILABLE:
+                raise SwapStateError(
+                    f"partition {pid!r} is {p.state.value}, not available; nothing to swap out"
+                )
+            p.future = self.writer.async_pwrite(p.tensor, self.file.path, p.offset)
+            p.state = State.WRITING
+            p.releasing = True
+            self.counters["writes"] += 1
+            self.counters["bytes_written"] += p.nbytes
+        if not async_op:
+            for pid in pids:
+                self._settle(self._part(pid))
+
+    def _drop_buffer(self, p: _Partition) -> None:
+        if p.lease is not None:
+            p.lease.release()
+        p.lease = None
+        p.tensor = None
+        if p.state != State.INVALID:
+            p.state = State.ON_DRIVE
+
+    def _settle(self, p: _Partition) -> None:
+        """Wait for p's I/O and apply the resulting state transition."""
+        fut = p.future
+        if fut is None:
+            return
+        p.future = None
+        exc = fut.exception()
+        is_write = p.state == State.WRITING
+        releasing, p.releasing = p.releasing, False
+        if is_write:
+            if exc is not None:
+                p.state = State.INVALID
+                p.written = False
+                if p.lease is not None and releasing:
+                    p.lease.release()
+                    p.lease, p.tensor = None, None
+                raise SwapStateError(
+                    f"writing partition {p.pid!r} failed; its drive copy is now invalid"
+                ) from exc
+            p.written = True
+            if releasing:
+                self._drop_buffer(p)
+            elif p.lease is None:
+                p.state = State.ON_DRIVE
+            else:
+                p.state = State.AVAILABLE
+            return
+        if exc is not None:
+            self._drop_buffer(p)  # the drive copy is still good; just not read
+            raise exc
+        p.state = State.AVAILABLE
+
+    def synchronize(self) -> None:
+        """Wait for every read and write; raises the first failure after all finished."""
+        first: BaseException | None = None
+        for p in list(self.parts.values()):
+            try:
+                self._settle(p)
+            except BaseException as e:  # noqa: BLE001 - collected, first re-raised
+                first = first or e
+        if first is not None:
+            raise first
+
+    # -- introspection ----------------------------------------------------------------
+    def status(self, pid: Any) -> str:
+        p = self._part(pid)
+        if p.future is not None and p.future.done() and p.state == State.IN_FLIGHT:
+            return "in_flight(done)"
+        return p.state.value
+
+    def stats(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        for p in self.parts.values():
+            by_state[p.state.value] = by_state.get(p.state.value, 0) + 1
+        return {
+            **self.counters,
+            "partitions": len(self.parts),
+            "by_state": by_state,
+            "buffers_free": self.pool.available(),
+            "pinned_buffer_bytes": self.pool.pinned_bytes,
+            "drive_bytes": self.file.size,
+            "swap_dir": self.storage.dir,
+        }
+
+    def _part(self, pid: Any) -> _Partition:
+        try:
+            return self.parts[pid]
+        except KeyError:
+            raise KeyError(f"partition {pid!r} is not registered") from None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("ParamSwapper is closed")
+
+    def close(self) -> None:
+        """Finish I/O, free buffers and remove the swap folder."""
+        if self.closed:
+            return
+        try:
+            for p in self.parts.values():
+                try:
+                    self._settle(p)
+                except BaseException:  # noqa: BLE001 - closing anyway
+                    pass
+        finally:
+            self.closed = True
+            self.reader.close()
+            self.writer.close()
+            self.storage.close()
+
+    def __enter__(self) -> ParamSwapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _empty(numel: int, dtype: Any) -> Any:
+    import torch
+
+    return torch.empty(numel, dtype=dtype)

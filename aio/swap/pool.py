@@ -1,0 +1,73 @@
+"""Fixed pools of pinned, aligned swap buffers with dtype-aware views."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..pinned import Lease, PinnedPool
+
+
+class PoolExhaustedError(RuntimeError):
+    """Every buffer of a pool is in use and none will come back by waiting."""
+
+
+class BufferPool:
+    """``count`` buffers of ``slot_bytes`` each, allocated (and locked) on
+    first use, so a swapper that is configured but never used costs nothing.
+
+    ``setting`` names the config keys to point at in errors, e.g.
+    ``("zero_optimization.offload_param.buffer_count", "...buffer_size")``.
+    """
+
+    def __init__(
+        self, count: int, slot_bytes: int, pin: bool, count_key: str, size_key: str
+    ) -> None:
+        if count <= 0:
+            raise ValueError(f"{count_key} must be positive, got {count}")
+        if slot_bytes <= 0:
+            raise ValueError(f"{size_key} must be positive, got {slot_bytes}")
+        self.count = count
+        self.slot_bytes = slot_bytes
+        self.pin = pin
+        self.count_key = count_key
+        self.size_key = size_key
+        self._pool: PinnedPool | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes this pool holds (or will hold once used)."""
+        return self.count * (-(-self.slot_bytes // 4096) * 4096)
+
+    def _get(self) -> PinnedPool:
+        if self._pool is None:
+            self._pool = PinnedPool(self.count, self.slot_bytes, lock=self.pin)
+        return self._pool
+
+    def available(self) -> int:
+        return self._get().available() if self._pool is not None else self.count
+
+    def try_acquire(self) -> Lease | None:
+        pool = self._get()
+        try:
+            return pool.acquire(timeout=0)
+        except TimeoutError:
+            return None
+
+    def acquire(self, timeout: float | None = None) -> Lease:
+        return self._get().acquire(timeout)
+
+    @staticmethod
+    def view(lease: Lease, dtype: Any, numel: int, offset_bytes: int = 0) -> Any:
+        """A 1-D tensor of `numel` elements of `dtype` at `offset_bytes` in the slot."""
+        import torch
+
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        end = offset_bytes + numel * itemsize
+        if end > lease.nbytes:
+            raise ValueError(f"view of {end} bytes does not fit a {lease.nbytes}-byte buffer")
+        raw = torch.frombuffer(lease.buffer(), dtype=torch.uint8)
+        return raw[offset_bytes:end].view(dtype)

@@ -1,0 +1,258 @@
+"""OptimizerSwapper: state discovery, bit-exact steps vs in-memory (pipelined
+or not), configuration errors up front, faults mid-step, checkpoints."""
+
+import errno
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aio.swap import OptimizerSwapper, SwapStateError, discover_state_spec  # noqa: E402
+
+SIZES = [1000, 4097, 20000, 333, 65536]
+PIPES = [(False, False), (True, False), (False, True), (True, True)]
+OPTS = [
+    (torch.optim.Adam, {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.01}),
+    (torch.optim.AdamW, {"lr": 3e-3}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    (torch.optim.Adagrad, {"lr": 0.05}),
+]
+
+
+def test_state_discovery():
+    assert [n for n, _ in discover_state_spec(torch.optim.Adam, lr=1e-3)] == [
+        "exp_avg",
+        "exp_avg_sq",
+    ]
+    assert [n for n, _ in discover_state_spec(torch.optim.SGD, lr=0.1, momentum=0.9)] == [
+        "momentum_buffer"
+    ]
+    assert [n for n, _ in discover_state_spec(torch.optim.Adagrad, lr=0.1)] == ["sum"]
+    assert discover_state_spec(torch.optim.SGD, lr=0.1) == []  # plain SGD keeps no state
+
+
+def _grads(step, sizes):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(n, generator=g) for n in sizes]
+
+
+def _reference(opt_cls, hyper, init, steps):
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = opt_cls(params, **hyper)
+    for s in range(steps):
+        for p, g in zip(params, _grads(s, [t.numel() for t in init]), strict=True):
+            p.grad = g
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def _swapped(tmp_path, opt_cls, hyper, init, steps, pipe, buffer_count=3):
+    sw = OptimizerSwapper(
+        str(tmp_path),
+        opt_cls,
+        hyper,
+        buffer_count=buffer_count,
+        pipeline_read=pipe[0],
+        pipeline_write=pipe[1],
+    )
+    for i, t in enumerate(init):
+        sw.register_subgroup(i, t.numel())
+        sw.initialize(i, t)
+    for s in range(steps):
+        for i, g in enumerate(_grads(s, [t.numel() for t in init])):
+            sw.write_gradient(i, g)
+        sw.step()
+    out = [sw.read_master(i) for i in range(len(init))]
+    return sw, out
+
+
+@pytest.mark.parametrize("pipe", PIPES, ids=lambda p: f"read{int(p[0])}write{int(p[1])}")
+@pytest.mark.parametrize("opt_cls,hyper", OPTS, ids=lambda o: getattr(o, "__name__", ""))
+def test_step_is_bit_exact_with_in_memory(tmp_path, opt_cls, hyper, pipe):
+    g = torch.Generator().manual_seed(7)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    want = _reference(opt_cls, hyper, init, steps=4)
+    sw, got = _swapped(tmp_path, opt_cls, hyper, init, steps=4, pipe=pipe)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+    st = sw.stats()
+    assert st["steps"] == 4 and st["subgroup_steps"] == 4 * len(SIZES)
+    sw.close()
+
+
+def test_after_callback_sees_updated_weights(tmp_path):
+    init = [torch.ones(100), torch.ones(200)]
+    seen = {}
+    sw = OptimizerSwapper(str(tmp_path), torch.optim.SGD, {"lr": 0.5})
+    for i, t in enumerate(init):
+        sw.register_subgroup(i, t.numel())
+        sw.initialize(i, t)
+        sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
+    sw.step(after=lambda i, w: seen.__setitem__(i, w.clone()))
+    assert all(torch.equal(seen[i], torch.full((n,), 0.5)) for i, n in ((0, 100), (1, 200)))
+    sw.close()
+
+
+@pytest.mark.parametrize("pipe,count", [((True, True), 2), ((True, False), 1), ((False, True), 1)])
+def test_pool_too_small_for_pipeline_refused_up_front(tmp_path, pipe, count):
+    with pytest.raises(ValueError, match=r"buffer_count.*at least"):
+        OptimizerSwapper(
+            str(tmp_path),
+            torch.optim.Adam,
+            {"lr": 1e-3},
+            buffer_count=count,
+            pipeline_read=pipe[0],
+            pipeline_write=pipe[1],
+        )
+
+
+def test_subgroup_larger_than_sub_group_size(tmp_path):
+    with OptimizerSwapper(
+        str(tmp_path), torch.optim.Adam, {"lr": 1e-3}, sub_group_size=10000
+    ) as sw:
+        with pytest.raises(ValueError, match="sub_group_size to at least 10001"):
+            sw.register_subgroup(0, 10001)
+        sw.register_subgroup(0, 500)
+        sw.initialize(0, torch.zeros(500))
+        sw.write_gradient(0, torch.zeros(500))
+        sw.step()
+        with pytest.raises(ValueError, match="register every sub-group before"):
+            sw.register_subgroup(1, 8000)
+
+
+def test_bad_gradient_and_uninitialized(tmp_path):
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3}) as sw:
+        sw.register_subgroup(0, 10)
+        with pytest.raises(SwapStateError, match="initialize"):
+            sw.step()
+        with pytest.raises(ValueError, match="fp32"):
+            sw.write_gradient(0, torch.zeros(10, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("where", ["read", "write"])
+@pytest.mark.parametrize("pipe", [(True, True), (False, False)], ids=["pipelined", "plain"])
+def test_fault_mid_step_surfaces_and_poisons(tmp_path, where, pipe):
+    init = [torch.randn(n) for n in SIZES]
+    (tmp_path / "s").mkdir()
+    sw = OptimizerSwapper(
+        str(tmp_path / "s"),
+        torch.optim.Adam,
+        {"lr": 1e-2},
+        buffer_count=3,
+        pipeline_read=pipe[0],
+        pipeline_write=pipe[1],
+    )
+    for i, t in enumerate(init):
+        sw.register_subgroup(i, t.numel())
+        sw.initialize(i, t)
+        sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
+    sw.step()
+    ck = str(tmp_path / "ck")
+    sw.export_checkpoint(ck)
+    for i, t in enumerate(init):
+        sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
+    handle = sw.reader if where == "read" else sw.writer
+    handle._c.inject_fault("error", errno.EIO, where, 3, 1)
+    with pytest.raises(OSError) as ei:
+        sw.step()
+    assert ei.value.errno == errno.EIO
+    assert sw.broken and "import_checkpoint" in sw.broken
+    if where == "write":
+        assert not all(g.valid for g in sw.groups.values())  # the failed write reads as invalid
+    with pytest.raises(SwapStateError, match="partly updated"):
+        sw.step()
+    handle._c.clear_fault()
+    assert sw.pool.available() == 3  # no buffer leaked by the failure
+    sw.import_checkpoint(ck)
+    assert sw.broken is None
+    for i, t in enumerate(init):
+        sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
+    sw.step()  # consistent again
+    sw.close()
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    hyper = {"lr": 1e-2}
+    want = _reference(torch.optim.Adam, hyper, init, steps=5)
+    (tmp_path / "a").mkdir()
+    a, _ = _swapped(tmp_path / "a", torch.optim.Adam, hyper, init, steps=3, pipe=(True, True))
+    ck = str(tmp_path / "ckpt")
+    a.export_checkpoint(ck)
+    a.close()
+    assert sorted(os.listdir(ck))[:2] == ["manifest.json", "scalars.pt"]
+    (tmp_path / "b").mkdir()
+    b = OptimizerSwapper(
+        str(tmp_path / "b"),
+        torch.optim.Adam,
+        hyper,
+        buffer_count=3,
+        pipeline_read=True,
+        pipeline_write=True,
+    )
+    for i, t in enumerate(init):
+        b.register_subgroup(i, t.numel())
+    b.import_checkpoint(ck)
+    for s in (3, 4):
+        for i, gr in enumerate(_grads(s, SIZES)):
+            b.write_gradient(i, gr)
+        b.step()
+    for i, w in enumerate(want):
+        assert torch.equal(b.read_master(i), w)
+    b.close()
+
+
+def test_checkpoint_corruption_and_mismatch_detected(tmp_path):
+    (tmp_path / "a").mkdir()
+    sw, _ = _swapped(
+        tmp_path / "a", torch.optim.Adam, {"lr": 1e-3}, [torch.ones(5000)], 1, (False, False), 1
+    )
+    ck = tmp_path / "ck"
+    sw.export_checkpoint(str(ck))
+    with pytest.raises(FileExistsError):
+        sw.export_checkpoint(str(ck))
+    data = bytearray((ck / "subgroup_0.bin").read_bytes())
+    data[100] ^= 0xFF
+    (ck / "subgroup_0.bin").write_bytes(bytes(data))
+    with pytest.raises(OSError, match="checksum"):
+        sw.import_checkpoint(str(ck))
+    sw.close()
+    (tmp_path / "b").mkdir()
+    other = OptimizerSwapper(str(tmp_path / "b"), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    other.register_subgroup(0, 5000)
+    with pytest.raises(ValueError, match="does not match"):
+        other.import_checkpoint(str(ck))
+    other.close()
+
+
+def test_two_optimizer_swappers_one_path_and_cleanup(tmp_path):
+    a = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3})
+    b = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3})
+    assert a.storage.dir != b.storage.dir
+    for sw, v in ((a, 1.0), (b, 2.0)):
+        sw.register_subgroup(0, 100)
+        sw.initialize(0, torch.full((100,), v))
+    assert (a.read_master(0) == 1).all() and (b.read_master(0) == 2).all()
+    a.close()
+    b.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_from_config(tmp_path):
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 1e6,
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": str(tmp_path),
+                "buffer_count": 3,
+                "pipeline_read": True,
+                "pipeline_write": True,
+            },
+        }
+    }
+    with OptimizerSwapper.from_config(cfg, torch.optim.Adam, {"lr": 1e-3}) as sw:
+        assert sw.pipeline_read and sw.pipeline_write and sw.sub_group_size == 10**6

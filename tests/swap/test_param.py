@@ -1,0 +1,189 @@
+"""ParamSwapper: bit-exact round trips, placement, states, pool errors, faults."""
+
+import errno
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aio.swap import ParamSwapper, PoolExhaustedError, State, SwapStateError  # noqa: E402
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.uint8,
+    torch.int8,
+]
+
+
+def make(tmp_path, **kw):
+    args = dict(
+        dtype=torch.float16, buffer_count=3, buffer_size=1 << 16, max_in_cpu=0, min_swap_bytes=0
+    )
+    args.update(kw)
+    return ParamSwapper(str(tmp_path), **args)
+
+
+def rand(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, (n,), generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_roundtrip_bit_exact(tmp_path, dtype):
+    with make(tmp_path, dtype=dtype) as s:
+        vals = {i: rand(1000 * (i + 1) + i, dtype, i) for i in range(4)}
+        for i, v in vals.items():
+            assert s.register(i, v.numel()) == State.ON_DRIVE
+            s.write(i, v)
+        for i, v in vals.items():
+            (t,) = s.swap_in([i])
+            assert torch.equal(t.view(torch.uint8), v.view(torch.uint8))
+            s.release([i])
+            assert s.status(i) == "on_drive"
+
+
+def test_placement_small_and_max_in_cpu(tmp_path):
+    with make(tmp_path, max_in_cpu=3000, min_swap_bytes=1024) as s:
+        assert s.register("tiny", 100) == State.RESIDENT  # 200 bytes: not worth an I/O
+        assert s.register("a", 2000) == State.RESIDENT  # fits max_in_cpu
+        assert s.register("b", 2000) == State.ON_DRIVE  # would exceed it
+        assert s.register("c", 1000) == State.RESIDENT  # fills it exactly
+        v = rand(2000, torch.float16)
+        s.write("a", v)
+        (t,) = s.swap_in(["a"])
+        assert torch.equal(t, v) and s.status("a") == "resident"
+        assert s.stats()["drive_bytes"] == 4096
+
+
+def test_states_prefetch_release_swap_out(tmp_path):
+    with make(tmp_path) as s:
+        for i in range(3):
+            s.register(i, 4096)
+            s.write(i, torch.full((4096,), float(i), dtype=torch.float16))
+        assert s.prefetch([0, 1]) == 2
+        assert s.status(0) in ("in_flight", "in_flight(done)")
+        s.synchronize()
+        assert s.status(0) == "available"
+        (t0, t1) = s.swap_in([0, 1])  # hits: no new reads
+        assert s.stats()["hits"] >= 2
+        t0.add_(1)  # modify in the buffer, then write back
+        s.swap_out([0])
+        assert s.status(0) == "on_drive"
+        s.release([1])
+        (t0,) = s.swap_in([0])
+        assert (t0 == 1).all()
+        s.release([0])
+        assert s.stats()["buffers_free"] == 3
+
+
+def test_prefetch_is_best_effort_and_swap_in_explains_exhaustion(tmp_path):
+    with make(tmp_path, buffer_count=2) as s:
+        for i in range(4):
+            s.register(i, 100)
+            s.write(i, torch.zeros(100, dtype=torch.float16))
+        assert s.prefetch([0, 1, 2, 3]) == 2
+        with pytest.raises(PoolExhaustedError, match="buffer_count"):
+            s.swap_in([2])
+        s.release([0, 1])
+        with pytest.raises(PoolExhaustedError, match="at least 3"):
+            s.swap_in([0, 2, 3])  # more partitions at once than the pool has buffers
+        s.swap_in([2, 3])
+
+
+def test_oversize_partition_refused_at_registration(tmp_path):
+    with make(tmp_path, buffer_size=1000) as s:
+        with pytest.raises(ValueError, match=r"buffer_size to at least 1001"):
+            s.register("big", 1001)
+        with pytest.raises(ValueError, match="positive"):
+            s.register("zero", 0)
+        s.register("ok", 1000)
+        with pytest.raises(ValueError, match="already registered"):
+            s.register("ok", 10)
+        with pytest.raises(KeyError):
+            s.swap_in(["nope"])
+
+
+def test_write_failure_marks_invalid_and_reads_refuse(tmp_path):
+    with make(tmp_path) as s:
+        s.register(0, 50000)
+        good = rand(50000, torch.float16)
+        s.write(0, good)
+        s.writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
+        with pytest.raises(SwapStateError, match="invalid") as ei:
+            s.write(0, torch.zeros(50000, dtype=torch.float16))
+        assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.EIO
+        assert s.status(0) == "invalid"
+        with pytest.raises(SwapStateError, match="invalid"):
+            s.swap_in([0])
+        s.writer._c.clear_fault()
+        s.write(0, good)  # a successful write makes it valid again
+        (t,) = s.swap_in([0])
+        assert torch.equal(t, good)
+
+
+def test_read_failure_raises_and_keeps_drive_copy(tmp_path):
+    with make(tmp_path) as s:
+        s.register(0, 50000)
+        good = rand(50000, torch.float16)
+        s.write(0, good)
+        s.reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
+        with pytest.raises(OSError):
+            s.swap_in([0])
+        assert s.status(0) == "on_drive" and s.stats()["buffers_free"] == 3
+        (t,) = s.swap_in([0])
+        assert torch.equal(t, good)
+
+
+def test_never_written_partition(tmp_path):
+    with make(tmp_path) as s:
+        s.register(0, 10)
+        with pytest.raises(SwapStateError, match="never written"):
+            s.swap_in([0])
+
+
+def test_close_removes_everything(tmp_path):
+    s = make(tmp_path)
+    s.register(0, 1000)
+    s.write(0, torch.zeros(1000, dtype=torch.float16))
+    d = s.storage.dir
+    s.close()
+    assert not os.path.exists(d) and os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="closed"):
+        s.register(1, 10)
+
+
+def test_from_config(tmp_path):
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(tmp_path),
+                "buffer_count": 2,
+                "buffer_size": 1e4,
+                "max_in_cpu": 0,
+            },
+        },
+        "aio": {"block_size": 262144, "queue_depth": 4},
+    }
+    with ParamSwapper.from_config(cfg, torch.bfloat16) as s:
+        assert s.pool.count == 2 and s.buffer_size == 10000
+        assert s.reader.get_block_size() == 262144
+    with pytest.raises(ValueError, match="must be 'nvme'"):
+        ParamSwapper.from_config({"zero_optimization": {"stage": 3}}, torch.float16)
+
+
+def test_two_swappers_share_nvme_path(tmp_path):
+    with make(tmp_path) as a, make(tmp_path) as b:
+        for s, val in ((a, 1.0), (b, 2.0)):
+            s.register(0, 5000)
+            s.write(0, torch.full((5000,), val, dtype=torch.float16))
+        assert (a.swap_in([0])[0] == 1).all() and (b.swap_in([0])[0] == 2).all()
+        assert a.storage.dir != b.storage.dir

@@ -1,0 +1,88 @@
+"""Swap storage: per-job/rank folders, aligned preallocated slots, cleanup."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from aio.swap import SwapStorage
+from aio.swap.storage import MARKER, ROOT_NAME
+
+
+def test_folders_are_namespaced_and_cleaned(tmp_path):
+    a = SwapStorage(str(tmp_path), "param", job_id="job/1", rank=0)
+    b = SwapStorage(str(tmp_path), "param", job_id="job/1", rank=0)  # same job+rank: still distinct
+    c = SwapStorage(str(tmp_path), "optimizer", job_id="other", rank=3)
+    assert len({a.dir, b.dir, c.dir}) == 3
+    assert os.path.basename(a.dir).startswith("job_1-rank0-param-")
+    assert "rank3-optimizer" in c.dir
+    assert all(os.path.isfile(os.path.join(s.dir, MARKER)) for s in (a, b, c))
+    foreign = tmp_path / ROOT_NAME / "someone-else"
+    foreign.mkdir()
+    (foreign / "data").write_text("keep me")
+    for s in (a, b, c):
+        s.close()
+    assert not any(os.path.exists(s.dir) for s in (a, b, c))
+    assert (foreign / "data").read_text() == "keep me"  # never touched
+    foreign.joinpath("data").unlink()
+    foreign.rmdir()
+
+
+def test_root_removed_when_empty(tmp_path):
+    s = SwapStorage(str(tmp_path), "param")
+    s.close()
+    assert not (tmp_path / ROOT_NAME).exists()
+    s.close()  # idempotent
+
+
+def test_slots_aligned_and_preallocated(tmp_path):
+    s = SwapStorage(str(tmp_path), "param")
+    f = s.file("x.swp")
+    offs = [f.allocate(n) for n in (1, 4096, 5000, 123)]
+    assert offs == [0, 4096, 8192, 16384]
+    assert all(o % 4096 == 0 for o in offs)
+    assert os.path.getsize(f.path) == f.size == 20480
+    assert os.stat(f.path).st_blocks * 512 >= 20480  # really allocated, not sparse
+    with pytest.raises(ValueError):
+        f.allocate(0)
+    s.close()
+
+
+def test_no_space_reported_at_allocation(tmp_path):
+    s = SwapStorage(str(tmp_path), "param")
+    with pytest.raises(OSError) as ei:
+        s.file("x.swp").allocate(1 << 60)
+    assert "swap space" in str(ei.value)
+    s.close()
+
+
+def test_bad_nvme_path(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        SwapStorage(str(tmp_path / "missing"), "param")
+    with pytest.raises(ValueError):
+        SwapStorage("", "param")
+
+
+def test_env_job_and_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIO_JOB_ID", "train42")
+    monkeypatch.setenv("RANK", "7")
+    s = SwapStorage(str(tmp_path), "param")
+    assert os.path.basename(s.dir).startswith("train42-rank7-param-")
+    s.close()
+
+
+def test_removed_at_interpreter_exit(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        from aio.swap import SwapStorage
+        s = SwapStorage({str(tmp_path)!r}, "param")
+        s.file("a.swp").allocate(1 << 20)
+        print(s.dir)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not os.path.exists(r.stdout.strip())
+    assert not (tmp_path / ROOT_NAME).exists()
