@@ -248,6 +248,8 @@ class Sweep:
         self.out_of_budget = False
         # (setting, direction) -> GB/s samples, so ranking stays cheap.
         self._samples: dict[tuple[Setting, str], list[float]] = {}
+        # Leaders' median score relative to their round's mean (paired rounds).
+        self.confirmed: dict[Setting, float] = {}
 
     # -- measuring -------------------------------------------------------------
     def _budget_left(self) -> bool:
@@ -304,6 +306,8 @@ class Sweep:
         return sorted(self.measured(), key=self.score, reverse=True)
 
     def best(self) -> Setting | None:
+        if self.confirmed:
+            return max(self.confirmed, key=lambda s: self.confirmed[s])
         r = self.ranking()
         return r[0] if r else None
 
@@ -335,9 +339,41 @@ class Sweep:
                 if cand not in coarse and cand not in fine:
                     fine.append(cand)
         self.measure(fine, self.repeats, "refine")
-        # Stage 3: more repeats for the leaders, so the pick is not one lucky run.
-        leaders = self.ranking()[:5]
-        self.measure(leaders, max(2, self.repeats + 1), "confirm")
+        # Stage 3: the leaders head to head, so the pick is not one lucky run.
+        self.confirm(self.ranking()[:6], rounds=3)
+
+    def confirm(self, leaders: list[Setting], rounds: int) -> None:
+        """Paired rounds: each round runs every leader twice, in an order and
+        its reverse (A B C .. C B A), and scores each leader relative to the
+        round's mean. The drive's slow drift (bursts after idle, host cache
+        filling) hits every leader of a round alike and cancels out; the
+        final pick is the best median relative score."""
+        if len(leaders) < 2:
+            return
+        self.progress.grow(len(leaders) * 2 * rounds * len(self.directions))
+        nbytes = self.drive.io_size * len(self.drive.paths)
+        rel: dict[Setting, list[float]] = {s: [] for s in leaders}
+        for _ in range(rounds):
+            order = list(leaders)
+            self.rng.shuffle(order)
+            spent = dict.fromkeys(leaders, 0.0)
+            for s in order + order[::-1]:
+                for d in self.directions:
+                    if not self._budget_left():
+                        return
+                    sec = self.drive.run(s, d)
+                    spent[s] += sec
+                    gbps = nbytes / sec / 1e9
+                    self.trials.append(Trial(s, d, gbps, sec, nbytes, "confirm"))
+                    self._samples.setdefault((s, d), []).append(gbps)
+                    self.progress.step(f"confirming {len(leaders)} leaders")
+            # Equal bytes per leader, so rate = bytes / time is the harmonic
+            # mean of its read and write rates.
+            score = {s: 1.0 / spent[s] for s in leaders}
+            mean = statistics.mean(score.values())
+            for s in leaders:
+                rel[s].append(score[s] / mean)
+        self.confirmed = {s: statistics.median(v) for s, v in rel.items()}
 
 
 def fio_reference(path: str, s: Setting, io_size: int, direction: str) -> float | None:
@@ -533,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
             print("aio-sweep: no configuration was measured (budget too small?)", file=sys.stderr)
             return 1
         ranking = sweep.ranking()
+        if sweep.confirmed:  # the head-to-head order decides among the leaders
+            lead = sorted(sweep.confirmed, key=lambda s: -sweep.confirmed[s])
+            ranking = lead + [s for s in ranking if s not in sweep.confirmed]
         log(
             f"\nmeasured {len(sweep.measured())} configurations, "
             f"{len(sweep.trials)} trials in {elapsed:.0f} s"
@@ -540,14 +579,20 @@ def main(argv: list[str] | None = None) -> int:
         if sweep.out_of_budget:
             log(f"note: stopped at --budget-seconds {a.budget_seconds}; the search is incomplete")
         hdr = "  ".join(f"{d:>14s}" for d in directions)
-        log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]")
+        log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]  head-to-head")
         for i, s in enumerate(ranking[: a.top], 1):
             cols = "  ".join(
                 f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions
             )
             lo, hi = sweep.spread(s)
-            log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]")
-        if len(ranking) > 1:
+            h2h = f"{sweep.confirmed[s]:.3f}" if s in sweep.confirmed else ""
+            log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}")
+        if sweep.confirmed:
+            log("  (head-to-head: median score relative to the leaders' mean in paired rounds)")
+            top2 = sorted(sweep.confirmed.values(), reverse=True)[:2]
+            if len(top2) == 2 and top2[0] - top2[1] < 0.02:
+                log("  note: the top two are within 2% head to head: indistinguishable on this drive")
+        elif len(ranking) > 1:
             lo1, hi1 = sweep.spread(ranking[0])
             lo2, hi2 = sweep.spread(ranking[1])
             if lo1 <= hi2:
