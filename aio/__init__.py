@@ -17,6 +17,18 @@ from .pinned import (
 
 __version__ = "0.1.0"
 
+
+def _honour_env() -> None:
+    import os
+
+    if os.environ.get("AIO_DEEPSPEED"):
+        from .integrations.deepspeed import enable_from_env
+
+        enable_from_env()
+
+
+_honour_env()
+
 __all__ = [
     "AioFuture",
     "AsyncIOHandle",

@@ -325,20 +325,25 @@ class Sweep:
     def smart(self) -> None:
         sp = self.space
         t0 = 1 if 1 in sp.threads else sp.threads[0]
-        ss0 = False if False in sp.single_submit else sp.single_submit[0]
         ov0 = True if True in sp.overlap_events else sp.overlap_events[0]
-        # Stage 1: the two settings that matter most, others at their defaults.
-        coarse = [Setting(b, q, t0, ss0, ov0) for b in sp.block_sizes for q in sp.queue_depths]
-        self.measure(coarse, self.repeats, "coarse")
-        top = [s for s in self.ranking() if s in coarse][:2]
-        # Stage 2: threads and submission modes around the two best.
+        # Stage 1: block size x queue depth x single_submit, the settings that
+        # move throughput most, one pass (the confirm stage absorbs noise).
+        coarse = [
+            Setting(b, q, t0, ss, ov0)
+            for b in sp.block_sizes
+            for q in sp.queue_depths
+            for ss in sp.single_submit
+        ]
+        self.measure(coarse, max(1, self.repeats - 1), "coarse")
+        top = [s for s in self.ranking() if s in coarse][:4]
+        # Stage 2: threads x overlap_events around the four best.
         fine = []
         for s in top:
-            for t, ss, ov in itertools.product(sp.threads, sp.single_submit, sp.overlap_events):
-                cand = Setting(s.block_size, s.queue_depth, t, ss, ov)
+            for t, ov in itertools.product(sp.threads, sp.overlap_events):
+                cand = Setting(s.block_size, s.queue_depth, t, s.single_submit, ov)
                 if cand not in coarse and cand not in fine:
                     fine.append(cand)
-        self.measure(fine, self.repeats, "refine")
+        self.measure(fine, max(1, self.repeats - 1), "refine")
         # Stage 3: the leaders head to head, so the pick is not one lucky run.
         self.confirm(self.ranking()[:6], rounds=3)
 

@@ -1,0 +1,303 @@
+"""DeepSpeed runs its ZeRO-3 NVMe offload on aio.
+
+After :func:`enable`, DeepSpeed's parameter swapper and both optimizer
+swappers (partitioned and pipelined) get :class:`DeepSpeedAioHandle` wherever
+they would have loaded DeepSpeed's JIT-built ``async_io`` op: no libaio-dev,
+no op build, every completion checked, errors raised as Python exceptions
+instead of return codes.
+
+Three ways in:
+
+- ``import aio.integrations.deepspeed as d; d.enable()`` before
+  ``deepspeed.initialize`` (or before the HF Trainer / Lightning strategy
+  builds the engine);
+- no code change: run the script through ``python -m aio.run train.py ...``
+  (also ``torchrun -m aio.run ...`` and ``deepspeed --module aio.run ...``);
+- ``AIO_DEEPSPEED=1`` in the environment of any process that imports ``aio``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+import types
+from typing import Any
+
+from ..handle import AsyncIOHandle
+from ..pinned import free_locked_tensor, is_locked, new_locked_tensor
+
+SUPPORTED = ((0, 19), (0, 20))  # [lowest, highest) major.minor
+SUPPORTED_TEXT = "deepspeed>=0.19,<0.20"
+
+_lock = threading.Lock()
+_patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+
+
+class DeepSpeedAioHandle:
+    """DeepSpeed's ``aio_handle`` interface on aio's engine.
+
+    Same constructor (``block_size, queue_depth, single_submit,
+    overlap_events, intra_op_parallelism``, DeepSpeed's defaults) and the
+    return codes DeepSpeed's swappers assert on: ``async_*`` return 0,
+    synchronous calls and ``wait()`` return the number of completed
+    operations. Unlike DeepSpeed's op, failures raise (``OSError`` with errno,
+    path, offset and length) instead of returning -1 or being printed.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1024 * 1024,
+        queue_depth: int = 128,
+        single_submit: bool = False,
+        overlap_events: bool = False,
+        intra_op_parallelism: int = 1,
+        **legacy: Any,
+    ) -> None:
+        # Older DeepSpeed spelled the thread count num_threads / thread_count.
+        for name in ("num_threads", "thread_count"):
+            if name in legacy:
+                intra_op_parallelism = legacy.pop(name)
+        if legacy:
+            raise TypeError(f"aio_handle() got unexpected keyword arguments {sorted(legacy)}")
+        self._h = AsyncIOHandle(
+            block_size=int(block_size),
+            queue_depth=int(queue_depth),
+            single_submit=bool(single_submit),
+            overlap_events=bool(overlap_events),
+            thread_count=int(intra_op_parallelism),
+        )
+
+    @property
+    def handle(self) -> AsyncIOHandle:
+        """The underlying :class:`aio.AsyncIOHandle` (futures, stats())."""
+        return self._h
+
+    # settings
+    def get_block_size(self) -> int:
+        return self._h.get_block_size()
+
+    def get_queue_depth(self) -> int:
+        return self._h.get_queue_depth()
+
+    def get_single_submit(self) -> bool:
+        return self._h.get_single_submit()
+
+    def get_overlap_events(self) -> bool:
+        return self._h.get_overlap_events()
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._h.get_thread_count()
+
+    get_thread_count = get_intra_op_parallelism
+
+    def get_alignment(self) -> int:
+        return self._h.get_alignment()
+
+    # I/O: DeepSpeed's return conventions
+    def async_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        self._h.async_pread(buffer, filename, int(file_offset))
+        return 0
+
+    def async_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        """`filename` may also be an open descriptor (DeepSpeed passes its own fd)."""
+        self._h.async_pwrite(buffer, filename, int(file_offset))
+        return 0
+
+    def _sync(self, read: bool, buffer: Any, filename: Any, offset: int) -> int:
+        # DeepSpeed's synchronous calls also complete (and count) whatever
+        # async work was pending.
+        n = self._h.wait()
+        (self._h.sync_pread if read else self._h.sync_pwrite)(buffer, filename, int(offset))
+        return n + 1
+
+    def sync_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        return self._sync(True, buffer, filename, file_offset)
+
+    def sync_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        return self._sync(False, buffer, filename, file_offset)
+
+    def pread(self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False,
+              file_offset: int = 0) -> int:
+        if async_op:
+            return self.async_pread(buffer, filename, file_offset)
+        n = self._sync(True, buffer, filename, file_offset)
+        if validate:
+            self._h._validate(buffer, filename, int(file_offset), "read")
+        return n
+
+    def pwrite(self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False,
+               file_offset: int = 0) -> int:
+        if async_op:
+            return self.async_pwrite(buffer, filename, file_offset)
+        n = self._sync(False, buffer, filename, file_offset)
+        if validate:
+            self._h._validate(buffer, filename, int(file_offset), "write")
+        return n
+
+    def read(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
+        self.pread(buffer, filename, validate, False, file_offset)
+        return 0
+
+    def write(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
+        self.pwrite(buffer, filename, validate, False, file_offset)
+        return 0
+
+    def wait(self) -> int:
+        return self._h.wait()
+
+    # pinned memory
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        return new_locked_tensor(int(num_elem), example_tensor.dtype)
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        return free_locked_tensor(tensor)
+
+    def is_pinned(self, tensor: Any) -> bool:
+        return is_locked(tensor)
+
+    # GPUDirect Storage entry points (gds_handle) are not offered.
+    def pin_device_tensor(self, tensor: Any) -> bool:
+        raise NotImplementedError("aio has no GPUDirect Storage engine; set aio.use_gds to false")
+
+    unpin_device_tensor = pin_device_tensor
+
+
+def _op_module() -> types.ModuleType:
+    mod = types.ModuleType("aio_async_io_op")
+    mod.aio_handle = DeepSpeedAioHandle  # type: ignore[attr-defined]
+    mod.__doc__ = "DeepSpeed async_io op interface, served by aio"
+    return mod
+
+
+class AioAsyncIOBuilder:
+    """Stands in for DeepSpeed's ``AsyncIOBuilder``: compatible everywhere,
+    ``load()`` builds nothing and returns aio's handle class."""
+
+    BUILD_VAR = "DS_BUILD_AIO"
+    NAME = "async_io"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.name = self.NAME
+
+    def absolute_name(self) -> str:
+        return "aio.integrations.deepspeed.async_io"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True
+
+    def load(self, verbose: bool = True) -> types.ModuleType:
+        return _op_module()
+
+    def jit_load(self, verbose: bool = True) -> types.ModuleType:
+        return _op_module()
+
+    def sources(self) -> list[str]:
+        return []
+
+
+def _version_ok(version: str) -> bool:
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return SUPPORTED[0] <= parts < SUPPORTED[1]
+
+
+def _is_ds_builder(obj: Any) -> bool:
+    return (
+        isinstance(obj, type)
+        and obj is not AioAsyncIOBuilder
+        and getattr(obj, "NAME", None) == "async_io"
+        and obj.__module__.startswith("deepspeed")
+    )
+
+
+def enable() -> None:
+    """Route DeepSpeed's async_io op to aio. Idempotent.
+
+    Raises RuntimeError for DeepSpeed versions outside the supported range
+    (rather than half-working with a swapper whose calls changed).
+    """
+    import deepspeed
+
+    version = getattr(deepspeed, "__version__", "unknown")
+    if not _version_ok(version):
+        raise RuntimeError(
+            f"aio's DeepSpeed integration supports {SUPPORTED_TEXT}; found deepspeed {version}. "
+            f"Install a supported version (pip install '{SUPPORTED_TEXT}') or leave "
+            "aio.integrations.deepspeed disabled to use DeepSpeed's own async_io op."
+        )
+    with _lock:
+        modules = [
+            "deepspeed.ops.op_builder",
+            "deepspeed.ops.aio",
+            "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
+            "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
+            "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
+        ]
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # pragma: no cover - layout differs; the scan below still runs
+                pass
+        for name, mod in list(sys.modules.items()):
+            if not name.startswith("deepspeed") or mod is None:
+                continue
+            cur = getattr(mod, "AsyncIOBuilder", None)
+            if _is_ds_builder(cur):
+                _patched.append((mod, "AsyncIOBuilder", cur))
+                setattr(mod, "AsyncIOBuilder", AioAsyncIOBuilder)
+        # Code that asks the accelerator for the builder by name.
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        orig = acc.get_op_builder
+        if not getattr(orig, "_aio_wrapped", False):
+
+            def get_op_builder(class_name: str) -> Any:
+                if class_name == "AsyncIOBuilder":
+                    return AioAsyncIOBuilder
+                return orig(class_name)
+
+            get_op_builder._aio_wrapped = True  # type: ignore[attr-defined]
+            _patched.append((acc, "get_op_builder", orig))
+            acc.get_op_builder = get_op_builder
+
+
+def disable() -> None:
+    """Undo :func:`enable` (DeepSpeed's own op is used again)."""
+    with _lock:
+        while _patched:
+            owner, attr, orig = _patched.pop()
+            if attr == "get_op_builder":
+                try:
+                    delattr(owner, attr)
+                except AttributeError:
+                    setattr(owner, attr, orig)
+            else:
+                setattr(owner, attr, orig)
+
+
+def is_enabled() -> bool:
+    try:
+        from deepspeed.runtime.swap_tensor import partitioned_param_swapper as pps
+    except ImportError:
+        return False
+    return getattr(pps, "AsyncIOBuilder", None) is AioAsyncIOBuilder
+
+
+def enable_from_env() -> bool:
+    """Honour AIO_DEEPSPEED=1 (called at ``import aio``); returns whether enabled."""
+    if os.environ.get("AIO_DEEPSPEED", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return False
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        import warnings
+
+        warnings.warn("AIO_DEEPSPEED is set but deepspeed is not installed", RuntimeWarning, stacklevel=2)
+        return False
+    enable()
+    return True

@@ -1,0 +1,113 @@
+"""A small ZeRO-3 training run under DeepSpeed on CPU, used by the
+integration tests and bench/deepspeed_step.py.
+
+    python ds_train.py --io aio|dsop --offload nvme|cpu --nvme DIR --steps 10 --out losses.json
+                       [--pipeline] [--save CKPT --save-at N] [--load CKPT]
+
+Rank and world size come from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+(defaults: one process). Prints nothing on success but the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29611")
+os.environ.setdefault("RANK", "0")
+os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+os.environ.setdefault("WORLD_SIZE", "1")
+
+
+def build_model(torch, width: int, layers: int):
+    torch.manual_seed(1234)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    mods.append(torch.nn.Linear(width, 16))
+    return torch.nn.Sequential(*mods)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--io", choices=["aio", "dsop"], default="aio")
+    ap.add_argument("--offload", choices=["nvme", "cpu"], default="nvme")
+    ap.add_argument("--nvme", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--pipeline", action="store_true")
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--save")
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--load")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    import torch
+
+    if a.io == "aio":
+        import aio.integrations.deepspeed as aio_ds
+
+        aio_ds.enable()
+    import deepspeed
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(torch, a.width, a.layers)
+    zero: dict = {"stage": 3, "sub_group_size": 400_000, "stage3_param_persistence_threshold": 0}
+    if a.offload == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": a.nvme, "buffer_count": 6,
+                                 "buffer_size": 1_000_000, "max_in_cpu": 0, "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": a.nvme, "buffer_count": 4,
+                                     "pipeline_read": a.pipeline, "pipeline_write": a.pipeline,
+                                     "pin_memory": True}
+    else:
+        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 8 * world,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "aio": {"block_size": 262144, "queue_depth": 8, "intra_op_parallelism": 1,
+                "single_submit": False, "overlap_events": True},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    start = 0
+    if a.load:
+        _, client = engine.load_checkpoint(a.load)
+        start = int(client["step"])
+    g = torch.Generator().manual_seed(99)
+    batches = [(torch.randn(8 * world, a.width, generator=g), torch.randn(8 * world, 16, generator=g))
+               for _ in range(a.steps)]
+    losses, times = [], []
+    for step in range(start, a.steps):
+        x, y = batches[step]
+        x, y = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if a.save and step + 1 == a.save_at:
+            engine.save_checkpoint(a.save, client_state={"step": step + 1})
+    out = {"rank": rank, "losses": losses, "step_s": times, "start": start,
+           "params": sum(p.ds_numel for p in engine.module.parameters())}
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

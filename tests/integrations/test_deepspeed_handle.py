@@ -1,0 +1,101 @@
+"""DeepSpeedAioHandle: every way DeepSpeed's swappers call the handle, with
+the return codes they assert on. Needs no DeepSpeed install."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aio.integrations.deepspeed import AioAsyncIOBuilder, DeepSpeedAioHandle  # noqa: E402
+
+
+def test_constructor_matches_deepspeed_signature_and_defaults():
+    h = DeepSpeedAioHandle()
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(),
+            h.get_overlap_events(), h.get_intra_op_parallelism()) == (1 << 20, 128, False, False, 1)
+    h = DeepSpeedAioHandle(262144, 32, True, True, 4)  # positional, as DeepSpeed's tests do
+    assert h.get_thread_count() == 4 and h.get_block_size() == 262144
+    h = DeepSpeedAioHandle(block_size=4096, queue_depth=2, single_submit=False,
+                           overlap_events=True, intra_op_parallelism=2)
+    assert h.get_intra_op_parallelism() == 2
+    assert DeepSpeedAioHandle(num_threads=3).get_thread_count() == 3
+    with pytest.raises(TypeError):
+        DeepSpeedAioHandle(bogus=1)
+    assert h.get_alignment() % 4096 == 0
+
+
+def test_return_codes(tmp_path):
+    h = DeepSpeedAioHandle(intra_op_parallelism=2)
+    p = str(tmp_path / "swap.bin")
+    bufs = [h.new_cpu_locked_tensor(100_000, torch.empty(0, dtype=torch.float16)) for _ in range(3)]
+    for i, b in enumerate(bufs):
+        b.fill_(i)
+        assert h.async_pwrite(b, p, i * 200_000) == 0
+    assert h.wait() == 3
+    assert h.wait() == 0
+    outs = [torch.empty(100_000, dtype=torch.float16) for _ in range(3)]
+    for i, o in enumerate(outs):
+        assert h.async_pread(o, p, i * 200_000) == 0
+    assert h.wait() == 3
+    assert all((o == i).all() for i, o in enumerate(outs))
+    assert h.sync_pwrite(bufs[0], p, 0) == 1
+    assert h.sync_pread(outs[1], p, 0) == 1 and (outs[1] == 0).all()
+    # A synchronous call also completes (and counts) pending async work.
+    h.async_pread(outs[2], p, 200_000)
+    assert h.sync_pread(outs[0], p, 0) == 2
+    assert h.wait() == 0
+    assert h.pread(outs[0], p, False, True, 0) == 0 and h.wait() == 1
+    assert h.pwrite(bufs[1], p, True, False, 0) == 1  # validated write
+    assert h.read(outs[0], p, True) == 0 and h.write(bufs[1], p, False) == 0
+
+
+def test_async_pwrite_with_caller_descriptor(tmp_path):
+    """DeepSpeed's fast checkpoint writer passes (buffer, fd, offset)."""
+    h = DeepSpeedAioHandle()
+    p = str(tmp_path / "fd.bin")
+    t = h.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
+    t.fill_(7)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        assert h.async_pwrite(t, fd, 4096) == 0
+        assert h.wait() == 1
+    finally:
+        os.close(fd)
+    data = np.fromfile(p, np.uint8)
+    assert data.size == 4096 + (1 << 20) and (data[4096:] == 7).all()
+
+
+def test_pinned_tensor_calls_cover_views():
+    h = DeepSpeedAioHandle()
+    t = h.new_cpu_locked_tensor(10_000, torch.empty(0, dtype=torch.bfloat16))
+    assert t.dtype == torch.bfloat16 and t.numel() == 10_000
+    assert h.is_pinned(t) and h.is_pinned(t.narrow(0, 5000, 100))  # DeepSpeed asserts on slices
+    assert not h.is_pinned(torch.empty(10))
+    assert h.free_cpu_locked_tensor(t) and not h.is_pinned(t)
+
+
+def test_errors_raise_instead_of_returning_minus_one(tmp_path):
+    h = DeepSpeedAioHandle()
+    with pytest.raises(FileNotFoundError):
+        h.async_pread(torch.empty(10), str(tmp_path / "missing"), 0)
+    p = str(tmp_path / "short.bin")
+    h.sync_pwrite(torch.zeros(10), p, 0)
+    with pytest.raises(EOFError):
+        h.sync_pread(torch.empty(100), p, 0)
+    h.handle._c.inject_fault("error", errno.EIO, "write", 1, 1)
+    h.async_pwrite(torch.zeros(1000), p, 0)
+    with pytest.raises(OSError) as ei:
+        h.wait()
+    assert ei.value.errno == errno.EIO
+    with pytest.raises(NotImplementedError, match="use_gds"):
+        h.pin_device_tensor(torch.empty(1))
+
+
+def test_builder_stand_in():
+    b = AioAsyncIOBuilder()
+    assert b.is_compatible() and b.NAME == "async_io"
+    op = b.load(verbose=False)
+    assert op.aio_handle is DeepSpeedAioHandle
