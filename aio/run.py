@@ -1,9 +1,9 @@
 """Run a training script with DeepSpeed's async I/O served by aio (no code change).
 
-    python -m aio.run train.py --deepspeed ds_config.json
-    torchrun --nproc-per-node 2 -m aio.run train.py ...
-    deepspeed --module aio.run train.py ...
-    python -m aio.run -m my_package.train ...      # a module instead of a file
+python -m aio.run train.py --deepspeed ds_config.json
+torchrun --nproc-per-node 2 -m aio.run train.py ...
+deepspeed --module aio.run train.py ...
+python -m aio.run -m my_package.train ...      # a module instead of a file
 """
 
 from __future__ import annotations

@@ -591,12 +591,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             lo, hi = sweep.spread(s)
             h2h = f"{sweep.confirmed[s]:.3f}" if s in sweep.confirmed else ""
-            log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}")
+            log(
+                f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}"
+            )
         if sweep.confirmed:
             log("  (head-to-head: median score relative to the leaders' mean in paired rounds)")
             top2 = sorted(sweep.confirmed.values(), reverse=True)[:2]
             if len(top2) == 2 and top2[0] - top2[1] < 0.02:
-                log("  note: the top two are within 2% head to head: indistinguishable on this drive")
+                log(
+                    "  note: the top two are within 2% head to head: indistinguishable on this drive"
+                )
         elif len(ranking) > 1:
             lo1, hi1 = sweep.spread(ranking[0])
             lo2, hi2 = sweep.spread(ranking[1])

@@ -59,8 +59,15 @@ def optimizer_bench(a: argparse.Namespace, base: str) -> dict:
     for name, pipe in (("plain", False), ("pipelined", True)):
         d = os.path.join(base, name)
         os.makedirs(d)
-        sw = OptimizerSwapper(d, torch.optim.Adam, hyper, buffer_count=3, pipeline_read=pipe,
-                              pipeline_write=pipe, aio=aio_kw)
+        sw = OptimizerSwapper(
+            d,
+            torch.optim.Adam,
+            hyper,
+            buffer_count=3,
+            pipeline_read=pipe,
+            pipeline_write=pipe,
+            aio=aio_kw,
+        )
         for i, t in enumerate(init):
             sw.register_subgroup(i, n)
             sw.initialize(i, t)
@@ -97,24 +104,34 @@ def optimizer_bench(a: argparse.Namespace, base: str) -> dict:
             wh.sync_pwrite(rbuf[:wb], raw_path, i * region)
         return time.perf_counter() - t0
 
-    runs = {"in_memory": in_memory, "io_only": io_only, "plain": lambda: swapped("plain"),
-            "pipelined": lambda: swapped("pipelined")}
+    runs = {
+        "in_memory": in_memory,
+        "io_only": io_only,
+        "plain": lambda: swapped("plain"),
+        "pipelined": lambda: swapped("pipelined"),
+    }
     names = list(runs)
     samples: dict[str, list[float]] = {x: [] for x in names}
     for r in range(a.rounds):
         for x in names + names[::-1]:
             time.sleep(a.gap)
             samples[x].append(runs[x]())
-        print(f"  round {r + 1}/{a.rounds}: " + ", ".join(f"{x} {statistics.median(samples[x]):.3f}s" for x in names),
-              file=sys.stderr)
+        print(
+            f"  round {r + 1}/{a.rounds}: "
+            + ", ".join(f"{x} {statistics.median(samples[x]):.3f}s" for x in names),
+            file=sys.stderr,
+        )
     med = {x: statistics.median(v) for x, v in samples.items()}
     eff = max(med["io_only"], med["in_memory"]) / med["pipelined"]
     for s in swappers.values():
         s.close()
     gb = k * (region + wb) / 1e9
     return {
-        "subgroups": k, "numel": n, "bytes_per_step": k * (region + wb),
-        "median_s": med, "spread_s": {x: [min(v), max(v)] for x, v in samples.items()},
+        "subgroups": k,
+        "numel": n,
+        "bytes_per_step": k * (region + wb),
+        "median_s": med,
+        "spread_s": {x: [min(v), max(v)] for x, v in samples.items()},
         "overlap_efficiency": eff,
         "pipelined_vs_plain_speedup": med["plain"] / med["pipelined"],
         "pipelined_GBps": gb / med["pipelined"],
@@ -125,13 +142,21 @@ def prefetch_bench(a: argparse.Namespace, base: str) -> dict:
     m, n = a.partitions, a.partition_numel
     d = os.path.join(base, "params")
     os.makedirs(d)
-    ps = ParamSwapper(d, dtype=torch.float16, buffer_count=a.param_buffers, buffer_size=n, max_in_cpu=0,
-                      aio={"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.threads})
+    ps = ParamSwapper(
+        d,
+        dtype=torch.float16,
+        buffer_count=a.param_buffers,
+        buffer_size=n,
+        max_in_cpu=0,
+        aio={"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.threads},
+    )
     for i in range(m):
         ps.register(i, n)
         ps.write(i, torch.full((n,), float(i % 7), dtype=torch.float16))
     buf = aio.new_locked_tensor(n, torch.float16)
-    h = aio.AsyncIOHandle(block_size=a.block_size, queue_depth=a.queue_depth, thread_count=a.threads)
+    h = aio.AsyncIOHandle(
+        block_size=a.block_size, queue_depth=a.queue_depth, thread_count=a.threads
+    )
     nbytes = n * 2
 
     def fetch_in_order() -> float:
@@ -153,21 +178,33 @@ def prefetch_bench(a: argparse.Namespace, base: str) -> dict:
 
     samples: dict[str, list[float]] = {"swapper": [], "raw": []}
     for _ in range(a.rounds):
-        for name, fn in (("swapper", fetch_in_order), ("raw", raw), ("raw", raw), ("swapper", fetch_in_order)):
+        for name, fn in (
+            ("swapper", fetch_in_order),
+            ("raw", raw),
+            ("raw", raw),
+            ("swapper", fetch_in_order),
+        ):
             time.sleep(a.gap)
             samples[name].append(fn())
     ps.close()
     med = {x: statistics.median(v) for x, v in samples.items()}
-    return {"partitions": m, "partition_bytes": nbytes, "median_s": med,
-            "swapper_over_raw_time": med["swapper"] / med["raw"],
-            "swapper_GBps": m * nbytes / med["swapper"] / 1e9, "raw_GBps": m * nbytes / med["raw"] / 1e9}
+    return {
+        "partitions": m,
+        "partition_bytes": nbytes,
+        "median_s": med,
+        "swapper_over_raw_time": med["swapper"] / med["raw"],
+        "swapper_GBps": m * nbytes / med["swapper"] / 1e9,
+        "raw_GBps": m * nbytes / med["raw"] / 1e9,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="drive directory (default: a temporary directory)")
     ap.add_argument("--subgroups", type=int, default=8)
-    ap.add_argument("--numel", type=parse_size, default=parse_size("8M"), help="elements per sub-group")
+    ap.add_argument(
+        "--numel", type=parse_size, default=parse_size("8M"), help="elements per sub-group"
+    )
     ap.add_argument("--partitions", type=int, default=32)
     ap.add_argument("--partition-numel", type=parse_size, default=parse_size("4M"))
     ap.add_argument("--param-buffers", type=int, default=5)
@@ -183,19 +220,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = {}
         if a.only in (None, "optimizer"):
-            print(f"optimizer step: {a.subgroups} sub-groups x {a.numel} elements (Adam)", file=sys.stderr)
+            print(
+                f"optimizer step: {a.subgroups} sub-groups x {a.numel} elements (Adam)",
+                file=sys.stderr,
+            )
             r = out["optimizer"] = optimizer_bench(a, tmp)
             m = r["median_s"]
-            print(f"optimizer step ({r['bytes_per_step'] / 1e9:.2f} GB moved per step), median seconds:")
+            print(
+                f"optimizer step ({r['bytes_per_step'] / 1e9:.2f} GB moved per step), median seconds:"
+            )
             for x in ("in_memory", "io_only", "plain", "pipelined"):
                 print(f"  {x:10s} {m[x]:.3f}")
-            print(f"  overlap efficiency max(io, compute) / pipelined = {r['overlap_efficiency']:.3f}")
+            print(
+                f"  overlap efficiency max(io, compute) / pipelined = {r['overlap_efficiency']:.3f}"
+            )
             print(f"  pipelined speed-up over plain = {r['pipelined_vs_plain_speedup']:.2f}x")
         if a.only in (None, "prefetch"):
-            print(f"parameter prefetch: {a.partitions} partitions x {a.partition_numel} fp16", file=sys.stderr)
+            print(
+                f"parameter prefetch: {a.partitions} partitions x {a.partition_numel} fp16",
+                file=sys.stderr,
+            )
             r = out["prefetch"] = prefetch_bench(a, tmp)
-            print(f"parameter fetch in use order: swapper {r['swapper_GBps']:.2f} GB/s, raw reads "
-                  f"{r['raw_GBps']:.2f} GB/s, time ratio swapper/raw = {r['swapper_over_raw_time']:.3f}")
+            print(
+                f"parameter fetch in use order: swapper {r['swapper_GBps']:.2f} GB/s, raw reads "
+                f"{r['raw_GBps']:.2f} GB/s, time ratio swapper/raw = {r['swapper_over_raw_time']:.3f}"
+            )
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)

@@ -34,8 +34,12 @@ from aio.sweep import Drive, Setting  # noqa: E402
 
 def run(args: list[str], out: str) -> tuple[dict, float]:
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "aio.sweep", *args, "--json", out, "--no-fio"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "aio.sweep", *args, "--json", out, "--no-fio"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     dt = time.monotonic() - t0
     with open(out) as f:
         return json.load(f), dt
@@ -44,15 +48,25 @@ def run(args: list[str], out: str) -> tuple[dict, float]:
 def scores(data: dict) -> dict[tuple, float]:
     per: dict[tuple, dict[str, list[float]]] = {}
     for t in data["trials"]:
-        key = (t["block_size"], t["queue_depth"], t["thread_count"], t["single_submit"],
-               t["overlap_events"])
+        key = (
+            t["block_size"],
+            t["queue_depth"],
+            t["thread_count"],
+            t["single_submit"],
+            t["overlap_events"],
+        )
         per.setdefault(key, {}).setdefault(t["direction"], []).append(t["gbps"])
     return {k: len(d) / sum(1 / statistics.median(v) for v in d.values()) for k, d in per.items()}
 
 
 def setting(block: dict) -> Setting:
-    return Setting(block["block_size"], block["queue_depth"], block["intra_op_parallelism"],
-                   block["single_submit"], block["overlap_events"])
+    return Setting(
+        block["block_size"],
+        block["queue_depth"],
+        block["intra_op_parallelism"],
+        block["single_submit"],
+        block["overlap_events"],
+    )
 
 
 def head_to_head(d: str, a: Setting, b: Setting, rounds: int, io_size: int) -> list[float]:
@@ -88,15 +102,18 @@ def main() -> int:
         ex, t_ex = run([d, *rest, "--exhaustive"], prefix + ".exhaustive.json")
         sp, ep = setting(smart["best"]), setting(ex["best"])
         ex_scores = scores(ex)
-        inside = ex_scores[(sp.block_size, sp.queue_depth, sp.thread_count, sp.single_submit,
-                            sp.overlap_events)] / max(ex_scores.values())
+        inside = ex_scores[
+            (sp.block_size, sp.queue_depth, sp.thread_count, sp.single_submit, sp.overlap_events)
+        ] / max(ex_scores.values())
         ratios = head_to_head(d, sp, ep, a.rounds, smart["io_size"]) if sp != ep else [1.0]
         med = statistics.median(ratios)
         print(f"smart search:      {t_smart:6.0f} s, pick {sp.short()}")
         print(f"exhaustive search: {t_ex:6.0f} s, pick {ep.short()}")
         print(f"time ratio smart/exhaustive = {t_smart / t_ex:.3f} (bar: <= 0.25)")
-        print(f"head to head, smart pick / exhaustive pick = {med:.3f} "
-              f"[{min(ratios):.3f}..{max(ratios):.3f}] over {len(ratios)} rounds (bar: >= 0.95)")
+        print(
+            f"head to head, smart pick / exhaustive pick = {med:.3f} "
+            f"[{min(ratios):.3f}..{max(ratios):.3f}] over {len(ratios)} rounds (bar: >= 0.95)"
+        )
         print(f"(smart pick inside the exhaustive run's own medians: {inside:.3f} of its max)")
         return 0 if (med >= 0.95 and t_smart <= 0.25 * t_ex) else 1
     finally:

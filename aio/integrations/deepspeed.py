@@ -118,8 +118,14 @@ class DeepSpeedAioHandle:
     def sync_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
         return self._sync(False, buffer, filename, file_offset)
 
-    def pread(self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False,
-              file_offset: int = 0) -> int:
+    def pread(
+        self,
+        buffer: Any,
+        filename: Any,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+    ) -> int:
         if async_op:
             return self.async_pread(buffer, filename, file_offset)
         n = self._sync(True, buffer, filename, file_offset)
@@ -127,8 +133,14 @@ class DeepSpeedAioHandle:
             self._h._validate(buffer, filename, int(file_offset), "read")
         return n
 
-    def pwrite(self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False,
-               file_offset: int = 0) -> int:
+    def pwrite(
+        self,
+        buffer: Any,
+        filename: Any,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+    ) -> int:
         if async_op:
             return self.async_pwrite(buffer, filename, file_offset)
         n = self._sync(False, buffer, filename, file_offset)
@@ -140,7 +152,9 @@ class DeepSpeedAioHandle:
         self.pread(buffer, filename, validate, False, file_offset)
         return 0
 
-    def write(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
+    def write(
+        self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0
+    ) -> int:
         self.pwrite(buffer, filename, validate, False, file_offset)
         return 0
 
@@ -248,7 +262,7 @@ def enable() -> None:
             cur = getattr(mod, "AsyncIOBuilder", None)
             if _is_ds_builder(cur):
                 _patched.append((mod, "AsyncIOBuilder", cur))
-                setattr(mod, "AsyncIOBuilder", AioAsyncIOBuilder)
+                mod.AsyncIOBuilder = AioAsyncIOBuilder
         # Code that asks the accelerator for the builder by name.
         from deepspeed.accelerator import get_accelerator
 
@@ -297,7 +311,9 @@ def enable_from_env() -> bool:
     except ImportError:
         import warnings
 
-        warnings.warn("AIO_DEEPSPEED is set but deepspeed is not installed", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "AIO_DEEPSPEED is set but deepspeed is not installed", RuntimeWarning, stacklevel=2
+        )
         return False
     enable()
     return True

@@ -7,7 +7,9 @@ import textwrap
 
 import pytest
 
-deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])")
+deepspeed = pytest.importorskip(
+    "deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])"
+)
 
 import aio.integrations.deepspeed as aio_ds  # noqa: E402
 
@@ -24,13 +26,25 @@ def test_enable_routes_every_swapper_to_aio():
     aio_ds.enable()
     aio_ds.enable()  # idempotent
     try:
-        for mod in (partitioned_param_swapper, partitioned_optimizer_swapper, pipelined_optimizer_swapper):
+        for mod in (
+            partitioned_param_swapper,
+            partitioned_optimizer_swapper,
+            pipelined_optimizer_swapper,
+        ):
             assert mod.AsyncIOBuilder is aio_ds.AioAsyncIOBuilder, mod.__name__
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
-        h = AsyncIOBuilder().load(verbose=False).aio_handle(block_size=262144, queue_depth=8,
-                                                            single_submit=False, overlap_events=True,
-                                                            intra_op_parallelism=2)
+        h = (
+            AsyncIOBuilder()
+            .load(verbose=False)
+            .aio_handle(
+                block_size=262144,
+                queue_depth=8,
+                single_submit=False,
+                overlap_events=True,
+                intra_op_parallelism=2,
+            )
+        )
         assert isinstance(h, aio_ds.DeepSpeedAioHandle) and h.get_thread_count() == 2
         from deepspeed.accelerator import get_accelerator
 
@@ -63,15 +77,25 @@ CHECK = textwrap.dedent(
 
 def test_env_var_at_import(tmp_path):
     code = "import aio\n" + CHECK
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=dict(ENV, AIO_DEEPSPEED="1"))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(ENV, AIO_DEEPSPEED="1"),
+    )
     assert "ENABLED" in r.stdout and "NOT-ENABLED" not in r.stdout, r.stderr[-2000:]
 
 
 def test_run_module_wrapper_enables_for_a_plain_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import sys\n" + CHECK + "print('ARGS', sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-m", "aio.run", str(script), "--lr", "3"], capture_output=True,
-                       text=True, timeout=300, env=ENV)
+    r = subprocess.run(
+        [sys.executable, "-m", "aio.run", str(script), "--lr", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ENABLED" in r.stdout and "ARGS ['--lr', '3']" in r.stdout

@@ -14,12 +14,22 @@ from aio.integrations.deepspeed import AioAsyncIOBuilder, DeepSpeedAioHandle  # 
 
 def test_constructor_matches_deepspeed_signature_and_defaults():
     h = DeepSpeedAioHandle()
-    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(),
-            h.get_overlap_events(), h.get_intra_op_parallelism()) == (1 << 20, 128, False, False, 1)
+    assert (
+        h.get_block_size(),
+        h.get_queue_depth(),
+        h.get_single_submit(),
+        h.get_overlap_events(),
+        h.get_intra_op_parallelism(),
+    ) == (1 << 20, 128, False, False, 1)
     h = DeepSpeedAioHandle(262144, 32, True, True, 4)  # positional, as DeepSpeed's tests do
     assert h.get_thread_count() == 4 and h.get_block_size() == 262144
-    h = DeepSpeedAioHandle(block_size=4096, queue_depth=2, single_submit=False,
-                           overlap_events=True, intra_op_parallelism=2)
+    h = DeepSpeedAioHandle(
+        block_size=4096,
+        queue_depth=2,
+        single_submit=False,
+        overlap_events=True,
+        intra_op_parallelism=2,
+    )
     assert h.get_intra_op_parallelism() == 2
     assert DeepSpeedAioHandle(num_threads=3).get_thread_count() == 3
     with pytest.raises(TypeError):
