@@ -262,7 +262,7 @@ def enable() -> None:
             cur = getattr(mod, "AsyncIOBuilder", None)
             if _is_ds_builder(cur):
                 _patched.append((mod, "AsyncIOBuilder", cur))
-                mod.AsyncIOBuilder = AioAsyncIOBuilder
+                setattr(mod, "AsyncIOBuilder", AioAsyncIOBuilder)  # noqa: B010 - module attribute
         # Code that asks the accelerator for the builder by name.
         from deepspeed.accelerator import get_accelerator
 
