@@ -118,43 +118,32 @@ class DeepSpeedAioHandle:
     def sync_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
         return self._sync(False, buffer, filename, file_offset)
 
-    def pread(
-        self,
-        buffer: Any,
-        filename: Any,
-        validate: bool = False,
-        async_op: bool = False,
-        file_offset: int = 0,
+    def _combined(
+        self, read: bool, buffer: Any, filename: Any, validate: bool, async_op: bool, file_offset: int
     ) -> int:
         if async_op:
-            return self.async_pread(buffer, filename, file_offset)
-        n = self._sync(True, buffer, filename, file_offset)
+            (self.async_pread if read else self.async_pwrite)(buffer, filename, file_offset)
+            return 0
+        n = self._sync(read, buffer, filename, file_offset)
         if validate:
-            self._h._validate(buffer, filename, int(file_offset), "read")
+            self._h._validate(buffer, filename, int(file_offset), "read" if read else "write")
         return n
 
-    def pwrite(
-        self,
-        buffer: Any,
-        filename: Any,
-        validate: bool = False,
-        async_op: bool = False,
-        file_offset: int = 0,
+    def pread(
+        self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False, file_offset: int = 0
     ) -> int:
-        if async_op:
-            return self.async_pwrite(buffer, filename, file_offset)
-        n = self._sync(False, buffer, filename, file_offset)
-        if validate:
-            self._h._validate(buffer, filename, int(file_offset), "write")
-        return n
+        return self._combined(True, buffer, filename, validate, async_op, file_offset)
+
+    def pwrite(
+        self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False, file_offset: int = 0
+    ) -> int:
+        return self._combined(False, buffer, filename, validate, async_op, file_offset)
 
     def read(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
         self.pread(buffer, filename, validate, False, file_offset)
         return 0
 
-    def write(
-        self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0
-    ) -> int:
+    def write(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
         self.pwrite(buffer, filename, validate, False, file_offset)
         return 0
 
@@ -311,9 +300,7 @@ def enable_from_env() -> bool:
     except ImportError:
         import warnings
 
-        warnings.warn(
-            "AIO_DEEPSPEED is set but deepspeed is not installed", RuntimeWarning, stacklevel=2
-        )
+        warnings.warn("AIO_DEEPSPEED is set but deepspeed is not installed", RuntimeWarning, stacklevel=2)
         return False
     enable()
     return True

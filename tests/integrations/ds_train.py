@@ -72,7 +72,7 @@ def main() -> int:
             "device": "nvme",
             "nvme_path": a.nvme,
             "buffer_count": 32,
-            "buffer_size": 300_000,
+            "buffer_size": max(300_000, a.width * a.width),
             "max_in_cpu": 0,
             "pin_memory": True,
         }
