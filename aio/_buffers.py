@@ -58,20 +58,16 @@ def resolve(buffer: Any, *, writable: bool, argname: str = "buffer") -> Resolved
             raise ValueError(f"{argname}: array must be C-contiguous (use np.ascontiguousarray)")
         if writable and not buffer.flags.writeable:
             raise ValueError(f"{argname}: array is read-only; a read needs a writable buffer")
-        return ResolvedBuffer(
-            int(buffer.__array_interface__["data"][0]), int(buffer.nbytes), buffer
-        )
+        return ResolvedBuffer(int(buffer.__array_interface__["data"][0]), int(buffer.nbytes), buffer)
     if isinstance(buffer, (str, int, float)) or buffer is None:
         raise TypeError(
-            f"{argname}: expected a tensor, numpy array or buffer object, "
-            f"got {type(buffer).__name__}"
+            f"{argname}: expected a tensor, numpy array or buffer object, got {type(buffer).__name__}"
         )
     try:
         mv = memoryview(buffer)
     except TypeError:
         raise TypeError(
-            f"{argname}: expected a tensor, numpy array or buffer object, "
-            f"got {type(buffer).__name__}"
+            f"{argname}: expected a tensor, numpy array or buffer object, got {type(buffer).__name__}"
         ) from None
     if not mv.c_contiguous:
         raise ValueError(f"{argname}: buffer must be C-contiguous")

@@ -26,9 +26,7 @@ def parse_size(text: str) -> int:
             return int(float(t[:-1]) * mult[t[-1]])
         return int(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (examples: 4096, 256K, 1M, 2G)"
-        ) from None
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 256K, 1M, 2G)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,17 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         base = tmp
     path = os.path.join(base, f"aio-check-{os.getpid()}.bin")
     try:
-        h = AsyncIOHandle(
-            block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads
-        )
+        h = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads)
         buf = new_locked_tensor(args.size, torch.uint8)
         buf.random_(0, 256)
         print(f"aio-check: {args.size / 2**20:.0f} MiB at {path}")
         print(f"  engine {h.engine} ({h.stats()['engine_reason']})")
-        print(
-            f"  block_size={args.block_size} queue_depth={args.queue_depth} "
-            f"thread_count={args.threads}"
-        )
+        print(f"  block_size={args.block_size} queue_depth={args.queue_depth} thread_count={args.threads}")
         h.sync_pwrite(buf, path)  # create + allocate once; timed runs overwrite
         results = {}
         for name, fn in (("write", h.sync_pwrite), ("read", h.sync_pread)):

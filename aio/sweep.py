@@ -428,9 +428,7 @@ def plot(sweep: Sweep, path: str) -> None:
             xs, ys = [], []
             for b in sp.block_sizes:
                 vals = [
-                    sweep.median(s, d)
-                    for s in sweep.measured()
-                    if s.block_size == b and s.queue_depth == q
+                    sweep.median(s, d) for s in sweep.measured() if s.block_size == b and s.queue_depth == q
                 ]
                 if vals:
                     xs.append(b)
@@ -457,9 +455,7 @@ def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _bools(text: str) -> list[bool]:
@@ -487,9 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
     ap.add_argument("--single-submit", type=_bools, default=[False, True], metavar="BOOLS")
     ap.add_argument("--overlap-events", type=_bools, default=[True, False], metavar="BOOLS")
-    ap.add_argument(
-        "--io-size", type=parse_size, default=parse_size("256M"), help="bytes per trial per DIR"
-    )
+    ap.add_argument("--io-size", type=parse_size, default=parse_size("256M"), help="bytes per trial per DIR")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration and direction")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--read-only", action="store_true")
@@ -586,21 +580,15 @@ def main(argv: list[str] | None = None) -> int:
         hdr = "  ".join(f"{d:>14s}" for d in directions)
         log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]  head-to-head")
         for i, s in enumerate(ranking[: a.top], 1):
-            cols = "  ".join(
-                f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions
-            )
+            cols = "  ".join(f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions)
             lo, hi = sweep.spread(s)
             h2h = f"{sweep.confirmed[s]:.3f}" if s in sweep.confirmed else ""
-            log(
-                f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}"
-            )
+            log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}")
         if sweep.confirmed:
             log("  (head-to-head: median score relative to the leaders' mean in paired rounds)")
             top2 = sorted(sweep.confirmed.values(), reverse=True)[:2]
             if len(top2) == 2 and top2[0] - top2[1] < 0.02:
-                log(
-                    "  note: the top two are within 2% head to head: indistinguishable on this drive"
-                )
+                log("  note: the top two are within 2% head to head: indistinguishable on this drive")
         elif len(ranking) > 1:
             lo1, hi1 = sweep.spread(ranking[0])
             lo2, hi2 = sweep.spread(ranking[1])

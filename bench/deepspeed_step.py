@@ -29,8 +29,24 @@ SCRIPT = os.path.join(HERE, "..", "tests", "integrations", "ds_train.py")
 def one(io: str, a: argparse.Namespace, base: str) -> float:
     nvme = tempfile.mkdtemp(dir=base)
     out = os.path.join(nvme, "out.json")
-    cmd = [sys.executable, SCRIPT, "--io", io, "--offload", "nvme", "--nvme", nvme, "--steps", str(a.steps),
-           "--width", str(a.width), "--layers", str(a.layers), "--out", out]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--io",
+        io,
+        "--offload",
+        "nvme",
+        "--nvme",
+        nvme,
+        "--steps",
+        str(a.steps),
+        "--width",
+        str(a.width),
+        "--layers",
+        str(a.layers),
+        "--out",
+        out,
+    ]
     if a.pipeline:
         cmd.append("--pipeline")
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(29500 + os.getpid() % 1000))
@@ -65,13 +81,18 @@ def main() -> int:
             for io in got:
                 med[io].append(sum(got[io]) / 2)
             ratios.append(med["dsop"][-1] / med["aio"][-1])
-            print(f"round {r + 1}: aio {med['aio'][-1] * 1e3:.1f} ms, DeepSpeed op "
-                  f"{med['dsop'][-1] * 1e3:.1f} ms per step", file=sys.stderr)
-        print(f"ZeRO-3, params+optimizer on NVMe, width {a.width} x {a.layers} layers, "
-              f"pipeline={a.pipeline}: median step aio {statistics.median(med['aio']) * 1e3:.1f} ms, "
-              f"DeepSpeed op {statistics.median(med['dsop']) * 1e3:.1f} ms; "
-              f"DeepSpeed-op / aio step time = {statistics.median(ratios):.3f} "
-              f"[{min(ratios):.3f}..{max(ratios):.3f}] over {a.rounds} rounds")
+            print(
+                f"round {r + 1}: aio {med['aio'][-1] * 1e3:.1f} ms, DeepSpeed op "
+                f"{med['dsop'][-1] * 1e3:.1f} ms per step",
+                file=sys.stderr,
+            )
+        print(
+            f"ZeRO-3, params+optimizer on NVMe, width {a.width} x {a.layers} layers, "
+            f"pipeline={a.pipeline}: median step aio {statistics.median(med['aio']) * 1e3:.1f} ms, "
+            f"DeepSpeed op {statistics.median(med['dsop']) * 1e3:.1f} ms; "
+            f"DeepSpeed-op / aio step time = {statistics.median(ratios):.3f} "
+            f"[{min(ratios):.3f}..{max(ratios):.3f}] over {a.rounds} rounds"
+        )
         return 0
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -154,9 +154,7 @@ def prefetch_bench(a: argparse.Namespace, base: str) -> dict:
         ps.register(i, n)
         ps.write(i, torch.full((n,), float(i % 7), dtype=torch.float16))
     buf = aio.new_locked_tensor(n, torch.float16)
-    h = aio.AsyncIOHandle(
-        block_size=a.block_size, queue_depth=a.queue_depth, thread_count=a.threads
-    )
+    h = aio.AsyncIOHandle(block_size=a.block_size, queue_depth=a.queue_depth, thread_count=a.threads)
     nbytes = n * 2
 
     def fetch_in_order() -> float:
@@ -202,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="drive directory (default: a temporary directory)")
     ap.add_argument("--subgroups", type=int, default=8)
-    ap.add_argument(
-        "--numel", type=parse_size, default=parse_size("8M"), help="elements per sub-group"
-    )
+    ap.add_argument("--numel", type=parse_size, default=parse_size("8M"), help="elements per sub-group")
     ap.add_argument("--partitions", type=int, default=32)
     ap.add_argument("--partition-numel", type=parse_size, default=parse_size("4M"))
     ap.add_argument("--param-buffers", type=int, default=5)
@@ -226,14 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             r = out["optimizer"] = optimizer_bench(a, tmp)
             m = r["median_s"]
-            print(
-                f"optimizer step ({r['bytes_per_step'] / 1e9:.2f} GB moved per step), median seconds:"
-            )
+            print(f"optimizer step ({r['bytes_per_step'] / 1e9:.2f} GB moved per step), median seconds:")
             for x in ("in_memory", "io_only", "plain", "pipelined"):
                 print(f"  {x:10s} {m[x]:.3f}")
-            print(
-                f"  overlap efficiency max(io, compute) / pipelined = {r['overlap_efficiency']:.3f}"
-            )
+            print(f"  overlap efficiency max(io, compute) / pipelined = {r['overlap_efficiency']:.3f}")
             print(f"  pipelined speed-up over plain = {r['pipelined_vs_plain_speedup']:.2f}x")
         if a.only in (None, "prefetch"):
             print(

@@ -89,9 +89,7 @@ def make_fio(path: str, size: int, a: argparse.Namespace) -> Runner | None:
         print("  fio: not installed (apt-get install fio) -- no device reference")
         return None
     if a.single_submit or a.no_overlap:
-        print(
-            "  fio: note, fio has no single_submit/overlap_events equivalents; using its defaults"
-        )
+        print("  fio: note, fio has no single_submit/overlap_events equivalents; using its defaults")
 
     def run(direction: str) -> float:
         per = size // a.threads

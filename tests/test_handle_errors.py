@@ -214,3 +214,25 @@ def test_validate_detects_mismatch(fpath, monkeypatch):
     with pytest.raises(OSError) as ei:
         h._validate(out, fpath, 0, "read")
     assert ei.value.errno == errno.EIO and "validation" in str(ei.value)
+
+
+def test_io_setup_failure_is_explained_and_auto_falls_back():
+    """Two workers at the kernel's per-context maximum exceed fs.aio-max-nr."""
+    max_nr = int(open("/proc/sys/fs/aio-max-nr").read())
+    if max_nr > 65536:
+        pytest.skip(f"fs.aio-max-nr={max_nr} is above what one handle can exhaust here")
+    with pytest.raises(OSError) as ei:
+        aio.AsyncIOHandle(engine="kernel_aio", queue_depth=65536, thread_count=2)
+    assert "io_setup" in str(ei.value) and "aio-max-nr" in str(ei.value)
+    with pytest.warns(RuntimeWarning, match="posix"):
+        h = aio.AsyncIOHandle(engine="auto", queue_depth=65536, thread_count=2)
+    assert h.engine == "posix" and "aio-max-nr" in h.stats()["engine_reason"]
+
+
+def test_extension_links_no_libaio():
+    import aio._C as C
+
+    with open(C.__file__, "rb") as f:
+        blob = f.read()
+    assert b"libaio.so" not in blob
+    assert b"io_submit@" not in blob  # no libaio symbol imports; syscalls only

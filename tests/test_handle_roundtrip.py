@@ -80,9 +80,7 @@ def test_odd_block_sizes(engine, block_size, pattern, fpath):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize(
-    "off,n", [(0, 1), (1, 1), (4095, 2), (100, 8000), (4096, 4096), (5000, MiB)]
-)
+@pytest.mark.parametrize("off,n", [(0, 1), (1, 1), (4095, 2), (100, 8000), (4096, 4096), (5000, MiB)])
 def test_overwrite_in_middle_keeps_surroundings(engine, off, n, pattern, fpath):
     base = pattern[: 2 * MiB + 100].copy()
     with open(fpath, "wb") as f:

@@ -12,9 +12,7 @@ from aio import _C
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64]
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64])
 def test_new_cpu_locked_tensor(dtype):
     h = aio.AsyncIOHandle()
     before = aio.locked_bytes()

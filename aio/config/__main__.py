@@ -25,9 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--dtype", default="fp16")
     e.add_argument("--optimizer-states", type=int, default=2)
     e.add_argument("--json", action="store_true", help="print JSON")
-    e.add_argument(
-        "--check", action="store_true", help="compare with this machine; exit 1 if short"
-    )
+    e.add_argument("--check", action="store_true", help="compare with this machine; exit 1 if short")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "validate":

@@ -79,8 +79,7 @@ def from_lightning(**kwargs: Any) -> OffloadConfig:
             parts.append(
                 (
                     k,
-                    "not a DeepSpeedStrategy keyword"
-                    + (f"; did you mean {close[0]!r}?" if close else ""),
+                    "not a DeepSpeedStrategy keyword" + (f"; did you mean {close[0]!r}?" if close else ""),
                 )
             )
         raise ConfigError(parts, "from_lightning")

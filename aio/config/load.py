@@ -32,9 +32,7 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[tuple[str, str]], source: str = "") -> None:
         self.problems = problems
         head = f"invalid aio/DeepSpeed config{f' ({source})' if source else ''}:"
-        super().__init__(
-            "\n".join([head] + [f"  {p}: {m}" if p else f"  {m}" for p, m in problems])
-        )
+        super().__init__("\n".join([head] + [f"  {p}: {m}" if p else f"  {m}" for p, m in problems]))
 
 
 def _known_keys(loc: tuple[Any, ...]) -> list[str]:
@@ -123,9 +121,7 @@ def load_config(source: ConfigSource) -> OffloadConfig:
             f"got {type(source).__name__}"
         )
     if not isinstance(data, Mapping):
-        raise ConfigError(
-            [("", f"the top level must be a JSON object, got {type(data).__name__}")], where
-        )
+        raise ConfigError([("", f"the top level must be a JSON object, got {type(data).__name__}")], where)
     picked: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
     for key in ("aio", "zero_optimization"):

@@ -49,9 +49,7 @@ def dtype_bytes(dtype: Any) -> int:
     if isinstance(dtype, str):
         key = dtype.lower().removeprefix("torch.")
         if key not in _DTYPE_BYTES:
-            raise ValueError(
-                f"unknown dtype {dtype!r}; accepted: {', '.join(sorted(_DTYPE_BYTES))}"
-            )
+            raise ValueError(f"unknown dtype {dtype!r}; accepted: {', '.join(sorted(_DTYPE_BYTES))}")
         return _DTYPE_BYTES[key]
     itemsize = getattr(dtype, "itemsize", None)
     if isinstance(itemsize, int) and itemsize > 0:
@@ -169,11 +167,7 @@ def estimate_memory(
     n = int(num_params)
     if n <= 0:
         raise ValueError(f"num_params must be positive, got {num_params}")
-    if (
-        isinstance(optimizer_states, bool)
-        or not isinstance(optimizer_states, int)
-        or optimizer_states < 0
-    ):
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
     b = dtype_bytes(dtype)
     est = MemoryEstimate(num_params=n, dtype_bytes=b)

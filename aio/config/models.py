@@ -165,9 +165,7 @@ class _OffloadBase(_Block):
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> _OffloadBase:
         if self.device == "nvme" and not self.nvme_path:
-            raise ValueError(
-                "nvme_path: required when device is 'nvme' (a directory on a local drive)"
-            )
+            raise ValueError("nvme_path: required when device is 'nvme' (a directory on a local drive)")
         return self
 
 

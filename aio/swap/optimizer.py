@@ -95,9 +95,7 @@ class OptimizerSwapper:
         need = 1 + int(pipeline_read) + int(pipeline_write)
         if buffer_count < need:
             modes = " and ".join(
-                m
-                for m, on in (("pipeline_read", pipeline_read), ("pipeline_write", pipeline_write))
-                if on
+                m for m, on in (("pipeline_read", pipeline_read), ("pipeline_write", pipeline_write)) if on
             )
             raise ValueError(
                 f"zero_optimization.offload_optimizer.buffer_count={buffer_count} is too small for "
@@ -206,9 +204,7 @@ class OptimizerSwapper:
         return self.pool
 
     def _views(self, g: _SubGroup, lease: Lease) -> dict[str, Any]:
-        return {
-            name: BufferPool.view(lease, dt, g.numel, off) for name, (off, dt) in g.parts.items()
-        }
+        return {name: BufferPool.view(lease, dt, g.numel, off) for name, (off, dt) in g.parts.items()}
 
     def pinned_bytes(self) -> int:
         return self._pool().pinned_bytes if self.groups else 0
@@ -252,9 +248,7 @@ class OptimizerSwapper:
             )
         if g.grad_future is not None:
             g.grad_future.result()
-        fut = self.writer.async_pwrite(
-            src.contiguous(), self.file.path, g.offset + g.parts["grad"][0]
-        )
+        fut = self.writer.async_pwrite(src.contiguous(), self.file.path, g.offset + g.parts["grad"][0])
         self.counters["bytes_written"] += g.numel * 4
         g.grad_future = fut
         if not async_op:
@@ -291,14 +285,10 @@ class OptimizerSwapper:
         for name in names:
             t = st.get(name)
             if t is None:
-                raise SwapStateError(
-                    f"optimizer did not produce state '{name}' for sub-group {g.index}"
-                )
+                raise SwapStateError(f"optimizer did not produce state '{name}' for sub-group {g.index}")
             if t.data_ptr() != views[name].data_ptr():
                 views[name].copy_(t)
-        g.scalars = {
-            k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items() if k not in names
-        }
+        g.scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items() if k not in names}
         st.clear()
         proxy.grad = None
         proxy.data = torch.empty(0)
@@ -319,9 +309,7 @@ class OptimizerSwapper:
         order = sorted(self.groups)
         for i in order:
             if not self.groups[i].valid:
-                raise SwapStateError(
-                    f"sub-group {i} has no valid state on the drive; initialize() it first"
-                )
+                raise SwapStateError(f"sub-group {i} has no valid state on the drive; initialize() it first")
         self._ensure_optimizer()
         pool = self._pool()
         reads: dict[int, tuple[Lease, AioFuture]] = {}
@@ -465,9 +453,7 @@ class OptimizerSwapper:
     def _param_groups(self) -> list[dict[str, Any]]:
         if self.optimizer is None:
             return []
-        return [
-            {k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups
-        ]
+        return [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
 
     def import_checkpoint(self, directory: str) -> None:
         """Load a checkpoint from export_checkpoint() into the swap files.
@@ -482,8 +468,7 @@ class OptimizerSwapper:
         spec = [[n, str(d)] for n, d in self.spec]
         if manifest["spec"] != spec:
             raise ValueError(
-                f"checkpoint optimizer state {manifest['spec']} does not match "
-                f"this optimizer's {spec}"
+                f"checkpoint optimizer state {manifest['spec']} does not match this optimizer's {spec}"
             )
         if sorted(int(i) for i in manifest["groups"]) != sorted(self.groups):
             raise ValueError("checkpoint sub-groups do not match the registered sub-groups")

@@ -19,9 +19,7 @@ class BufferPool:
     ``("zero_optimization.offload_param.buffer_count", "...buffer_size")``.
     """
 
-    def __init__(
-        self, count: int, slot_bytes: int, pin: bool, count_key: str, size_key: str
-    ) -> None:
+    def __init__(self, count: int, slot_bytes: int, pin: bool, count_key: str, size_key: str) -> None:
         if count <= 0:
             raise ValueError(f"{count_key} must be positive, got {count}")
         if slot_bytes <= 0:

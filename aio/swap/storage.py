@@ -83,9 +83,7 @@ class SwapFile:
 class SwapStorage:
     """The folder of one swapper: ``<nvme_path>/aio-swap/<job>-rank<r>-<kind>-<pid>-<rand>``."""
 
-    def __init__(
-        self, nvme_path: str, kind: str, job_id: str | None = None, rank: int | None = None
-    ) -> None:
+    def __init__(self, nvme_path: str, kind: str, job_id: str | None = None, rank: int | None = None) -> None:
         if not nvme_path:
             raise ValueError("nvme_path must be a directory path")
         nvme_path = os.path.abspath(os.fspath(nvme_path))

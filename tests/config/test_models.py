@@ -57,9 +57,7 @@ def test_defaults_match_deepspeed():
         "overlap_events": True,
         "use_gds": False,
     }
-    z = load_config(
-        {"zero_optimization": {"stage": 3, "offload_param": {}, "offload_optimizer": {}}}
-    )
+    z = load_config({"zero_optimization": {"stage": 3, "offload_param": {}, "offload_optimizer": {}}})
     p, o = z.offload_param, z.offload_optimizer
     assert (p.device, p.buffer_count, p.buffer_size, p.max_in_cpu, p.pin_memory) == (
         "none",
@@ -81,9 +79,7 @@ def test_defaults_match_deepspeed():
 
 def test_full_deepspeed_config_loads_and_ignores_the_rest(tmp_path):
     c = load_config(NVME_DS_CONFIG)
-    assert c.offload_param.buffer_size == 100_000_000 and isinstance(
-        c.offload_param.buffer_size, int
-    )
+    assert c.offload_param.buffer_size == 100_000_000 and isinstance(c.offload_param.buffer_size, int)
     assert c.offload_param.max_in_cpu == 10**9
     assert c.aio.intra_op_parallelism == 1 and c.aio.block_size == 262144
     assert c.nvme_paths() == ["/local_nvme"]
@@ -277,15 +273,11 @@ def test_from_lightning_maps_keywords():
 
 def test_from_lightning_defaults_and_errors():
     c = from_lightning()
-    assert (
-        c.zero_optimization.stage == 2 and c.offload_param is None and c.offload_optimizer is None
-    )
+    assert c.zero_optimization.stage == 2 and c.offload_param is None and c.offload_optimizer is None
     with pytest.raises(ConfigError, match="did you mean 'queue_depth'"):
         from_lightning(queue_dept=4)
     with pytest.raises(ConfigError, match="needs stage 3"):
-        from_lightning(
-            offload_parameters=True, offload_params_device="nvme"
-        )  # Lightning default stage 2
+        from_lightning(offload_parameters=True, offload_params_device="nvme")  # Lightning default stage 2
     assert from_lightning(config=NVME_DS_CONFIG, stage=1).zero_optimization.stage == 3
 
 

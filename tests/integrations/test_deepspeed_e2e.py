@@ -58,9 +58,7 @@ def train(tmp_path, name, *args, world=1, steps=10, tolerate_exit_abort=False):
         ]
         procs.append(
             (
-                subprocess.Popen(
-                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                ),
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                 out,
             )
         )

@@ -7,9 +7,7 @@ import textwrap
 
 import pytest
 
-deepspeed = pytest.importorskip(
-    "deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])"
-)
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])")
 
 import aio.integrations.deepspeed as aio_ds  # noqa: E402
 

@@ -25,9 +25,7 @@ def test_state_discovery():
         "exp_avg",
         "exp_avg_sq",
     ]
-    assert [n for n, _ in discover_state_spec(torch.optim.SGD, lr=0.1, momentum=0.9)] == [
-        "momentum_buffer"
-    ]
+    assert [n for n, _ in discover_state_spec(torch.optim.SGD, lr=0.1, momentum=0.9)] == ["momentum_buffer"]
     assert [n for n, _ in discover_state_spec(torch.optim.Adagrad, lr=0.1)] == ["sum"]
     assert discover_state_spec(torch.optim.SGD, lr=0.1) == []  # plain SGD keeps no state
 
@@ -108,9 +106,7 @@ def test_pool_too_small_for_pipeline_refused_up_front(tmp_path, pipe, count):
 
 
 def test_subgroup_larger_than_sub_group_size(tmp_path):
-    with OptimizerSwapper(
-        str(tmp_path), torch.optim.Adam, {"lr": 1e-3}, sub_group_size=10000
-    ) as sw:
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3}, sub_group_size=10000) as sw:
         with pytest.raises(ValueError, match="sub_group_size to at least 10001"):
             sw.register_subgroup(0, 10001)
         sw.register_subgroup(0, 500)
@@ -206,9 +202,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 def test_checkpoint_corruption_and_mismatch_detected(tmp_path):
     (tmp_path / "a").mkdir()
-    sw, _ = _swapped(
-        tmp_path / "a", torch.optim.Adam, {"lr": 1e-3}, [torch.ones(5000)], 1, (False, False), 1
-    )
+    sw, _ = _swapped(tmp_path / "a", torch.optim.Adam, {"lr": 1e-3}, [torch.ones(5000)], 1, (False, False), 1)
     ck = tmp_path / "ck"
     sw.export_checkpoint(str(ck))
     with pytest.raises(FileExistsError):

@@ -21,9 +21,7 @@ DTYPES = [
 
 
 def make(tmp_path, **kw):
-    args = dict(
-        dtype=torch.float16, buffer_count=3, buffer_size=1 << 16, max_in_cpu=0, min_swap_bytes=0
-    )
+    args = dict(dtype=torch.float16, buffer_count=3, buffer_size=1 << 16, max_in_cpu=0, min_swap_bytes=0)
     args.update(kw)
     return ParamSwapper(str(tmp_path), **args)
 
@@ -187,3 +185,31 @@ def test_two_swappers_share_nvme_path(tmp_path):
             s.write(0, torch.full((5000,), val, dtype=torch.float16))
         assert (a.swap_in([0])[0] == 1).all() and (b.swap_in([0])[0] == 2).all()
         assert a.storage.dir != b.storage.dir
+
+
+def test_checkpoint_roundtrip_and_corruption(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    vals = {i: rand(3000 + 1000 * i, torch.bfloat16, i) for i in range(4)}
+    with make(tmp_path / "a", dtype=torch.bfloat16, max_in_cpu=3000, min_swap_bytes=0) as a:
+        for i, v in vals.items():
+            a.register(i, v.numel())
+            a.write(i, v)
+        assert a.status(0) == "resident" and a.status(1) == "on_drive"
+        a.swap_in([2])  # a buffered partition is exported from its buffer
+        a.export_checkpoint(str(tmp_path / "ck"))
+    with make(tmp_path / "b", dtype=torch.bfloat16, max_in_cpu=0) as b:
+        for i, v in vals.items():
+            b.register(i, v.numel())
+        b.import_checkpoint(str(tmp_path / "ck"))
+        for i, v in vals.items():
+            (t,) = b.swap_in([i])
+            assert torch.equal(t.view(torch.int16), v.view(torch.int16))
+            b.release([i])
+        raw = bytearray((tmp_path / "ck" / "params.bin").read_bytes())
+        raw[10] ^= 1
+        (tmp_path / "ck" / "params.bin").write_bytes(bytes(raw))
+        with pytest.raises(OSError, match="checksum"):
+            b.import_checkpoint(str(tmp_path / "ck"))
+        with pytest.raises(FileExistsError):
+            b.export_checkpoint(str(tmp_path / "ck"))
