@@ -423,7 +423,7 @@ class ParamSwapper:
                 raise ValueError(f"checkpoint partition {pid!r} has a different size or dtype")
             t = torch.empty(p.numel, dtype=p.dtype)
             self.reader.sync_pread(t, data, e["offset"])
-            if zlib.crc32(t.view(torch.uint8).numpy()) != e["crc32"]:
+            if zlib.crc32(t.view(torch.uint8).numpy().tobytes()) != e["crc32"]:
                 raise OSError(5, f"checkpoint partition {pid!r} fails its checksum", directory)
             self.write(pid, t)
 
