@@ -163,7 +163,9 @@ class AsyncIOHandle:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._pending: list[AioFuture] = []
-        self._completed_since_wait = 0
+        # Futures already collected through result() and dropped from
+        # _pending; wait() still counts them.
+        self._pruned = 0
         self._closed = False
         _live_handles.add(self)
 
@@ -243,8 +245,13 @@ class AsyncIOHandle:
 
     def _track(self, fut: AioFuture) -> AioFuture:
         with self._lock:
-            # Finished futures stay listed until wait() counts them; the list
-            # holds the buffers of unfinished ones alive.
+            # The list keeps unfinished futures (and their buffers) alive until
+            # wait(). Futures the caller already collected with result() are
+            # dropped here, so futures-only code never grows it without bound.
+            if len(self._pending) >= 64:
+                keep = [f for f in self._pending if not (f._observed and f.done())]
+                self._pruned += len(self._pending) - len(keep)
+                self._pending = keep
             self._pending.append(fut)
         return fut
 
@@ -346,6 +353,7 @@ class AsyncIOHandle:
         self._live()
         with self._lock:
             futs, self._pending = self._pending, []
+            pruned, self._pruned = self._pruned, 0
         first: BaseException | None = None
         for f in futs:
             seen = f._observed
@@ -355,7 +363,7 @@ class AsyncIOHandle:
                 first = f._exc
         if first is not None:
             raise first
-        return len(futs)
+        return len(futs) + pruned
 
     def pending(self) -> int:
         """Number of async requests submitted and not yet collected by wait()."""

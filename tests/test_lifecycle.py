@@ -168,3 +168,13 @@ def test_many_handles_and_threads(tmp_path, pattern):
         t.join()
     assert not errors, errors[:3]
     shared.wait()
+
+
+def test_futures_only_use_does_not_grow_pending(fpath):
+    h = handle()
+    buf = np.ones(4096, np.uint8)
+    for _ in range(500):
+        assert h.async_pwrite(buf, fpath).result() == 4096
+    assert len(h._pending) <= 64
+    assert h.wait() == 500  # still counted
+    assert h.wait() == 0
