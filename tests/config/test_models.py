@@ -199,7 +199,7 @@ def test_bad_sources(tmp_path):
     with pytest.raises(ConfigError, match="line 1"):
         load_config(str(bad))
     with pytest.raises(ConfigError, match="JSON object"):
-        load_config("[1, 2]" if False else str(_write(tmp_path, "[1, 2]")))
+        load_config(str(_write(tmp_path, "[1, 2]")))
     with pytest.raises(TypeError):
         load_config(42)
 
