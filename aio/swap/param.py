@@ -429,10 +429,7 @@ class ParamSwapper:
 
     # -- introspection ----------------------------------------------------------------
     def status(self, pid: Any) -> str:
-        p = self._part(pid)
-        if p.future is not None and p.future.done() and p.state == State.IN_FLIGHT:
-            return "in_flight(done)"
-        return p.state.value
+        return self._part(pid).state.value
 
     def stats(self) -> dict[str, Any]:
         by_state: dict[str, int] = {}

@@ -66,7 +66,7 @@ def test_states_prefetch_release_swap_out(tmp_path):
             s.register(i, 4096)
             s.write(i, torch.full((4096,), float(i), dtype=torch.float16))
         assert s.prefetch([0, 1]) == 2
-        assert s.status(0) in ("in_flight", "in_flight(done)")
+        assert s.status(0) == "in_flight"  # until synchronize()/swap_in settles it
         s.synchronize()
         assert s.status(0) == "available"
         (t0, t1) = s.swap_in([0, 1])  # hits: no new reads
