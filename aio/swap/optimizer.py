@@ -23,8 +23,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
-import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease
 from .param import SwapStateError
 from .pool import BufferPool
-from .storage import SwapStorage, align_up
+from .storage import SwapStorage, align_up, checkpoint_dir, write_manifest
 
 CHECKPOINT_VERSION = 1
 
@@ -404,12 +402,7 @@ class OptimizerSwapper:
         import torch
 
         self._check_usable()
-        if os.path.exists(directory) and os.listdir(directory):
-            raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
-        parent = os.path.dirname(os.path.abspath(directory))
-        tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
-        try:
+        with checkpoint_dir(directory) as tmp:
             manifest: dict[str, Any] = {
                 "version": CHECKPOINT_VERSION,
                 "optimizer": f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}",
@@ -439,16 +432,7 @@ class OptimizerSwapper:
                 {"scalars": scalars, "param_groups": self._param_groups()},
                 os.path.join(tmp, "scalars.pt"),
             )
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.exists(directory):
-                os.rmdir(directory)
-            os.rename(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            write_manifest(tmp, manifest)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         if self.optimizer is None:

@@ -18,7 +18,7 @@ from typing import Any
 from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease, new_locked_tensor
 from .pool import BufferPool, PoolExhaustedError
-from .storage import SwapStorage
+from .storage import SwapStorage, checkpoint_dir, write_manifest
 
 
 class SwapStateError(RuntimeError):
@@ -347,22 +347,14 @@ class ParamSwapper:
         """Write every partition's values (resident or on the drive) to
         `directory`: one data file at aligned offsets plus a manifest with
         CRC32s, created under a temporary name and renamed into place."""
-        import json
         import os
-        import shutil
-        import uuid
         import zlib
 
         import torch
 
         self._check_open()
         self.synchronize()
-        if os.path.exists(directory) and os.listdir(directory):
-            raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
-        parent = os.path.dirname(os.path.abspath(directory))
-        tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
-        try:
+        with checkpoint_dir(directory) as tmp:
             data = os.path.join(tmp, "params.bin")
             entries = []
             off = 0
@@ -388,16 +380,7 @@ class ParamSwapper:
                     }
                 )
                 off += -(-p.nbytes // 4096) * 4096
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                json.dump({"version": 1, "kind": "aio-params", "partitions": entries}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.exists(directory):
-                os.rmdir(directory)
-            os.rename(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            write_manifest(tmp, {"version": 1, "kind": "aio-params", "partitions": entries})
 
     def import_checkpoint(self, directory: str) -> None:
         """Load values written by export_checkpoint() into the registered

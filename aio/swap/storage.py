@@ -9,6 +9,8 @@ only folders that carry our marker, on close() and at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -16,6 +18,7 @@ import socket
 import threading
 import uuid
 import weakref
+from collections.abc import Iterator
 
 ROOT_NAME = "aio-swap"
 MARKER = ".aio-swap-owner"
@@ -38,6 +41,35 @@ def _rank() -> int:
         if v and v.isdigit():
             return int(v)
     return 0
+
+
+@contextlib.contextmanager
+def checkpoint_dir(directory: str) -> Iterator[str]:
+    """Yield a temporary folder beside `directory`; on success rename it to
+    `directory`, on any failure remove it. A crash or error never leaves a
+    half-written checkpoint under the final name. `directory` must not exist
+    or be empty."""
+    if os.path.exists(directory) and os.listdir(directory):
+        raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
+    parent = os.path.dirname(os.path.abspath(directory))
+    tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.exists(directory):
+            os.rmdir(directory)
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(folder: str, manifest: dict) -> None:
+    """manifest.json, flushed to the drive before the folder is renamed into place."""
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
