@@ -201,6 +201,12 @@ class OptimizerSwapper:
             )
         return self.pool
 
+    def acquire_buffer(self, timeout: float | None = None) -> Lease:
+        """Lease one of the swapper's pinned sub-group buffers (e.g. to gather
+        a gradient in); give it back before step(), which needs them all."""
+        self._check_usable()
+        return self._pool().acquire(timeout)
+
     def _views(self, g: _SubGroup, lease: Lease) -> dict[str, Any]:
         return {name: BufferPool.view(lease, dt, g.numel, off) for name, (off, dt) in g.parts.items()}
 
@@ -253,6 +259,22 @@ class OptimizerSwapper:
             self._settle_grad(g)
         return fut
 
+    def read_gradient(self, index: int, out: Any) -> None:
+        """Read a sub-group's stored fp32 gradient into `out` (e.g. to add the
+        next micro-batch's gradient to it); waits for its pending write first."""
+        import torch
+
+        self._check_usable()
+        g = self.groups[index]
+        if out.numel() != g.numel or out.dtype != torch.float32:
+            raise ValueError(
+                f"sub-group {index}: gradient buffer must be {g.numel} fp32 elements, "
+                f"got {out.numel()} of {out.dtype}"
+            )
+        self._settle_grad(g)
+        self.reader.sync_pread(out, self.file.path, g.offset + g.parts["grad"][0])
+        self.counters["bytes_read"] += g.numel * 4
+
     def _settle_grad(self, g: _SubGroup) -> None:
         fut, g.grad_future = g.grad_future, None
         if fut is not None:
@@ -264,9 +286,11 @@ class OptimizerSwapper:
             proxies = [self.groups[i].proxy for i in sorted(self.groups)]
             self.optimizer = self.optimizer_cls(proxies, **self.hyper)
 
-    def _apply(self, g: _SubGroup, views: dict[str, Any]) -> None:
+    def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None) -> None:
         import torch
 
+        if grad_scale is not None:
+            views["grad"].mul_(grad_scale)
         proxy = g.proxy
         proxy.data = views["param"]
         proxy.grad = views["grad"]
@@ -291,11 +315,13 @@ class OptimizerSwapper:
         proxy.grad = None
         proxy.data = torch.empty(0)
 
-    def step(self, after: Callable[[int, Any], None] | None = None) -> None:
+    def step(self, after: Callable[[int, Any], None] | None = None, grad_scale: Any = None) -> None:
         """One optimizer step over every sub-group, in index order.
 
         `after(index, master_view)` runs right after each sub-group's update
         (e.g. to copy the new weights into the model's low-precision params).
+        `grad_scale` (a number or 0-dim tensor) multiplies every gradient
+        first: gradient clipping and loss-scale removal.
         Pipelined per pipeline_read / pipeline_write.
 
         If anything fails, every I/O still in flight is drained, sub-groups
@@ -347,7 +373,7 @@ class OptimizerSwapper:
                 fut.result()
                 g = self.groups[i]
                 views = self._views(g, lease)
-                self._apply(g, views)
+                self._apply(g, views, grad_scale)
                 # The drive copy is stale from here until the write lands.
                 g.valid = False
                 self.counters["subgroup_steps"] += 1

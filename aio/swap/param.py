@@ -229,6 +229,9 @@ class ParamSwapper:
             return True
         if p.state == State.WRITING:
             self._settle(p)
+            if p.state == State.AVAILABLE:  # written from its buffer, which it keeps
+                self.counters["hits"] += 1
+                return True
         if not p.written:
             raise SwapStateError(f"partition {p.pid!r} was never written; write() it first")
         lease = self.pool.try_acquire()

@@ -1,0 +1,27 @@
+"""Offload training engine: DeepSpeed-format configs with ``offload_param`` /
+``offload_optimizer`` ``device: nvme`` train a plain PyTorch model with its
+parameters and optimizer state on the drive (see docs/zero.md)."""
+
+from .config import TrainConfig, load_train_config
+from .engine import Engine, initialize
+from .init import Init
+from .params import ParamStore
+
+
+def register_external_parameter(module, param) -> None:  # type: ignore[no-untyped-def]
+    """Declare that `module`'s forward uses `param`, a parameter owned by
+    another module (so it is fetched for `module` too)."""
+    ext = module.__dict__.setdefault("_aio_external_params", [])
+    if all(p is not param for p in ext):
+        ext.append(param)
+
+
+__all__ = [
+    "Engine",
+    "Init",
+    "ParamStore",
+    "TrainConfig",
+    "initialize",
+    "load_train_config",
+    "register_external_parameter",
+]

@@ -1,0 +1,227 @@
+"""Module hooks that fetch parameters just before use and release them right
+after, with prefetch along the execution order recorded on the first pass.
+
+Forward: a pre-hook materialises the module's own parameters, a post-hook
+releases them and wraps the outputs in an identity autograd function whose
+backward fetches them again. Backward: each parameter is released when its
+gradient has been accumulated (``register_post_accumulate_grad_hook``, which
+fires once per backward even for tied weights), anything left over at the
+end of backward is released then.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .params import ParamStore, module_params
+
+
+class Fetcher:
+    def __init__(self, store: ParamStore, modules: list[Any], prefetch_bucket_size: int) -> None:
+        self.store = store
+        self.mods = [m for m in modules if module_params(m)]
+        self.index = {id(m): i for i, m in enumerate(self.mods)}
+        self.mparams = [module_params(m) for m in self.mods]
+        self.mdrive = [store.on_drive_pids(ps) for ps in self.mparams]
+        self.numel = {p.aio_id: p.aio_numel for ps in self.mparams for p in ps}
+        self.bucket = prefetch_bucket_size
+        # Buffers kept free for the module being fetched (prefetch never takes them).
+        self.reserve = max([len(d) for d in self.mdrive] + [1])
+        self.traces: dict[str, list[int] | None] = {"fw": None, "bw": None}
+        self.recording: list[int] = []
+        self.phase: str | None = None
+        self.pos = 0
+        self.on_trace = True
+        self.soon: set[int] = set()
+        self.bw_held: dict[int, Any] = {}
+        self.counters = {"fetches": 0, "trace_misses": 0, "relearned": 0}
+        self.handles: list[Any] = []
+        for m in self.mods:
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(m.register_forward_hook(self._post_forward))
+
+    # -- passes ----------------------------------------------------------------------------
+    def _begin(self, phase: str) -> None:
+        self._end_pass()
+        self.phase = phase
+        self.pos = 0
+        self.recording = []
+        self.on_trace = True
+
+    def _end_pass(self) -> None:
+        if self.phase is not None and self.recording:
+            if self.traces[self.phase] is None or not self.on_trace:
+                if self.traces[self.phase] is not None:
+                    self.counters["relearned"] += 1
+                self.traces[self.phase] = self.recording
+        self.phase = None
+
+    def begin_forward(self) -> None:
+        if self.bw_held:  # a forward with grad whose backward never ran
+            self.end_backward()
+        self._begin("fw")
+
+    def end_backward(self) -> None:
+        held = list(self.bw_held.values())
+        self.bw_held.clear()
+        self.store.drop(held)
+        self.store.release_all()
+        if self.phase == "bw":
+            self._end_pass()
+
+    # -- fetching ----------------------------------------------------------------------------
+    def fetch(self, module: Any, phase: str) -> None:
+        if phase != self.phase:
+            self._begin(phase)
+        i = self.index[id(module)]
+        self.recording.append(i)
+        trace = self.traces[phase]
+        if trace is not None and self.on_trace:
+            if self.pos < len(trace) and trace[self.pos] == i:
+                self.pos += 1
+            else:
+                self.on_trace = False
+                self.counters["trace_misses"] += 1
+        params = self.mparams[i]
+        if phase == "bw":
+            params = [p for p in params if p.aio_id not in self.bw_held]
+            for p in params:
+                self.bw_held[p.aio_id] = p
+        self.store.acquire(params)
+        self.counters["fetches"] += 1
+        self._prefetch()
+
+    def _upcoming(self) -> list[int]:
+        """Module indices expected next: the rest of this pass, then the next pass."""
+        if not self.on_trace or self.phase is None:
+            return []
+        trace = self.traces[self.phase] or []
+        nxt = self.traces["bw" if self.phase == "fw" else "fw"] or []
+        return trace[self.pos :] + nxt
+
+    def _prefetch(self) -> None:
+        if self.bucket <= 0 or self.store.swapper is None:
+            self.soon = set()
+            return
+        window: list[int] = []
+        total = 0
+        for i in self._upcoming():
+            for pid in self.mdrive[i]:
+                if total >= self.bucket:
+                    break
+                if pid not in window:
+                    window.append(pid)
+                    total += self.numel[pid]
+            if total >= self.bucket:
+                break
+        self.soon = set(window)
+        self.store.prefetch(window, limit=self.reserve)
+
+    def release_after_backward(self, param: Any) -> None:
+        p = self.bw_held.pop(param.aio_id, None)
+        if p is not None:
+            self.store.drop([p], keep=self.soon)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _pre_forward(self, module: Any, args: Any) -> None:
+        if self.phase != "fw":
+            self._begin("fw")
+        self.fetch(module, "fw")
+
+    def _post_forward(self, module: Any, args: Any, output: Any) -> Any:
+        import torch
+
+        params = self.mparams[self.index[id(module)]]
+        needs_backward = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        new_output = output
+        if needs_backward:
+            new_output, wrapped = _wrap(output, self, module)
+            if not wrapped:
+                # No output tensor carries a gradient path we can hook: keep
+                # the parameters until the end of backward instead.
+                for p in params:
+                    if p.aio_id not in self.bw_held:
+                        self.bw_held[p.aio_id] = p
+                        self.store.acquire([p])
+        self.store.drop(params, keep=self.soon)
+        return new_output
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def _wrap(output: Any, fetcher: Fetcher, module: Any) -> tuple[Any, bool]:
+    """Route `output`'s tensors that require grad through _PreBackward."""
+    import torch
+
+    leaves: list[Any] = []
+
+    def collect(o: Any) -> None:
+        if torch.is_tensor(o):
+            if o.requires_grad:
+                leaves.append(o)
+        elif isinstance(o, (tuple, list)):
+            for x in o:
+                collect(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                collect(x)
+
+    collect(output)
+    if not leaves:
+        return output, False
+    new = _PreBackward.apply(fetcher, module, *leaves)
+    mapping = {id(t): n for t, n in zip(leaves, new, strict=True)}
+
+    def rebuild(o: Any) -> Any:
+        if torch.is_tensor(o):
+            return mapping.get(id(o), o)
+        if isinstance(o, tuple):
+            items = [rebuild(x) for x in o]
+            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+        if isinstance(o, list):
+            return [rebuild(x) for x in o]
+        if isinstance(o, dict):
+            d = copy.copy(o)
+            for k, v in o.items():
+                d[k] = rebuild(v)
+            return d
+        return o
+
+    return rebuild(output), True
+
+
+def _make_pre_backward() -> Any:
+    import torch
+
+    class PreBackward(torch.autograd.Function):
+        """Identity in forward; fetches the module's parameters in backward,
+        before the module's own backward runs."""
+
+        @staticmethod
+        def forward(ctx: Any, fetcher: Fetcher, module: Any, *tensors: Any) -> Any:
+            ctx.fetcher = fetcher
+            ctx.module = module
+            return tuple(t.detach() for t in tensors)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            ctx.fetcher.fetch(ctx.module, "bw")
+            return (None, None, *grads)
+
+    return PreBackward
+
+
+class _Lazy:
+    fn: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if self.fn is None:
+            self.fn = _make_pre_backward()
+        return self.fn.apply(*args)
+
+
+_PreBackward = _Lazy()

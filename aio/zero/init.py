@@ -1,0 +1,118 @@
+"""Building a model without ever holding all of it in memory.
+
+Under ``with aio.zero.Init(config):`` every module's parameters go to the
+parameter store (the drive, for ``offload_param.device: nvme``) as soon as
+that module's own ``__init__`` returns, so peak memory during construction
+is about one module, not the model. ``Module.apply`` (the usual
+``self.apply(self._init_weights)`` pattern) is redirected to fetch each
+module's parameters, run the function and store the result.
+
+Inside the context a parameter's real shape is ``param.aio_shape``; its
+``.shape`` is that of an empty placeholder once its module is built.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .config import load_train_config
+from .params import ParamStore, module_params
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    todo = [cls]
+    while todo:
+        c = todo.pop()
+        for sub in c.__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
+
+
+class Init:
+    """Context manager; pass the same config to :func:`aio.zero.initialize`.
+
+    ``device``: where the model computes (default CPU; a CUDA device keeps
+    only placeholders there). ``enabled=False`` makes it a no-op (handy for
+    one code path with and without offload).
+    """
+
+    def __init__(self, config: Any, device: Any = None, enabled: bool = True) -> None:
+        self.cfg = load_train_config(config)  # config errors before anything is allocated
+        self.device = device
+        self.enabled = enabled
+        self.store: ParamStore | None = None
+        self._patched: list[tuple[type, Any]] = []
+        self._orig_init_subclass: Any = None
+        self._orig_apply: Any = None
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        import torch
+
+        if self.store is None:
+            self.store = ParamStore(self.cfg, self.device)
+        store = self.store
+
+        def wrap(cls: type) -> None:
+            orig = cls.__dict__.get("__init__")
+            if orig is None or getattr(orig, "_aio_wrapped", False):
+                return
+
+            @functools.wraps(orig)
+            def init(module: Any, *args: Any, **kwargs: Any) -> None:
+                depth = module.__dict__.get("_aio_init_depth", 0)
+                module.__dict__["_aio_init_depth"] = depth + 1
+                try:
+                    orig(module, *args, **kwargs)
+                finally:
+                    module.__dict__["_aio_init_depth"] = depth
+                if depth == 0:
+                    del module.__dict__["_aio_init_depth"]
+                    for name, p in module.named_parameters(recurse=False):
+                        store.adopt(p, f"{type(module).__name__}.{name}")
+
+            init._aio_wrapped = True  # type: ignore[attr-defined]
+            cls.__init__ = init  # type: ignore[misc]
+            self._patched.append((cls, orig))
+
+        for cls in _subclasses(torch.nn.Module):
+            wrap(cls)
+        # Classes defined inside the context get wrapped as they are created.
+        self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls: type, **kw: Any) -> None:
+            super(torch.nn.Module, cls).__init_subclass__(**kw)
+            wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+
+        self._orig_apply = torch.nn.Module.apply
+
+        def apply(module: Any, fn: Any) -> Any:
+            for child in module.children():
+                child.apply(fn)
+            own = [p for p in module_params(module) if getattr(p, "_aio_store", None) is store]
+            with store.gathered(own, modify=True):
+                fn(module)
+            return module
+
+        torch.nn.Module.apply = apply  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        import torch
+
+        for cls, orig in reversed(self._patched):
+            cls.__init__ = orig  # type: ignore[misc]
+        self._patched.clear()
+        if self._orig_init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[assignment]
+        torch.nn.Module.apply = self._orig_apply  # type: ignore[method-assign]

@@ -1,0 +1,96 @@
+"""Keeping autograd away from recycled swap buffers.
+
+A fetched parameter's ``.data`` is a view of a pooled swap buffer that holds
+another parameter once this one is released. Autograd normally saves the
+parameter itself (and so sees whatever ``.data`` is when backward fetches it
+again), but some ops save a *view* made during forward: ``F.linear`` saves
+``weight.t()``, which would still point at the recycled buffer in backward.
+
+Two guards:
+- ``F.linear`` on a parameter managed by aio.zero goes through
+  :class:`_Linear`, which saves the parameter itself and computes exactly the
+  gradients autograd's addmm/mm backward computes (same kernels, same operand
+  order, so results are bit-identical to an in-memory run).
+- :func:`saved_tensor_guard` (used around every engine forward): any other
+  saved tensor that lives in a swap buffer is copied when saved, trading
+  memory for correctness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+_orig_linear: Any = None
+_LinearFn: Any = None
+
+
+def _make_fn() -> Any:
+    import torch
+
+    class _Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, input: Any, weight: Any, bias: Any) -> Any:
+            ctx.save_for_backward(input, weight)
+            ctx.has_bias = bias is not None
+            return _orig_linear(input, weight, bias)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            input, weight = ctx.saved_tensors
+            g2 = grad.reshape(-1, grad.shape[-1])
+            gi = gw = gb = None
+            if ctx.needs_input_grad[0]:
+                gi = g2.mm(weight).view(*grad.shape[:-1], weight.shape[1])
+            if ctx.needs_input_grad[1]:
+                gw = g2.t().mm(input.reshape(-1, input.shape[-1]))
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                gb = g2.sum(0)
+            return gi, gw, gb
+
+    return _Linear
+
+
+def _linear(input: Any, weight: Any, bias: Any = None) -> Any:
+    import torch
+
+    if (
+        hasattr(weight, "aio_id")
+        and torch.is_grad_enabled()
+        and input.dim() >= 2
+        and (weight.requires_grad or input.requires_grad or (bias is not None and bias.requires_grad))
+    ):
+        return _LinearFn.apply(input, weight, bias)
+    return _orig_linear(input, weight, bias)
+
+
+def install_linear() -> None:
+    """Route F.linear through _Linear for aio.zero parameters (idempotent;
+    other tensors take the original path unchanged)."""
+    global _orig_linear, _LinearFn
+    import torch
+
+    if _orig_linear is not None:
+        return
+    _orig_linear = torch.nn.functional.linear
+    _LinearFn = _make_fn()
+    torch.nn.functional.linear = _linear
+
+
+@contextlib.contextmanager
+def saved_tensor_guard(buffer_ptrs: set[int], counter: dict[str, int]) -> Iterator[None]:
+    """Copy any saved-for-backward tensor whose storage is a swap buffer
+    (other than a parameter itself, which is fetched again for backward)."""
+    import torch
+
+    def pack(t: Any) -> Any:
+        if isinstance(t, torch.nn.Parameter) or t.device.type != "cpu":
+            return t
+        if t.untyped_storage().data_ptr() in buffer_ptrs:
+            counter["saved_copies"] = counter.get("saved_copies", 0) + 1
+            return t.clone()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield

@@ -1,0 +1,361 @@
+"""Where the model's parameters live between uses, and how they come back.
+
+A :class:`ParamStore` owns every parameter of a model as one *partition*
+(one flat tensor in the training dtype), either on the drive through
+:class:`aio.swap.ParamSwapper` (``offload_param.device: nvme``) or in CPU
+memory (``cpu``/``none``). While a parameter is not in use its ``.data`` is
+an empty placeholder; ``param.aio_shape`` / ``param.aio_numel`` keep its
+real shape. :class:`Fetcher` installs the module hooks that bring a module's
+parameters in right before its forward (and its backward) and let them go
+right after, prefetching the next modules in the execution order recorded on
+the first pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from ..swap import ParamSwapper, PoolExhaustedError, State
+
+
+def check_fits(cfg: Any, name: str, numel: int) -> None:
+    """Raise a config error if a parameter of `numel` elements cannot be swapped."""
+    from ..config import ConfigError
+
+    p = cfg.offload.offload_param
+    if cfg.param_device == "nvme" and numel > p.buffer_size:
+        raise ConfigError(
+            [
+                (
+                    "zero_optimization.offload_param.buffer_size",
+                    f"{p.buffer_size} elements is smaller than parameter {name!r} "
+                    f"({numel} elements); set it to at least {numel}",
+                )
+            ]
+        )
+
+
+def _placeholder(dtype: Any, device: Any) -> Any:
+    import torch
+
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+class ParamStore:
+    """Owns parameter partitions (drive or CPU memory) and hands them out.
+
+    ``acquire``/``drop`` are reference counted per parameter; a parameter is
+    materialised (``.data`` set to its full tensor) while its count is > 0.
+    """
+
+    def __init__(self, cfg: Any, device: Any = None) -> None:
+        import torch
+
+        self.cfg = cfg
+        self.dtype = cfg.torch_dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.on_drive = cfg.param_device == "nvme"
+        self.swapper: ParamSwapper | None = None
+        if self.on_drive:
+            p = cfg.offload.offload_param
+            self.swapper = ParamSwapper(
+                str(p.nvme_path),
+                dtype=self.dtype,
+                buffer_count=p.buffer_count,
+                buffer_size=p.buffer_size,
+                max_in_cpu=p.max_in_cpu,
+                pin_memory=p.pin_memory,
+                aio=cfg.offload.aio.handle_kwargs(),
+            )
+        self.resident: dict[int, Any] = {}  # pid -> flat CPU tensor (memory backend)
+        self.params: dict[int, Any] = {}  # pid -> weakref to the Parameter
+        self.refs: collections.Counter[int] = collections.Counter()
+        self.speculative: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.next_pid = 0
+        self.buffer_ptrs: set[int] = set()  # storages of swap buffers (see linear.py)
+        self.closed = False
+
+    # -- adoption ------------------------------------------------------------------------
+    def adopt(self, param: Any, name: str = "") -> None:
+        """Take ownership of `param`: its current values become the stored
+        copy (in the training dtype) and its ``.data`` becomes a placeholder
+        (or, in CPU memory on a CPU model, the stored copy itself)."""
+        import torch
+
+        if getattr(param, "_aio_store", None) is not None:
+            if param._aio_store is not self:
+                raise ValueError(f"parameter {name!r} already belongs to another aio.zero engine")
+            return
+        self._check_open()
+        numel = param.numel()
+        check_fits(self.cfg, name or f"#{self.next_pid}", numel)
+        pid = self.next_pid
+        self.next_pid += 1
+        src = param.detach().reshape(-1).to(self.dtype)
+        param.aio_shape = tuple(param.shape)
+        param.aio_numel = numel
+        param.aio_id = pid
+        param.aio_name = name
+        if self.swapper is not None:
+            self.swapper.register(pid, numel)
+            self.swapper.write(pid, src.cpu())
+        else:
+            host = torch.empty(numel, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            host.copy_(src)
+            self.resident[pid] = host
+        del src
+        param._aio_store = self
+        self.params[pid] = weakref.ref(param)
+        if self._stays_materialised(pid):
+            param.data = self._host(pid).view(param.aio_shape)
+        else:
+            param.data = _placeholder(self.dtype, self.device)
+
+    def _host(self, pid: int) -> Any:
+        if self.swapper is None:
+            return self.resident[pid]
+        return self.swapper.parts[pid].tensor
+
+    def _stays_materialised(self, pid: int) -> bool:
+        """A CPU model whose partition lives in CPU memory can keep pointing at it."""
+        if self.device.type != "cpu":
+            return False
+        if self.swapper is None:
+            return True
+        return self.swapper.parts[pid].state == State.RESIDENT
+
+    def on_drive_pids(self, params: Iterable[Any]) -> list[int]:
+        if self.swapper is None:
+            return []
+        return [p.aio_id for p in params if self.swapper.parts[p.aio_id].state != State.RESIDENT]
+
+    # -- use ---------------------------------------------------------------------------
+    def acquire(self, params: list[Any]) -> None:
+        """Materialise `params` (reads them from the drive if needed)."""
+        self._check_open()
+        todo = []
+        for p in params:
+            pid = p.aio_id
+            self.refs[pid] += 1
+            if self.refs[pid] == 1:
+                self.speculative.pop(pid, None)
+                if not self._stays_materialised(pid):
+                    todo.append(p)
+        if not todo:
+            return
+        if self.swapper is not None:
+            pids = [p.aio_id for p in todo]
+            parts = self.swapper.parts
+            need = sum(1 for pid in pids if parts[pid].lease is None and parts[pid].state != State.RESIDENT)
+            self._make_room(need)
+            try:
+                tensors = self.swapper.swap_in(pids)
+            except BaseException:
+                for p in params:
+                    self.refs[p.aio_id] -= 1
+                    if self.refs[p.aio_id] <= 0:
+                        del self.refs[p.aio_id]
+                raise
+        else:
+            tensors = [self.resident[p.aio_id] for p in todo]
+        for p, t in zip(todo, tensors, strict=True):
+            self._materialise(p, t)
+
+    def _materialise(self, p: Any, host: Any) -> None:
+        if self.device.type == "cpu":
+            if self.swapper is not None:
+                self.buffer_ptrs.add(host.untyped_storage().data_ptr())
+            p.data = host.view(p.aio_shape)
+        else:
+            # The pinned host copy goes up on a side stream; the compute
+            # stream waits for it, so the host buffer is free to reuse after.
+            import torch
+
+            stream = _side_stream(self.device)
+            with torch.cuda.stream(stream):
+                dev = host.view(p.aio_shape).to(self.device, non_blocking=True)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            stream.synchronize()
+            p.data = dev
+
+    def drop(self, params: list[Any], keep: set[int] | None = None) -> None:
+        """Undo acquire(); parameters no longer in use go back to placeholders.
+        Those in `keep` (needed again soon) keep their buffer for now."""
+        release = []
+        for p in params:
+            pid = p.aio_id
+            if self.refs[pid] <= 0:
+                continue
+            self.refs[pid] -= 1
+            if self.refs[pid] == 0:
+                del self.refs[pid]
+                if self._stays_materialised(pid):
+                    continue
+                p.data = _placeholder(self.dtype, self.device)
+                if self.swapper is not None:
+                    if keep is not None and pid in keep:
+                        self.speculative[pid] = None
+                    else:
+                        release.append(pid)
+        if release and self.swapper is not None:
+            self.swapper.release(release)
+
+    def prefetch(self, pids: list[int], limit: int) -> None:
+        """Start reading partitions needed soon, keeping `limit` buffers free."""
+        if self.swapper is None or not pids:
+            return
+        room = self.swapper.pool.available() - limit
+        want = [pid for pid in pids if self.swapper.parts[pid].state == State.ON_DRIVE][: max(room, 0)]
+        if want:
+            self.swapper.prefetch(want)
+            for pid in want:
+                if self.swapper.parts[pid].lease is not None and self.refs[pid] == 0:
+                    self.speculative[pid] = None
+
+    def _make_room(self, need: int) -> None:
+        assert self.swapper is not None
+        while self.swapper.pool.available() < need and self.speculative:
+            pid, _ = self.speculative.popitem(last=False)
+            self.swapper.release([pid])
+        if self.swapper.pool.available() < need:
+            in_use = sum(1 for pid in self.refs if self.swapper.parts[pid].lease is not None)
+            raise PoolExhaustedError(
+                f"{need} more parameter swap buffers needed but {in_use} of "
+                f"{self.swapper.pool.count} hold parameters in use; raise "
+                "zero_optimization.offload_param.buffer_count"
+            )
+
+    def release_all(self) -> None:
+        """Drop every parameter still held (end of a backward pass)."""
+        held = [self.params[pid]() for pid in list(self.refs)]
+        for p in held:
+            if p is not None:
+                self.refs[p.aio_id] = 1
+        self.drop([p for p in held if p is not None])
+
+    # -- values --------------------------------------------------------------------------
+    def read(self, param: Any) -> Any:
+        """A CPU copy of a parameter's stored values (flat, training dtype)."""
+        import torch
+
+        pid = param.aio_id
+        if self.swapper is None:
+            return self.resident[pid].clone()
+        part = self.swapper.parts[pid]
+        if part.state == State.RESIDENT or part.lease is not None:
+            self.swapper._settle(part)
+            return part.tensor.clone()
+        out = torch.empty(part.numel, dtype=self.dtype)
+        if part.state == State.WRITING:
+            self.swapper._settle(part)
+        self.swapper.reader.sync_pread(out, self.swapper.file.path, part.offset)
+        return out
+
+    def write(self, param: Any, flat: Any, async_op: bool = True) -> None:
+        """Store new values (flat, any float dtype; converted). `flat` must
+        not be reused by the caller until synchronize() when async_op."""
+        pid = param.aio_id
+        src = flat if flat.dtype == self.dtype else flat.to(self.dtype)
+        if self.swapper is None:
+            self.resident[pid].copy_(src)
+        else:
+            self.swapper.write(pid, src, async_op=async_op)
+        if self.refs.get(pid, 0) > 0 and not self._stays_materialised(pid):
+            # In use right now (e.g. inside gathered()): refresh the live copy too.
+            self._materialise(param, self._host(pid))
+
+    def synchronize(self) -> None:
+        if self.swapper is not None:
+            self.swapper.synchronize()
+
+    @contextlib.contextmanager
+    def gathered(self, params: list[Any], modify: bool = False) -> Iterator[None]:
+        """Materialise `params` for use outside forward/backward; with
+        `modify`, whatever the block writes into them is stored on exit."""
+        params = [p for p in params if getattr(p, "_aio_store", None) is self]
+        self.acquire(params)
+        try:
+            yield
+            if modify:
+                for p in params:
+                    if not self._stays_materialised(p.aio_id):
+                        self.write(p, p.data.detach().reshape(-1).cpu().clone(), async_op=False)
+        finally:
+            self.drop(params)
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def export_checkpoint(self, directory: str) -> None:
+        if self.swapper is not None:
+            self.swapper.export_checkpoint(directory)
+            return
+        import torch
+
+        from ..swap.storage import checkpoint_dir
+
+        with checkpoint_dir(directory) as tmp:
+            torch.save({pid: t for pid, t in self.resident.items()}, f"{tmp}/params.pt")
+
+    def import_checkpoint(self, directory: str) -> None:
+        if self.swapper is not None:
+            self.swapper.import_checkpoint(directory)
+        else:
+            import torch
+
+            saved = torch.load(f"{directory}/params.pt", weights_only=True)
+            if set(saved) != set(self.resident):
+                raise ValueError(f"{directory}: checkpoint parameters do not match this model")
+            for pid, t in saved.items():
+                if t.shape != self.resident[pid].shape or t.dtype != self.dtype:
+                    raise ValueError(f"{directory}: parameter {pid} has a different size or dtype")
+                self.resident[pid].copy_(t)
+        for pid in self.refs:
+            p = self.params[pid]()
+            if p is not None and not self._stays_materialised(pid):
+                self._materialise(p, self._host(pid))
+
+    # -- accounting --------------------------------------------------------------------------
+    def pinned_bytes(self) -> int:
+        if self.swapper is not None:
+            return self.swapper.pool.pinned_bytes + self.swapper.counters["resident_bytes"]
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        if self.swapper is not None:
+            return self.swapper.stats()
+        return {"partitions": len(self.resident), "resident_bytes": sum(t.nbytes for t in self.resident.values())}
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("the aio.zero parameter store is closed")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.swapper is not None:
+            self.swapper.close()
+
+
+_streams: dict[Any, Any] = {}
+
+
+def _side_stream(device: Any) -> Any:
+    import torch
+
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
+def module_params(module: Any) -> list[Any]:
+    """The module's own parameters (not its children's), deduplicated."""
+    seen: dict[int, Any] = {}
+    for p in module.parameters(recurse=False):
+        seen.setdefault(id(p), p)
+    for p in getattr(module, "_aio_external_params", ()):
+        seen.setdefault(id(p), p)
+    return list(seen.values())
