@@ -29,7 +29,12 @@ _READ_KEYS = {
     "gradient_clipping",
 }
 # Keys DeepSpeed users routinely have that mean nothing on one process.
-_QUIET_KEYS = {"train_micro_batch_size_per_gpu", "train_batch_size", "steps_per_print", "wall_clock_breakdown"}
+_QUIET_KEYS = {
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "steps_per_print",
+    "wall_clock_breakdown",
+}
 
 # DeepSpeed optimizer names -> torch.optim class names. DeepSpeed's "Adam"
 # decouples weight decay unless adam_w_mode is false (its default is true).
@@ -107,7 +112,7 @@ def _enabled(problems: list, data: Mapping[str, Any], key: str) -> Mapping[str, 
     if blk is None:
         return {}
     if not isinstance(blk, Mapping):
-        problems.append((key, f"must be an object like {{\"enabled\": true}}, got {type(blk).__name__}"))
+        problems.append((key, f'must be an object like {{"enabled": true}}, got {type(blk).__name__}'))
         return {}
     en = blk.get("enabled", False)
     if not isinstance(en, bool):
@@ -180,16 +185,35 @@ def load_train_config(source: Any) -> TrainConfig:
     scale = LossScaleConfig()
     if fp16:
         scale = LossScaleConfig(
-            static=_number(problems, "fp16.loss_scale", fp16.get("loss_scale"), integer=False, minimum=0, default=0.0),
+            static=_number(
+                problems, "fp16.loss_scale", fp16.get("loss_scale"), integer=False, minimum=0, default=0.0
+            ),
             initial_scale_power=_number(
-                problems, "fp16.initial_scale_power", fp16.get("initial_scale_power"), integer=True, minimum=0, default=16
+                problems,
+                "fp16.initial_scale_power",
+                fp16.get("initial_scale_power"),
+                integer=True,
+                minimum=0,
+                default=16,
             ),
             window=_number(
-                problems, "fp16.loss_scale_window", fp16.get("loss_scale_window"), integer=True, minimum=1, default=1000
+                problems,
+                "fp16.loss_scale_window",
+                fp16.get("loss_scale_window"),
+                integer=True,
+                minimum=1,
+                default=1000,
             ),
-            hysteresis=_number(problems, "fp16.hysteresis", fp16.get("hysteresis"), integer=True, minimum=1, default=2),
+            hysteresis=_number(
+                problems, "fp16.hysteresis", fp16.get("hysteresis"), integer=True, minimum=1, default=2
+            ),
             min_scale=_number(
-                problems, "fp16.min_loss_scale", fp16.get("min_loss_scale"), integer=False, minimum=0, default=1.0
+                problems,
+                "fp16.min_loss_scale",
+                fp16.get("min_loss_scale"),
+                integer=False,
+                minimum=0,
+                default=1.0,
             ),
         )
 
@@ -210,12 +234,17 @@ def load_train_config(source: Any) -> TrainConfig:
     opt = data.get("optimizer")
     if opt is not None:
         if not isinstance(opt, Mapping):
-            problems.append(("optimizer", f"must be an object with 'type' and 'params', got {type(opt).__name__}"))
+            problems.append(
+                ("optimizer", f"must be an object with 'type' and 'params', got {type(opt).__name__}")
+            )
         else:
             t = opt.get("type")
             if not isinstance(t, str) or t.lower() not in _OPTIMIZERS:
                 problems.append(
-                    ("optimizer.type", f"unknown optimizer {t!r}; accepted: {', '.join(_OPTIMIZERS.values())}")
+                    (
+                        "optimizer.type",
+                        f"unknown optimizer {t!r}; accepted: {', '.join(_OPTIMIZERS.values())}",
+                    )
                 )
             params = opt.get("params", {})
             if not isinstance(params, Mapping):
@@ -224,7 +253,11 @@ def load_train_config(source: Any) -> TrainConfig:
             opt_params = {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()}
             if isinstance(t, str) and t.lower() in _OPTIMIZERS:
                 opt_type = _OPTIMIZERS[t.lower()]
-                if opt_type == "Adam" and opt_params.get("adam_w_mode", True) and opt_params.get("weight_decay"):
+                if (
+                    opt_type == "Adam"
+                    and opt_params.get("adam_w_mode", True)
+                    and opt_params.get("weight_decay")
+                ):
                     opt_type = "AdamW"
                 for k in _DS_ONLY_PARAMS & set(opt_params):
                     opt_params.pop(k)
@@ -234,7 +267,9 @@ def load_train_config(source: Any) -> TrainConfig:
         raise ConfigError(problems, where)
 
     ignored = sorted(k for k in data if k not in _READ_KEYS and k not in _QUIET_KEYS)
-    ignored += sorted(f"zero_optimization.{k}" for k in zero if k not in _ZERO_READ and not _is_noop_zero_key(k))
+    ignored += sorted(
+        f"zero_optimization.{k}" for k in zero if k not in _ZERO_READ and not _is_noop_zero_key(k)
+    )
     if ignored:
         warnings.warn(
             f"aio.zero ignores these config keys: {', '.join(ignored)}",
@@ -279,7 +314,10 @@ def _check_optimizer_params(opt_type: str, params: dict[str, Any]) -> list[tuple
     bad = [k for k in params if k not in accepted]
     if bad:
         return [
-            (f"optimizer.params.{k}", f"not a parameter of torch.optim.{opt_type}; accepted: {', '.join(accepted)}")
+            (
+                f"optimizer.params.{k}",
+                f"not a parameter of torch.optim.{opt_type}; accepted: {', '.join(accepted)}",
+            )
             for k in bad
         ]
     try:

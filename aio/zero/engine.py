@@ -26,7 +26,7 @@ from .config import TrainConfig, load_train_config
 from .hooks import Fetcher
 from .linear import install_linear, saved_tensor_guard
 from .optim import MemoryOptimizer
-from .params import ParamStore, check_fits
+from .params import ParamStore, check_fits, trim_malloc
 from .scaler import LossScaler
 
 ENGINE_CHECKPOINT_VERSION = 1
@@ -49,7 +49,9 @@ def _resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str,
 
     if optimizer is None:
         if cfg.optimizer_type is None:
-            raise ConfigError([("optimizer", "no optimizer: pass optimizer= or set optimizer.type in the config")])
+            raise ConfigError(
+                [("optimizer", "no optimizer: pass optimizer= or set optimizer.type in the config")]
+            )
         return cfg.optimizer_class(), dict(cfg.optimizer_params)
     if isinstance(optimizer, torch.optim.Optimizer):
         if len(optimizer.param_groups) != 1:
@@ -59,11 +61,15 @@ def _resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str,
             )
         hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         if cfg.optimizer_type is not None:
-            warnings.warn("both optimizer= and a config 'optimizer' block given; using optimizer=", stacklevel=3)
+            warnings.warn(
+                "both optimizer= and a config 'optimizer' block given; using optimizer=", stacklevel=3
+            )
         return type(optimizer), hyper
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer, dict(cfg.optimizer_params)
-    raise TypeError(f"optimizer must be a torch.optim.Optimizer instance or class, got {type(optimizer).__name__}")
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer instance or class, got {type(optimizer).__name__}"
+    )
 
 
 class _Slot:
@@ -78,10 +84,10 @@ class _Slot:
 class Engine:
     """See :func:`initialize`. DeepSpeed-style loop::
 
-        for batch in data:
-            loss = loss_fn(engine(batch))
-            engine.backward(loss)
-            engine.step()   # steps the optimizer at accumulation boundaries
+    for batch in data:
+        loss = loss_fn(engine(batch))
+        engine.backward(loss)
+        engine.step()   # steps the optimizer at accumulation boundaries
     """
 
     def __init__(self, model: Any, config: Any, optimizer: Any = None, device: Any = None) -> None:
@@ -202,6 +208,7 @@ class Engine:
             self.close()
             raise
         self.closed = False
+        trim_malloc()
         self.scaler = LossScaler(cfg.loss_scale) if cfg.dtype == "fp16" else None
         self.gas = cfg.gradient_accumulation_steps
         self.micro_steps = 0
@@ -215,7 +222,7 @@ class Engine:
         self._pending: list[tuple[int, Lease, AioFuture]] = []  # gradient writes in flight
         self._norms: dict[int, Any] = {}  # slot order -> grad norm (accumulation boundary)
         self.last_grad_norm: float | None = None
-        self.bytes_moved = 0
+        self._param_writes: list[Any] = []
 
     # -- the loop --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -259,7 +266,9 @@ class Engine:
         s = self.slots[param.aio_id]
         buf = self._grad_buffer(s.group)
         view = buf[s.offset : s.offset + s.numel]
-        view.add_(g.reshape(-1).to(device="cpu", dtype=torch.float32) if g.device.type != "cpu" else g.reshape(-1))
+        view.add_(
+            g.reshape(-1).to(device="cpu", dtype=torch.float32) if g.device.type != "cpu" else g.reshape(-1)
+        )
         if self.is_gradient_accumulation_boundary() and (self.cfg.gradient_clipping > 0 or self.scaler):
             self._norms[s.order] = torch.linalg.vector_norm(view)
         self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
@@ -284,7 +293,6 @@ class Engine:
         buf = lease.tensor(torch.float32, self.group_numel[gi])
         if resume:
             self.opt.read_gradient(gi, buf)
-            self.bytes_moved += buf.nbytes
         else:
             buf.zero_()
         self._open[gi] = (lease, buf)
@@ -311,7 +319,6 @@ class Engine:
         lease, buf = self._open.pop(gi)
         if lease is not None:
             fut = self.opt.write_gradient(gi, buf)
-            self.bytes_moved += buf.nbytes
             self._pending.append((gi, lease, fut))
 
     def _settle_write(self, entry: tuple[int, Lease, AioFuture]) -> None:
@@ -384,7 +391,12 @@ class Engine:
         if self.cfg.gradient_clipping > 0 and norm is not None:
             coef = torch.clamp(self.cfg.gradient_clipping / (norm + 1e-6), max=1.0)
             grad_scale = coef if grad_scale is None else grad_scale * coef
-        self.opt.step(after=self._store_params, grad_scale=grad_scale)
+        self._param_writes = []
+        try:
+            self.opt.step(after=self._store_params, grad_scale=grad_scale)
+        finally:
+            self.store.settle(self._param_writes)
+            self._param_writes = []
         self.global_steps += 1
         self._end_step()
 
@@ -394,12 +406,17 @@ class Engine:
         self.micro_steps += 1
 
     def _store_params(self, gi: int, master: Any) -> None:
+        # The previous sub-group's parameter writes had this sub-group's step
+        # to land; wait for them now, so at most two sub-groups of parameter
+        # copies are ever held (not the whole model until the next forward).
+        self.store.settle(self._param_writes)
+        self._param_writes = []
         for s in self.groups[gi]:
             # A copy: `master` is a view of a buffer the swapper reuses as soon
             # as this sub-group's write lands, and the parameter write is async.
             new = master[s.offset : s.offset + s.numel].to(self.store.dtype, copy=True)
             self.store.write(s.param, new)
-            self.bytes_moved += new.nbytes
+            self._param_writes.append(s.param)
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
@@ -465,7 +482,9 @@ class Engine:
             raise ValueError(f"{path}: unsupported aio.zero checkpoint version {meta.get('version')!r}")
         mine = [[s.param.aio_name, list(s.param.aio_shape)] for s in self._ordered_slots()]
         if meta["params"] != mine:
-            raise ValueError(f"{path}: the checkpoint's parameters (names and shapes) do not match this model")
+            raise ValueError(
+                f"{path}: the checkpoint's parameters (names and shapes) do not match this model"
+            )
         if meta["dtype"] != self.cfg.dtype:
             raise ValueError(f"{path}: saved in {meta['dtype']}, this engine trains in {self.cfg.dtype}")
         self._settle_writes()

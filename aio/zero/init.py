@@ -17,7 +17,7 @@ import functools
 from typing import Any
 
 from .config import load_train_config
-from .params import ParamStore, module_params
+from .params import ParamStore, module_params, trim_malloc
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -116,3 +116,4 @@ class Init:
         else:
             torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[assignment]
         torch.nn.Module.apply = self._orig_apply  # type: ignore[method-assign]
+        trim_malloc()

@@ -39,6 +39,43 @@ def check_fits(cfg: Any, name: str, numel: int) -> None:
         )
 
 
+_M_MMAP_THRESHOLD = -3
+_malloc_bounded = False
+
+
+def bound_malloc() -> None:
+    """Make glibc return large freed blocks to the OS.
+
+    glibc raises its mmap threshold each time a large mmapped block is freed
+    (up to 32 MiB), after which parameter-sized tensors come from the heap and
+    their memory stays in the process when freed: building or streaming a
+    model through memory would then leave RSS growing with model size. A fixed
+    1 MiB threshold keeps every tensor of 1 MiB or more in its own mapping,
+    returned on free. Process-wide; a no-op where mallopt is unavailable.
+    """
+    global _malloc_bounded
+    if _malloc_bounded:
+        return
+    _malloc_bounded = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def trim_malloc() -> None:
+    """Give free heap memory back to the OS (after building a model)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _placeholder(dtype: Any, device: Any) -> Any:
     import torch
 
@@ -61,6 +98,7 @@ class ParamStore:
         self.on_drive = cfg.param_device == "nvme"
         self.swapper: ParamSwapper | None = None
         if self.on_drive:
+            bound_malloc()
             p = cfg.offload.offload_param
             self.swapper = ParamSwapper(
                 str(p.nvme_path),
@@ -268,6 +306,12 @@ class ParamStore:
             # In use right now (e.g. inside gathered()): refresh the live copy too.
             self._materialise(param, self._host(pid))
 
+    def settle(self, params: list[Any]) -> None:
+        """Wait for these parameters' pending writes (raises a failed one)."""
+        if self.swapper is not None:
+            for p in params:
+                self.swapper._settle(self.swapper.parts[p.aio_id])
+
     def synchronize(self) -> None:
         if self.swapper is not None:
             self.swapper.synchronize()
@@ -326,7 +370,10 @@ class ParamStore:
     def stats(self) -> dict[str, Any]:
         if self.swapper is not None:
             return self.swapper.stats()
-        return {"partitions": len(self.resident), "resident_bytes": sum(t.nbytes for t in self.resident.values())}
+        return {
+            "partitions": len(self.resident),
+            "resident_bytes": sum(t.nbytes for t in self.resident.values()),
+        }
 
     def _check_open(self) -> None:
         if self.closed:
