@@ -131,6 +131,7 @@ def make_config(args: argparse.Namespace, nvme_path: str) -> dict[str, Any]:
             "stage": 3,
             "sub_group_size": max(largest, min(n, args.sub_group_size)),
             "stage3_prefetch_bucket_size": max(largest, 2 * 4 * args.width * args.width),
+            "stage3_param_persistence_threshold": 10_000,
         },
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
         "gradient_accumulation_steps": args.gas,

@@ -42,7 +42,14 @@ _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagr
 # DeepSpeed-only optimizer parameters that torch's classes do not take.
 _DS_ONLY_PARAMS = {"adam_w_mode", "torch_adam", "bias_correction", "fused"}
 
-_ZERO_READ = {"stage", "sub_group_size", "offload_param", "offload_optimizer", "stage3_prefetch_bucket_size"}
+_ZERO_READ = {
+    "stage",
+    "sub_group_size",
+    "offload_param",
+    "offload_optimizer",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+}
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     prefetch_bucket_size: int = 50_000_000
+    persistence_threshold: int = 100_000  # parameters smaller than this stay in memory
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     ignored: tuple[str, ...] = ()
 
@@ -173,6 +181,15 @@ def load_train_config(source: Any) -> TrainConfig:
         default=50_000_000,
     )
 
+    persist = _number(
+        problems,
+        "zero_optimization.stage3_param_persistence_threshold",
+        zero.get("stage3_param_persistence_threshold"),
+        integer=True,
+        minimum=0,
+        default=100_000,
+    )
+
     bf16 = _enabled(problems, data, "bf16") or _enabled(problems, data, "bfloat16")
     fp16 = _enabled(problems, data, "fp16")
     dtype = "fp32"
@@ -263,6 +280,17 @@ def load_train_config(source: Any) -> TrainConfig:
                     opt_params.pop(k)
                 problems.extend(_check_optimizer_params(opt_type, opt_params))
 
+    o = offload.offload_optimizer
+    if o is not None and o.device == "nvme":
+        need = 1 + int(o.pipeline_read) + int(o.pipeline_write)
+        if o.buffer_count < need:
+            problems.append(
+                (
+                    "zero_optimization.offload_optimizer.buffer_count",
+                    f"{o.buffer_count} is too small for pipeline_read={o.pipeline_read} / "
+                    f"pipeline_write={o.pipeline_write}; need at least {need}",
+                )
+            )
     if problems:
         raise ConfigError(problems, where)
 
@@ -284,6 +312,7 @@ def load_train_config(source: Any) -> TrainConfig:
         gradient_accumulation_steps=gas,
         gradient_clipping=clip,
         prefetch_bucket_size=prefetch,
+        persistence_threshold=persist,
         loss_scale=scale,
         ignored=tuple(ignored),
     )
@@ -325,3 +354,18 @@ def _check_optimizer_params(opt_type: str, params: dict[str, Any]) -> list[tuple
     except (ValueError, TypeError) as e:
         return [("optimizer.params", f"torch.optim.{opt_type} refuses them: {e}")]
     return []
+
+
+def check_drive_paths(cfg: TrainConfig) -> None:
+    """Every nvme_path must be an existing directory (checked before any allocation)."""
+    import os
+
+    problems = []
+    for key in ("offload_param", "offload_optimizer"):
+        blk = getattr(cfg.offload, key)
+        if blk is not None and blk.device == "nvme" and not os.path.isdir(str(blk.nvme_path)):
+            problems.append(
+                (f"zero_optimization.{key}.nvme_path", f"{blk.nvme_path} is not an existing directory")
+            )
+    if problems:
+        raise ConfigError(problems)

@@ -22,7 +22,7 @@ from ..handle import AioFuture
 from ..pinned import Lease
 from ..swap import OptimizerSwapper
 from ..swap.storage import checkpoint_dir
-from .config import TrainConfig, load_train_config
+from .config import TrainConfig, check_drive_paths, load_train_config
 from .hooks import Fetcher
 from .linear import install_linear, saved_tensor_guard
 from .optim import MemoryOptimizer
@@ -59,7 +59,10 @@ def _resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str,
                 "aio.zero steps the whole model as one parameter group; the optimizer has "
                 f"{len(optimizer.param_groups)} groups (per-group settings are not supported)"
             )
-        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        import inspect
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and k in accepted}
         if cfg.optimizer_type is not None:
             warnings.warn(
                 "both optimizer= and a config 'optimizer' block given; using optimizer=", stacklevel=3
@@ -137,20 +140,7 @@ class Engine:
         else:
             for n, _p in named:
                 check_fits(cfg, n, sizes[n])
-        if cfg.optimizer_device == "nvme":
-            o = cfg.offload.offload_optimizer
-            need = 1 + int(o.pipeline_read) + int(o.pipeline_write)
-            if o.buffer_count < need:
-                raise ConfigError(
-                    [
-                        (
-                            "zero_optimization.offload_optimizer.buffer_count",
-                            f"{o.buffer_count} is too small for the pipeline settings; need at least {need}",
-                        )
-                    ]
-                )
-        if cfg.dtype != "fp32" and self.device.type == "cpu" and cfg.dtype == "fp16":
-            warnings.warn("fp16 on CPU is slow and rarely useful; bf16 is the CPU choice", stacklevel=3)
+        check_drive_paths(cfg)
 
         # -- layout: parameters packed into sub-groups in model order -------------------
         self.slots: dict[int, _Slot] = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .config import load_train_config
+from .config import check_drive_paths, load_train_config
 from .params import ParamStore, module_params, trim_malloc
 
 
@@ -41,6 +41,7 @@ class Init:
 
     def __init__(self, config: Any, device: Any = None, enabled: bool = True) -> None:
         self.cfg = load_train_config(config)  # config errors before anything is allocated
+        check_drive_paths(self.cfg)
         self.device = device
         self.enabled = enabled
         self.store: ParamStore | None = None

@@ -108,6 +108,7 @@ class ParamStore:
                 max_in_cpu=p.max_in_cpu,
                 pin_memory=p.pin_memory,
                 aio=cfg.offload.aio.handle_kwargs(),
+                min_swap_bytes=cfg.persistence_threshold * torch.empty(0, dtype=self.dtype).element_size(),
             )
         self.resident: dict[int, Any] = {}  # pid -> flat CPU tensor (memory backend)
         self.params: dict[int, Any] = {}  # pid -> weakref to the Parameter
