@@ -10,7 +10,6 @@ import aio.zero
 from aio.config import ConfigError
 from aio.train import batch, build_gpt
 
-
 V, W, L, H, S, B = 64, 64, 2, 2, 8, 2
 
 
@@ -115,9 +114,8 @@ def test_fp32_bit_identical_to_in_memory(tmp_path, reference, param, opt, pipeli
     with aio.zero.initialize(model, cfg) as engine:
         got = train_engine(engine, 20)
         st = engine.stats()
-    assert got == reference, (
-        f"first difference at step {next(i for i, (a, b) in enumerate(zip(got, reference)) if a != b)}"
-    )
+    diff = [i for i, (a, b) in enumerate(zip(got, reference, strict=True)) if a != b]
+    assert not diff, f"losses differ from step {diff[0]}"
     assert st["global_steps"] == 20 and st["micro_steps"] == 40
     if param == "nvme":
         assert st["params"]["bytes_read"] > 0 and st["fetcher"]["trace_misses"] == 0
