@@ -243,6 +243,18 @@ class Engine:
             self._finish_backward()
         return loss
 
+    def get_lr(self) -> float:
+        return float(self.opt.hyper["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate from the next step on (for a schedule)."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
+            raise ValueError(f"lr must be a number >= 0, got {lr!r}")
+        self.opt.hyper["lr"] = lr
+        if self.opt.optimizer is not None:
+            for pg in self.opt.optimizer.param_groups:
+                pg["lr"] = lr
+
     def zero_grad(self) -> None:
         """Nothing to do: gradients never stay on the parameters (kept for API compatibility)."""
 

@@ -389,3 +389,26 @@ def test_closed_engine_refuses_and_cleans_up(tmp_path):
     assert not os.path.exists(swap_dir)
     with pytest.raises(ValueError, match="closed"):
         engine.step()
+
+
+def test_set_lr_applies_to_next_step(tmp_path):
+    model = gpt()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.01)
+    ref = []
+    for step in range(4):
+        if step == 2:
+            opt.param_groups[0]["lr"] = 1e-3
+        loss = loss_of(ref_model, step, 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    with aio.zero.initialize(model, cfg_for(tmp_path, gas=1, clip=0)) as engine:
+        got = train_engine(engine, 2, gas=1)
+        engine.set_lr(1e-3)
+        assert engine.get_lr() == 1e-3
+        got += train_engine(engine, 2, gas=1, start=2)
+        with pytest.raises(ValueError):
+            engine.set_lr(-1)
+    assert got == ref
