@@ -33,7 +33,7 @@ def _torch() -> Any:
 def build_gpt(vocab: int, width: int, layers: int, heads: int, seq: int) -> Any:
     """A GPT-2-shaped decoder (tied embedding/head, pre-LayerNorm blocks)."""
     torch = _torch()
-    nn = torch.nn
+    nn: Any = torch.nn
 
     class Attention(nn.Module):
         def __init__(self) -> None:

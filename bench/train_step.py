@@ -81,7 +81,10 @@ def worker(a: argparse.Namespace) -> dict:
     model = torch.nn.Sequential(*mods)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(99)
-    data = [(torch.randn(BATCH, a.width, generator=g), torch.randn(BATCH, 16, generator=g)) for _ in range(a.steps)]
+    data = [
+        (torch.randn(BATCH, a.width, generator=g), torch.randn(BATCH, 16, generator=g))
+        for _ in range(a.steps)
+    ]
     zero = zero_block(a.dir, a.width, 50_000_000 if a.variant == "zero-nvme-pf" else 0)
     if a.variant == "zero-cpu":
         zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}

@@ -2,13 +2,15 @@
 ``offload_optimizer`` ``device: nvme`` train a plain PyTorch model with its
 parameters and optimizer state on the drive (see docs/zero.md)."""
 
+from typing import Any
+
 from .config import TrainConfig, load_train_config
 from .engine import Engine, initialize
 from .init import Init
 from .params import ParamStore
 
 
-def register_external_parameter(module, param) -> None:  # type: ignore[no-untyped-def]
+def register_external_parameter(module: Any, param: Any) -> None:
     """Declare that `module`'s forward uses `param`, a parameter owned by
     another module (so it is fetched for `module` too)."""
     ext = module.__dict__.setdefault("_aio_external_params", [])

@@ -21,13 +21,13 @@ from .params import ParamStore, module_params, trim_malloc
 
 
 def _subclasses(cls: type) -> list[type]:
-    out = []
-    todo = [cls]
+    out: list[type] = []
+    todo: list[type] = [cls]
     while todo:
         c = todo.pop()
-        for sub in c.__subclasses__():
-            out.append(sub)
-            todo.append(sub)
+        subs: list[type] = c.__subclasses__()
+        out.extend(subs)
+        todo.extend(subs)
     return out
 
 
@@ -86,7 +86,7 @@ class Init:
         self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
 
         def init_subclass(cls: type, **kw: Any) -> None:
-            super(torch.nn.Module, cls).__init_subclass__(**kw)
+            super(torch.nn.Module, cls).__init_subclass__(**kw)  # type: ignore[misc]
             wrap(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
@@ -101,7 +101,7 @@ class Init:
                 fn(module)
             return module
 
-        torch.nn.Module.apply = apply  # type: ignore[method-assign]
+        torch.nn.Module.apply = apply  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -110,11 +110,11 @@ class Init:
         import torch
 
         for cls, orig in reversed(self._patched):
-            cls.__init__ = orig  # type: ignore[misc]
+            cls.__init__ = orig
         self._patched.clear()
         if self._orig_init_subclass is None:
             del torch.nn.Module.__init_subclass__
         else:
-            torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[assignment]
+            torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[method-assign]
         torch.nn.Module.apply = self._orig_apply  # type: ignore[method-assign]
         trim_malloc()
