@@ -70,8 +70,8 @@ def test_optimizer_state_four_times_peak_rss_trains(tmp_path):
     }
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
-    # 32 layers of width 768: 226M parameters, built under aio.zero.Init.
-    args = ["--config", str(path), "--width", "768", "--layers", "32", "--heads", "8", "--vocab", "256"]
+    # 40 layers of width 768: 283M parameters, built under aio.zero.Init.
+    args = ["--config", str(path), "--width", "768", "--layers", "40", "--heads", "8", "--vocab", "256"]
     args += ["--seq", "16", "--batch", "1", "--steps", "2", "--no-baseline"]
     stdout, res = run_train(args, tmp_path)
     off = res["offloaded"]
