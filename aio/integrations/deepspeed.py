@@ -18,7 +18,9 @@ Three ways in:
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import sys
 import threading
@@ -267,6 +269,33 @@ def enable() -> None:
             get_op_builder._aio_wrapped = True  # type: ignore[attr-defined]
             _patched.append((acc, "get_op_builder", orig))
             acc.get_op_builder = get_op_builder
+        # DeepSpeed 0.19 leaves part of the optimizer state out when loading a
+        # checkpoint with NVMe optimizer offload (see ds_checkpoint.py).
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        orig_load = DeepSpeedEngine.load_checkpoint
+        if not getattr(orig_load, "_aio_wrapped", False):
+
+            @functools.wraps(orig_load)
+            def load_checkpoint(self: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+                result = orig_load(self, load_dir, tag, *args, **kwargs)
+                bound = inspect.signature(orig_load).bind(self, load_dir, tag, *args, **kwargs)
+                bound.apply_defaults()
+                a = bound.arguments
+                if (
+                    result[0] is not None
+                    and a.get("load_optimizer_states", True)
+                    and not a.get("load_module_only", False)
+                    and self.zero_nvme_offload_optimizer()
+                ):
+                    from .ds_checkpoint import restore
+
+                    restore(self, load_dir, tag)
+                return result
+
+            load_checkpoint._aio_wrapped = True  # type: ignore[attr-defined]
+            _patched.append((DeepSpeedEngine, "load_checkpoint", orig_load))
+            DeepSpeedEngine.load_checkpoint = load_checkpoint
 
 
 def disable() -> None:

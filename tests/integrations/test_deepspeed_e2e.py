@@ -167,28 +167,28 @@ def test_checkpoint_with_cpu_offload_resumes_exactly(tmp_path):
     assert res["losses"] == full["losses"][5:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "DeepSpeed 0.19 defect, same on its own async_io op: with offload_optimizer on NVMe, "
-        "load_checkpoint() skips the ZeRO checkpoint (engine.py) and only copies the swapped files "
-        "back, so in-memory sub-groups and swapped sub-groups' scalar optimizer state (Adam's step) "
-        "resume from fresh values. Strict: this turns red when DeepSpeed fixes it."
-    ),
-)
-def test_nvme_checkpoint_save_load_continues_identically(tmp_path):
-    full, resumed = _save_then_resume(tmp_path, "aio", "--pipeline")
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
+def test_nvme_checkpoint_save_load_continues_identically(tmp_path, pipeline):
+    # DeepSpeed 0.19 alone does not: with offload_optimizer on NVMe its
+    # load_checkpoint() skips the ZeRO optimizer checkpoint, so the first
+    # resumed step starts Adam from scratch (aio.integrations.ds_checkpoint
+    # restores it; see the test below for DeepSpeed's own op).
+    full, resumed = _save_then_resume(tmp_path, "aio", *(["--pipeline"] if pipeline else []))
     assert resumed["losses"] == full["losses"][5:]
 
 
 @pytest.mark.skipif(
     not ds_op_available(), reason="DeepSpeed's async_io op cannot be built here (needs libaio-dev)"
 )
-def test_nvme_checkpoint_resume_behaves_exactly_like_deepspeeds_op(tmp_path):
+def test_deepspeeds_own_op_loses_optimizer_state_on_nvme_resume(tmp_path):
+    # The same run on DeepSpeed's op (no aio patch) trains identically but does
+    # not resume identically: this is the DeepSpeed defect aio repairs. If a
+    # DeepSpeed release fixes it this test fails, and the repair can go.
     mine_full, mine = _save_then_resume(tmp_path, "aio", "--pipeline")
     theirs_full, theirs = _save_then_resume(tmp_path, "dsop", "--pipeline")
     assert mine_full["losses"] == theirs_full["losses"]
-    assert mine["losses"] == theirs["losses"]
+    assert mine["losses"] == mine_full["losses"][5:]
+    assert theirs["losses"] != theirs_full["losses"][5:]
 
 
 def test_two_processes_share_nvme_path(tmp_path):
