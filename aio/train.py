@@ -165,6 +165,18 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     torch = _torch()
     import aio.zero
 
+    from aio.config import estimate_memory
+
+    est = estimate_memory(
+        cfg, gpt_params(args.vocab, args.width, args.layers, args.seq), dtype=args.dtype, optimizer_states=2
+    )
+    print(
+        f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, "
+        f"drive {_gib(sum(est.nvme.values()))}",
+        file=out,
+    )
+    for problem in est.check():
+        print(f"warning: {problem}", file=out)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     if args.init:
@@ -256,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
