@@ -85,9 +85,13 @@ def saved_tensor_guard(buffer_ptrs: set[int], counter: dict[str, int]) -> Iterat
     import torch
 
     def pack(t: Any) -> Any:
-        if isinstance(t, torch.nn.Parameter) or t.device.type != "cpu":
+        if isinstance(t, torch.nn.Parameter) or t.device.type != "cpu" or t.layout != torch.strided:
             return t
-        if t.untyped_storage().data_ptr() in buffer_ptrs:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+            return t
+        if ptr in buffer_ptrs:
             counter["saved_copies"] = counter.get("saved_copies", 0) + 1
             return t.clone()
         return t

@@ -412,3 +412,19 @@ def test_set_lr_applies_to_next_step(tmp_path):
         with pytest.raises(ValueError):
             engine.set_lr(-1)
     assert got == ref
+
+
+def test_eval_under_no_grad_matches_and_releases(tmp_path):
+    ref = gpt()
+    x, _ = batch(0, 0, B, S, V)
+    with torch.no_grad():
+        expect = ref(x)
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path)) as engine:
+        engine.eval()
+        with torch.no_grad():
+            got = engine(x)
+        assert torch.equal(got, expect)
+        assert not engine.store.refs
+        assert all(p.numel() == 0 for p in engine.module.parameters())
+        engine.train()
+        train_engine(engine, 1)  # training still works after an eval pass
