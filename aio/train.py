@@ -164,15 +164,13 @@ def make_config(args: argparse.Namespace, nvme_path: str) -> dict[str, Any]:
 def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> dict[str, Any]:
     torch = _torch()
     import aio.zero
-
     from aio.config import estimate_memory
 
     est = estimate_memory(
         cfg, gpt_params(args.vocab, args.width, args.layers, args.seq), dtype=args.dtype, optimizer_states=2
     )
     print(
-        f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, "
-        f"drive {_gib(sum(est.nvme.values()))}",
+        f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, drive {_gib(sum(est.nvme.values()))}",
         file=out,
     )
     for problem in est.check():

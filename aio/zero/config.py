@@ -42,6 +42,15 @@ _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagr
 # DeepSpeed-only optimizer parameters that torch's classes do not take.
 _DS_ONLY_PARAMS = {"adam_w_mode", "torch_adam", "bias_correction", "fused"}
 
+# (LossScaleConfig field, fp16 key, integer?, minimum, default) -- DeepSpeed's defaults.
+_FP16_KEYS = [
+    ("static", "loss_scale", False, 0, 0.0),
+    ("initial_scale_power", "initial_scale_power", True, 0, 16),
+    ("window", "loss_scale_window", True, 1, 1000),
+    ("hysteresis", "hysteresis", True, 1, 2),
+    ("min_scale", "min_loss_scale", False, 0, 1.0),
+]
+
 _ZERO_READ = {
     "stage",
     "sub_group_size",
@@ -172,22 +181,12 @@ def load_train_config(source: Any) -> TrainConfig:
         problems.append(
             ("zero_optimization.stage", f"aio.zero runs stage 3 (or 0 without offload); got {stage!r}")
         )
-    prefetch = _number(
-        problems,
-        "zero_optimization.stage3_prefetch_bucket_size",
-        zero.get("stage3_prefetch_bucket_size"),
-        integer=True,
-        minimum=0,
-        default=50_000_000,
-    )
-
-    persist = _number(
-        problems,
-        "zero_optimization.stage3_param_persistence_threshold",
-        zero.get("stage3_param_persistence_threshold"),
-        integer=True,
-        minimum=0,
-        default=100_000,
+    prefetch, persist = (
+        _number(problems, f"zero_optimization.{key}", zero.get(key), integer=True, minimum=0, default=d)
+        for key, d in (
+            ("stage3_prefetch_bucket_size", 50_000_000),
+            ("stage3_param_persistence_threshold", 100_000),
+        )
     )
 
     bf16 = _enabled(problems, data, "bf16") or _enabled(problems, data, "bfloat16")
@@ -202,48 +201,17 @@ def load_train_config(source: Any) -> TrainConfig:
     scale = LossScaleConfig()
     if fp16:
         scale = LossScaleConfig(
-            static=_number(
-                problems, "fp16.loss_scale", fp16.get("loss_scale"), integer=False, minimum=0, default=0.0
-            ),
-            initial_scale_power=_number(
-                problems,
-                "fp16.initial_scale_power",
-                fp16.get("initial_scale_power"),
-                integer=True,
-                minimum=0,
-                default=16,
-            ),
-            window=_number(
-                problems,
-                "fp16.loss_scale_window",
-                fp16.get("loss_scale_window"),
-                integer=True,
-                minimum=1,
-                default=1000,
-            ),
-            hysteresis=_number(
-                problems, "fp16.hysteresis", fp16.get("hysteresis"), integer=True, minimum=1, default=2
-            ),
-            min_scale=_number(
-                problems,
-                "fp16.min_loss_scale",
-                fp16.get("min_loss_scale"),
-                integer=False,
-                minimum=0,
-                default=1.0,
-            ),
+            **{
+                attr: _number(problems, f"fp16.{key}", fp16.get(key), integer=i, minimum=m, default=d)
+                for attr, key, i, m, d in _FP16_KEYS
+            }
         )
-
-    gas = _number(
-        problems,
-        "gradient_accumulation_steps",
-        data.get("gradient_accumulation_steps"),
-        integer=True,
-        minimum=1,
-        default=1,
-    )
-    clip = _number(
-        problems, "gradient_clipping", data.get("gradient_clipping"), integer=False, minimum=0, default=0.0
+    gas, clip = (
+        _number(problems, key, data.get(key), integer=i, minimum=m, default=d)
+        for key, i, m, d in (
+            ("gradient_accumulation_steps", True, 1, 1),
+            ("gradient_clipping", False, 0, 0.0),
+        )
     )
 
     opt_type: str | None = None
