@@ -275,6 +275,14 @@ class OptimizerSwapper:
         self.reader.sync_pread(out, self.file.path, g.offset + g.parts["grad"][0])
         self.counters["bytes_read"] += g.numel * 4
 
+    def discard_gradients(self) -> None:
+        """Wait for every pending gradient write and forget it, failed or not
+        (the caller is abandoning this step's gradients)."""
+        for g in self.groups.values():
+            fut, g.grad_future = g.grad_future, None
+            if fut is not None:
+                fut.exception()
+
     def _settle_grad(self, g: _SubGroup) -> None:
         fut, g.grad_future = g.grad_future, None
         if fut is not None:

@@ -204,6 +204,7 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
+        self.abandoned_windows = 0
         # gradient buffers being filled this micro-step: group -> (lease or None, fp32 view)
         self._open: dict[int, tuple[Lease | None, Any]] = {}
         self._arrived: dict[int, int] = {}
@@ -239,8 +240,10 @@ class Engine:
             scaled = scaled / self.gas
         try:
             scaled.backward()
-        finally:
             self._finish_backward()
+        except BaseException:
+            self._abandon_window()
+            raise
         return loss
 
     def get_lr(self) -> float:
@@ -292,11 +295,15 @@ class Engine:
             self._open[gi] = (None, buf)
             return buf
         lease = self._take_lease()
-        buf = lease.tensor(torch.float32, self.group_numel[gi])
-        if resume:
-            self.opt.read_gradient(gi, buf)
-        else:
-            buf.zero_()
+        try:
+            buf = lease.tensor(torch.float32, self.group_numel[gi])
+            if resume:
+                self.opt.read_gradient(gi, buf)
+            else:
+                buf.zero_()
+        except BaseException:
+            lease.release()
+            raise
         self._open[gi] = (lease, buf)
         return buf
 
@@ -320,7 +327,11 @@ class Engine:
     def _close_group(self, gi: int) -> None:
         lease, buf = self._open.pop(gi)
         if lease is not None:
-            fut = self.opt.write_gradient(gi, buf)
+            try:
+                fut = self.opt.write_gradient(gi, buf)
+            except BaseException:
+                lease.release()
+                raise
             self._pending.append((gi, lease, fut))
 
     def _settle_write(self, entry: tuple[int, Lease, AioFuture]) -> None:
@@ -368,7 +379,11 @@ class Engine:
             self.micro_steps += 1
             self._touched.clear()
             return
-        self._settle_writes()
+        try:
+            self._settle_writes()
+        except BaseException:
+            self._abandon_window()
+            raise
         if not self._touched:
             raise RuntimeError("step() without a backward() since the last step")
         grad_scale = None
@@ -401,6 +416,34 @@ class Engine:
             self._param_writes = []
         self.global_steps += 1
         self._end_step()
+
+    def _abandon_window(self) -> None:
+        """A backward or a gradient write failed: drop this accumulation
+        window's gradients (the optimizer state is untouched), give every
+        buffer back and start the window again at the next backward()."""
+        self._reset_window()
+        self.abandoned_windows += 1
+
+    def _reset_window(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.end_backward()
+        for lease, _buf in self._open.values():
+            if lease is not None:
+                lease.release()
+        self._open.clear()
+        for _gi, lease, fut in self._pending:
+            fut.exception()
+            lease.release()
+        self._pending.clear()
+        if isinstance(self.opt, OptimizerSwapper):
+            self.opt.discard_gradients()
+        self._arrived.clear()
+        self._flushed.clear()
+        self._touched.clear()
+        self._norms.clear()
+        self.micro_steps -= self.micro_steps % self.gas
+        for s in self.slots.values():
+            s.param.grad = None
 
     def _end_step(self) -> None:
         self._norms.clear()
@@ -489,7 +532,7 @@ class Engine:
             )
         if meta["dtype"] != self.cfg.dtype:
             raise ValueError(f"{path}: saved in {meta['dtype']}, this engine trains in {self.cfg.dtype}")
-        self._settle_writes()
+        self._reset_window()
         self.store.synchronize()
         self.store.import_checkpoint(os.path.join(path, "params"))
         self.opt.import_checkpoint(os.path.join(path, "optimizer"))
@@ -530,6 +573,7 @@ class Engine:
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
+            "abandoned_windows": self.abandoned_windows,
             "loss_scale": self.scaler.scale if self.scaler else None,
             "pinned_bytes": self.pinned_bytes(),
             "params": self.store.stats(),

@@ -1,0 +1,106 @@
+"""aio.zero under failures and at exit: I/O errors surface as OSError with
+errno, nothing reads as valid that is not, a checkpoint restores a usable
+state, and a process that exits mid-training leaves no swap files."""
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aio.zero
+from aio.swap import SwapStateError
+
+from .test_engine import cfg_for, gpt, reference, train_engine  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _micro(engine, step, micro):
+    from .test_engine import loss_of
+
+    engine.backward(loss_of(engine, step, micro))
+    engine.step()
+
+
+def test_gradient_write_error_drops_the_step_and_loses_nothing(tmp_path, reference):  # noqa: F811
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path)) as engine:
+        first = train_engine(engine, 5)
+        engine.opt.writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
+        with pytest.raises(OSError) as ei:
+            _micro(engine, 5, 0)
+            _micro(engine, 5, 1)
+        assert ei.value.errno == errno.EIO and "optimizer.swp" in str(ei.value.filename)
+        engine.opt.writer._c.clear_fault()
+        st = engine.stats()
+        assert st["abandoned_windows"] == 1 and st["global_steps"] == 5 and st["micro_steps"] == 10
+        assert engine.opt.pool.available() == engine.opt.pool.count  # no buffer leaked
+        # The optimizer never saw the lost gradients: redoing step 5 continues exactly.
+        rest = train_engine(engine, 15, start=5)
+    assert first + rest == reference
+
+
+def test_optimizer_write_error_poisons_until_checkpoint_restore(tmp_path, reference):  # noqa: F811
+    ckpt = str(tmp_path / "ck")
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "d")) as engine:
+        first = train_engine(engine, 5)
+        engine.save_checkpoint(ckpt)
+        engine.backward(loss_of_step(engine, 5, 0))
+        engine.step()
+        engine.backward(loss_of_step(engine, 5, 1))
+        engine._settle_writes()  # gradient writes done; the next write is the step's
+        engine.opt.writer._c.inject_fault("error", errno.ENOSPC, "write", 1, 1)
+        with pytest.raises(OSError) as ei:
+            engine.step()
+        assert ei.value.errno == errno.ENOSPC
+        engine.opt.writer._c.clear_fault()
+        # The optimizer state is partly stepped: it refuses rather than continue wrongly.
+        with pytest.raises(SwapStateError, match="partly updated"):
+            train_engine(engine, 1, start=5)
+        engine.load_checkpoint(ckpt)
+        rest = train_engine(engine, 15, start=5)
+    assert first + rest == reference
+
+
+def loss_of_step(engine, step, micro):
+    from .test_engine import loss_of
+
+    return loss_of(engine, step, micro)
+
+
+def test_parameter_read_error_names_the_file(tmp_path):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=1)) as engine:
+        train_engine(engine, 1, gas=1)
+        engine.store.swapper.reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
+        with pytest.raises(OSError) as ei:
+            for _ in range(3):  # prefetched buffers may serve the first modules
+                train_engine(engine, 1, gas=1)
+        assert ei.value.errno == errno.EIO and "params.swp" in str(ei.value.filename)
+        engine.store.swapper.reader._c.clear_fault()
+
+
+def test_exit_mid_training_leaves_no_swap_files(tmp_path):
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    code = f"""
+import torch, aio.zero
+from aio.train import build_gpt, batch
+cfg = {cfg_for(drive)!r}
+torch.manual_seed(0)
+with aio.zero.Init(cfg):
+    model = build_gpt(64, 64, 2, 2, 8)
+engine = aio.zero.initialize(model, cfg)
+x, y = batch(0, 0, 2, 8, 64)
+loss = torch.nn.functional.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+engine.backward(loss)   # gradient writes in flight, never stepped, never closed
+print("swap", sorted(os.listdir({str(drive)!r} + "/aio-swap")))
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", "import os\n" + code], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert "param" in r.stdout and "optimizer" in r.stdout
+    left = [os.path.join(d, f) for d, _, fs in os.walk(drive) for f in fs]
+    assert left == [], left
