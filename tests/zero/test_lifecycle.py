@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import aio.zero
 from aio.swap import SwapStateError
