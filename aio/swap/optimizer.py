@@ -207,6 +207,11 @@ class OptimizerSwapper:
         self._check_usable()
         return self._pool().acquire(timeout)
 
+    def try_acquire_buffer(self) -> Lease | None:
+        """acquire_buffer() without waiting: None when all are in use."""
+        self._check_usable()
+        return self._pool().try_acquire()
+
     def _views(self, g: _SubGroup, lease: Lease) -> dict[str, Any]:
         return {name: BufferPool.view(lease, dt, g.numel, off) for name, (off, dt) in g.parts.items()}
 

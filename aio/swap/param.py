@@ -334,6 +334,11 @@ class ParamSwapper:
             raise exc
         p.state = State.AVAILABLE
 
+    def wait(self, pids: list[Any]) -> None:
+        """Wait for these partitions' pending reads and writes (raises a failed one)."""
+        for pid in pids:
+            self._settle(self._part(pid))
+
     def synchronize(self) -> None:
         """Wait for every read and write; raises the first failure after all finished."""
         first: BaseException | None = None

@@ -308,9 +308,8 @@ class Engine:
         return buf
 
     def _take_lease(self) -> Lease:
-        pool = self.opt._pool()
         while True:
-            lease = pool.try_acquire()
+            lease = self.opt.try_acquire_buffer()
             if lease is not None:
                 return lease
             if self._pending:
@@ -322,7 +321,7 @@ class Engine:
                 self._close_group(gi)
                 self._flushed.add(gi)
             else:
-                return pool.acquire()
+                return self.opt.acquire_buffer()
 
     def _close_group(self, gi: int) -> None:
         lease, buf = self._open.pop(gi)

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..swap import ParamSwapper, PoolExhaustedError, State
+from ..swap import ParamSwapper, PoolExhaustedError, State, SwapStateError
 
 
 def check_fits(cfg: Any, name: str, numel: int) -> None:
@@ -285,12 +285,14 @@ class ParamStore:
         if self.swapper is None:
             return self.resident[pid].clone()
         part = self.swapper.parts[pid]
+        self.swapper.wait([pid])
+        if part.state == State.INVALID:
+            raise SwapStateError(
+                f"parameter {param.aio_name!r}: its drive copy is invalid after a failed write"
+            )
         if part.state == State.RESIDENT or part.lease is not None:
-            self.swapper._settle(part)
             return part.tensor.clone()
         out = torch.empty(part.numel, dtype=self.dtype)
-        if part.state == State.WRITING:
-            self.swapper._settle(part)
         self.swapper.reader.sync_pread(out, self.swapper.file.path, part.offset)
         return out
 
@@ -310,8 +312,7 @@ class ParamStore:
     def settle(self, params: list[Any]) -> None:
         """Wait for these parameters' pending writes (raises a failed one)."""
         if self.swapper is not None:
-            for p in params:
-                self.swapper._settle(self.swapper.parts[p.aio_id])
+            self.swapper.wait([p.aio_id for p in params])
 
     def synchronize(self) -> None:
         if self.swapper is not None:
