@@ -48,9 +48,13 @@ def test_enable_routes_every_swapper_to_aio():
 
         assert get_accelerator().get_op_builder("AsyncIOBuilder") is aio_ds.AioAsyncIOBuilder
         assert aio_ds.is_enabled()
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        assert getattr(DeepSpeedEngine.load_checkpoint, "_aio_wrapped", False)  # checkpoint repair
     finally:
         aio_ds.disable()
     assert not aio_ds.is_enabled()
+    assert not getattr(DeepSpeedEngine.load_checkpoint, "_aio_wrapped", False)
     assert partitioned_param_swapper.AsyncIOBuilder is not aio_ds.AioAsyncIOBuilder
 
 
