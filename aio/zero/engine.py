@@ -456,10 +456,7 @@ class Engine:
         self.store.settle(self._param_writes)
         self._param_writes = []
         for s in self.groups[gi]:
-            # A copy: `master` is a view of a buffer the swapper reuses as soon
-            # as this sub-group's write lands, and the parameter write is async.
-            new = master[s.offset : s.offset + s.numel].to(self.store.dtype, copy=True)
-            self.store.write(s.param, new)
+            self.store.write(s.param, master[s.offset : s.offset + s.numel])
             self._param_writes.append(s.param)
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -12,6 +12,8 @@ end of backward is released then.
 from __future__ import annotations
 
 import copy
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from .params import ParamStore, module_params
@@ -92,13 +94,14 @@ class Fetcher:
         self.counters["fetches"] += 1
         self._prefetch()
 
-    def _upcoming(self) -> list[int]:
-        """Module indices expected next: the rest of this pass, then the next pass."""
+    def _upcoming(self) -> Iterator[int]:
+        """Module indices expected next: the rest of this pass, then the next
+        pass (lazily: the caller stops after a bucket's worth)."""
         if not self.on_trace or self.phase is None:
-            return []
+            return iter(())
         trace = self.traces[self.phase] or []
         nxt = self.traces["bw" if self.phase == "fw" else "fw"] or []
-        return trace[self.pos :] + nxt
+        return itertools.chain((trace[i] for i in range(self.pos, len(trace))), nxt)
 
     def _prefetch(self) -> None:
         if self.bucket <= 0 or self.store.swapper is None:

@@ -270,11 +270,10 @@ class ParamStore:
 
     def release_all(self) -> None:
         """Drop every parameter still held (end of a backward pass)."""
-        held = [self.params[pid]() for pid in list(self.refs)]
+        held = [p for pid in list(self.refs) if (p := self.params[pid]()) is not None]
         for p in held:
-            if p is not None:
-                self.refs[p.aio_id] = 1
-        self.drop([p for p in held if p is not None])
+            self.refs[p.aio_id] = 1  # so that one drop() releases it
+        self.drop(held)
 
     # -- values --------------------------------------------------------------------------
     def read(self, param: Any) -> Any:
@@ -297,13 +296,14 @@ class ParamStore:
         return out
 
     def write(self, param: Any, flat: Any, async_op: bool = True) -> None:
-        """Store new values (flat, any float dtype; converted). `flat` must
-        not be reused by the caller until synchronize() when async_op."""
+        """Store new values (flat, any float dtype; converted). The caller may
+        reuse `flat` right away: an asynchronous write goes from a copy."""
         pid = param.aio_id
-        src = flat if flat.dtype == self.dtype else flat.to(self.dtype)
         if self.swapper is None:
-            self.resident[pid].copy_(src)
+            self.resident[pid].copy_(flat)
         else:
+            # The write outlives this call when async: it must own its source.
+            src = flat.to(self.dtype, copy=async_op)
             self.swapper.write(pid, src, async_op=async_op)
         if self.refs.get(pid, 0) > 0 and not self._stays_materialised(pid):
             # In use right now (e.g. inside gathered()): refresh the live copy too.
@@ -329,7 +329,7 @@ class ParamStore:
             if modify:
                 for p in params:
                     if not self._stays_materialised(p.aio_id):
-                        self.write(p, p.data.detach().reshape(-1).cpu().clone(), async_op=False)
+                        self.write(p, p.data.detach().reshape(-1).cpu(), async_op=False)
         finally:
             self.drop(params)
 
