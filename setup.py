@@ -1,5 +1,6 @@
 """Build of the aio._C extension (C++17, pybind11, no libaio, no libtorch)."""
 
+import os
 from glob import glob
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
@@ -8,13 +9,31 @@ from setuptools import setup
 # Compile the translation units in parallel (NPY_NUM_BUILD_JOBS overrides).
 ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
+# The extension exports PyInit__C and nothing else. Toolchains that link
+# libstdc++/libgcc statically (CUDA images do) would otherwise export their
+# std:: symbols, which then interpose with the shared libstdc++ that torch
+# loaded first and crash the first exception thrown. Hidden visibility covers
+# our own code; the version script and --exclude-libs cover static archives.
+VERSION_SCRIPT = "csrc/_C.map"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Warnings fail the build only on request (CI sets AIO_WERROR=1): a user's
+# build with a newer compiler that warns about something new keeps working.
+WARNINGS = ["-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("AIO_WERROR") == "1" else [])
+
 ext = Pybind11Extension(
     "aio._C",
     sorted(glob("csrc/core/*.cpp")) + sorted(glob("csrc/bindings/*.cpp")),
+    depends=sorted(glob("csrc/core/*.h")) + [VERSION_SCRIPT],
     cxx_std=17,
-    extra_compile_args=["-O2", "-Wall", "-Wextra"],
+    # Pybind11Extension already passes -fvisibility=hidden.
+    extra_compile_args=["-O2", *WARNINGS, "-fvisibility-inlines-hidden"],
     # Threads only; kernel AIO is reached through syscall(), so no -laio.
-    extra_link_args=["-pthread"],
+    extra_link_args=[
+        "-pthread",
+        f"-Wl,--version-script={os.path.join(HERE, VERSION_SCRIPT)}",
+        "-Wl,--exclude-libs,ALL",
+    ],
 )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})

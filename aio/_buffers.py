@@ -1,4 +1,5 @@
-"""Turn user buffers into (pointer, byte count) for the core.
+"""Turn user buffers into (pointer, byte count) for the core, and keep track of
+the memory that I/O in flight is writing into or reading from.
 
 Accepted: contiguous torch tensors (CPU, or CUDA through a pinned bounce
 buffer), numpy arrays, and any object exporting a C-contiguous buffer.
@@ -7,19 +8,33 @@ torch is imported only when a tensor is actually passed.
 
 from __future__ import annotations
 
+import itertools
+import math
+import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+# Largest size or offset the core (int64 offsets, off_t) can address.
+MAX_OFFSET = 2**63 - 1
+# A blocking wait in the core is cut into slices this long so that Python runs
+# pending signal handlers (Ctrl-C) between them: the core waits with the GIL
+# released and a signal alone never wakes it.
+WAIT_SLICE_S = 0.05
+
 
 @dataclass
 class ResolvedBuffer:
+    """A buffer as the core sees it: address and size, plus what keeps the memory alive."""
+
     ptr: int
     nbytes: int
-    keepalive: Any  # object that owns the memory; held until the I/O is done
-    cuda_tensor: Any = None  # set when `keepalive` is a host bounce for this GPU tensor
+    keepalive: Any  # objects that own the memory; held until the I/O is done
+    cuda_tensor: Any = None  # set when the memory is a host bounce for this GPU tensor
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -28,36 +43,66 @@ def _is_tensor(obj: Any) -> bool:
 
 
 def tensor_nbytes(t: Any) -> int:
+    """Bytes of a tensor's elements (numel x element size)."""
     return int(t.numel()) * int(t.element_size())
+
+
+def _check_tensor(t: Any, argname: str) -> None:
+    """Refuse tensors whose bytes are not plainly their values."""
+    import torch
+
+    if t.layout != torch.strided:
+        raise ValueError(f"{argname}: {t.layout} tensors are not supported (call .to_dense())")
+    if t.is_quantized:
+        raise ValueError(f"{argname}: quantized tensors are not supported (call .dequantize())")
+    if t.device.type == "meta":
+        raise ValueError(f"{argname}: a meta tensor has no memory to read or write")
+    # Lazy conjugation/negation is a flag: the memory holds the unconjugated
+    # (un-negated) values, so moving the raw bytes would silently be wrong.
+    if t.is_conj():
+        raise ValueError(f"{argname}: tensor is lazily conjugated; call .resolve_conj() first")
+    if t.is_neg():
+        raise ValueError(f"{argname}: tensor is lazily negated; call .resolve_neg() first")
+    if not t.is_contiguous() or any(s == 0 for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        raise ValueError(f"{argname}: tensor must be contiguous (call .contiguous() first)")
+
+
+def _resolve_tensor(t: Any, writable: bool, argname: str) -> ResolvedBuffer:
+    _check_tensor(t, argname)
+    if t.device.type == "cuda":
+        import torch
+
+        host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+        if not writable:
+            host.copy_(t.reshape(-1))
+        return ResolvedBuffer(host.data_ptr(), tensor_nbytes(t), host, cuda_tensor=t)
+    if t.device.type != "cpu":
+        raise ValueError(f"{argname}: tensors on device '{t.device}' are not supported")
+    # Hold the storage, not just the tensor: t.set_() or free_locked_tensor(t)
+    # detach the tensor from its storage, which must outlive the I/O.
+    return ResolvedBuffer(t.data_ptr(), tensor_nbytes(t), (t, t.untyped_storage()))
 
 
 def resolve(buffer: Any, *, writable: bool, argname: str = "buffer") -> ResolvedBuffer:
     """Validate `buffer` and return its address and size.
 
     writable=True is required for reads (the buffer receives data).
-    Raises TypeError for unsupported objects and ValueError for unusable ones.
+    Raises TypeError for unsupported objects (including memory holding Python
+    object pointers) and ValueError for unusable ones.
     """
     if _is_tensor(buffer):
-        t = buffer
-        if not t.is_contiguous():
-            raise ValueError(f"{argname}: tensor must be contiguous (call .contiguous() first)")
-        if getattr(t, "is_sparse", False):
-            raise ValueError(f"{argname}: sparse tensors are not supported")
-        if t.device.type == "cuda":
-            import torch
-
-            host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-            if not writable:
-                host.copy_(t.reshape(-1))
-            return ResolvedBuffer(host.data_ptr(), tensor_nbytes(t), host, cuda_tensor=t)
-        if t.device.type != "cpu":
-            raise ValueError(f"{argname}: tensors on device '{t.device}' are not supported")
-        return ResolvedBuffer(t.data_ptr(), tensor_nbytes(t), t)
+        return _resolve_tensor(buffer, writable, argname)
     if isinstance(buffer, np.ndarray):
+        if buffer.dtype.hasobject:
+            raise TypeError(
+                f"{argname}: arrays of Python objects (dtype {buffer.dtype}) hold "
+                "pointers, not data; they cannot be read or written"
+            )
         if not buffer.flags.c_contiguous:
             raise ValueError(f"{argname}: array must be C-contiguous (use np.ascontiguousarray)")
         if writable and not buffer.flags.writeable:
             raise ValueError(f"{argname}: array is read-only; a read needs a writable buffer")
+        # The array holds its base (and so the memory's owner) alive.
         return ResolvedBuffer(int(buffer.__array_interface__["data"][0]), int(buffer.nbytes), buffer)
     if isinstance(buffer, (str, int, float)) or buffer is None:
         raise TypeError(
@@ -69,6 +114,8 @@ def resolve(buffer: Any, *, writable: bool, argname: str = "buffer") -> Resolved
         raise TypeError(
             f"{argname}: expected a tensor, numpy array or buffer object, got {type(buffer).__name__}"
         ) from None
+    if "O" in mv.format:
+        raise TypeError(f"{argname}: buffer holds Python object pointers (format {mv.format!r})")
     if not mv.c_contiguous:
         raise ValueError(f"{argname}: buffer must be C-contiguous")
     if writable and mv.readonly:
@@ -80,4 +127,71 @@ def resolve(buffer: Any, *, writable: bool, argname: str = "buffer") -> Resolved
     if flat.nbytes == 0:
         return ResolvedBuffer(0, 0, buffer)
     arr = np.frombuffer(flat, dtype=np.uint8)
+    # The export (held by `arr`) keeps the exporter from resizing or freeing it.
     return ResolvedBuffer(int(arr.__array_interface__["data"][0]), int(flat.nbytes), (buffer, arr))
+
+
+# -- timeouts and interruptible waits -----------------------------------------
+def deadline(timeout: Any, name: str = "timeout") -> float | None:
+    """Monotonic deadline for `timeout` seconds; None (or inf) means none."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds or None, got {type(timeout).__name__}")
+    t = float(timeout)
+    if math.isnan(t) or t < 0:
+        raise ValueError(f"{name} must be >= 0 seconds (or None/inf for no timeout), got {timeout}")
+    if math.isinf(t):
+        return None
+    return time.monotonic() + t
+
+
+def wait_sliced(wait_for: Any, until: float | None) -> bool:
+    """Call ``wait_for(seconds) -> bool`` in short slices until it returns True
+    or `until` passes; return the last answer. Ctrl-C interrupts it."""
+    while True:
+        if until is None:
+            step = WAIT_SLICE_S
+        else:
+            left = until - time.monotonic()
+            if left <= 0:
+                return bool(wait_for(0.0))
+            step = min(WAIT_SLICE_S, left)
+        if wait_for(step):
+            return True
+
+
+# -- memory with I/O in flight ------------------------------------------------
+_inflight_lock = threading.Lock()
+# token -> (start, end, request, pid of the process that submitted it)
+_inflight: dict[int, tuple[int, int, Any, int]] = {}
+_tokens = itertools.count(1)
+
+
+def track_inflight(ptr: int, nbytes: int, req: Any) -> int:
+    """Record that `req` uses [ptr, ptr + nbytes); returns a token for untrack."""
+    with _inflight_lock:
+        if len(_inflight) >= 256:  # futures nobody collects: forget finished ones
+            for tok in [k for k, v in _inflight.items() if v[2].done()]:
+                del _inflight[tok]
+        tok = next(_tokens)
+        _inflight[tok] = (ptr, ptr + nbytes, req, os.getpid())
+    return tok
+
+
+def untrack_inflight(token: int) -> None:
+    """Forget a range registered by track_inflight() (its I/O is done)."""
+    with _inflight_lock:
+        _inflight.pop(token, None)
+
+
+def wait_range_idle(start: int, nbytes: int) -> None:
+    """Block (interruptibly) until no I/O in flight touches [start, start + nbytes)."""
+    end = start + nbytes
+    with _inflight_lock:
+        # A parent's requests never finish in a forked child (no workers
+        # there) and touch only the parent's copy of the memory: skip them.
+        me = os.getpid()
+        busy = [v[2] for v in _inflight.values() if v[0] < end and start < v[1] and v[3] == me]
+    for req in busy:
+        wait_sliced(req.wait, None)

@@ -9,6 +9,7 @@ with ``filename`` set and ``operation``/``offset``/``length`` attributes.
 from __future__ import annotations
 
 import errno as _errno
+import os as _os
 
 
 class ReadPastEOFError(OSError, EOFError):
@@ -26,6 +27,23 @@ class HandleStateError(ValueError):
     """
 
 
+def readable_path(path: str) -> str:
+    """``/proc/self/fd/N/name`` (how the swappers reach files through a held,
+    verified folder descriptor) as the folder's real path plus ``name``, so
+    errors name a file a person can find. Anything else is returned as is."""
+    prefix = "/proc/self/fd/"
+    if not path.startswith(prefix):
+        return path
+    fd, sep, rest = path[len(prefix) :].partition("/")
+    if not fd.isdigit():
+        return path
+    try:
+        folder = _os.readlink(prefix + fd)
+    except OSError:
+        return path
+    return _os.path.join(folder, rest) if sep else folder
+
+
 def make_error(
     err: int,
     message: str,
@@ -35,7 +53,11 @@ def make_error(
     length: int,
     eof: bool,
 ) -> BaseException:
+    """The Python exception for a core error: ReadPastEOFError for a read
+    past the end, HandleStateError for misuse (errno 0), else the OSError
+    subclass of `err`; with ``operation``/``offset``/``length`` attributes."""
     exc: BaseException
+    path = readable_path(path)
     if eof:
         exc = ReadPastEOFError(_errno.ENODATA, message, path or None)
     elif err == 0:

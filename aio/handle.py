@@ -8,103 +8,18 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 from . import _C, pinned
-from ._buffers import ResolvedBuffer, resolve
+from ._args import PathArg, check_bool, check_int, check_path
+from ._buffers import MAX_OFFSET, resolve
 from ._errors import HandleStateError
+from .future import AioFuture, collectable, first_untold_error, wait_all
 
-PathArg = Union[str, "os.PathLike[str]", int]
+__all__ = ["AioFuture", "AsyncIOHandle", "PathArg"]
 
 _READ, _WRITE = 0, 1
 _live_handles: weakref.WeakSet[AsyncIOHandle] = weakref.WeakSet()
-
-
-class AioFuture:
-    """A pending read or write.
-
-    The future owns the buffer (and, for GPU tensors, the pinned bounce
-    buffer) until the I/O is done, so dropping the caller's reference early
-    is safe.
-    """
-
-    __slots__ = ("_req", "_buf", "_finalize", "_settled", "_exc", "_observed", "__weakref__")
-
-    def __init__(self, req: Any, buf: ResolvedBuffer, finalize: Callable[[], None] | None) -> None:
-        self._req = req
-        self._buf: ResolvedBuffer | None = buf
-        self._finalize = finalize
-        self._settled = False
-        self._exc: BaseException | None = None
-        self._observed = False  # the caller has seen the outcome via result()/exception()
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._req.nbytes)
-
-    @property
-    def offset(self) -> int:
-        return int(self._req.offset)
-
-    def done(self) -> bool:
-        """True once the I/O has finished (successfully or not)."""
-        return bool(self._req.done())
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block (GIL released) until done or `timeout` seconds pass; return done()."""
-        return bool(self._req.wait(-1.0 if timeout is None else max(0.0, float(timeout))))
-
-    def _settle(self) -> None:
-        if self._settled:
-            return
-        self._settled = True
-        try:
-            self._req.result()
-            if self._finalize is not None:
-                self._finalize()
-        except BaseException as e:  # noqa: BLE001 - stored and re-raised to the caller
-            self._exc = e
-        finally:
-            self._buf = None
-            self._finalize = None
-
-    def result(self, timeout: float | None = None) -> int:
-        """Wait, then return the number of bytes moved or raise the I/O error."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"I/O not done after {timeout} s")
-        self._settle()
-        self._observed = True
-        if self._exc is not None:
-            raise self._exc
-        return self.nbytes
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Wait, then return the error (or None) without raising it."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"I/O not done after {timeout} s")
-        self._settle()
-        self._observed = True
-        return self._exc
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        kind = "write" if self._req.is_write else "read"
-        return f"<AioFuture {kind} {self.nbytes} bytes at {self.offset} ({state})>"
-
-
-def _check_int(name: str, v: Any, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
-
-
-def _check_bool(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
-    return v
 
 
 class AsyncIOHandle:
@@ -136,15 +51,15 @@ class AsyncIOHandle:
     ) -> None:
         if intra_op_parallelism is not None:
             thread_count = intra_op_parallelism
-        self._block_size = _check_int("block_size", block_size)
-        self._queue_depth = _check_int("queue_depth", queue_depth)
-        self._thread_count = _check_int("thread_count", thread_count)
+        self._block_size = check_int("block_size", block_size)
+        self._queue_depth = check_int("queue_depth", queue_depth)
+        self._thread_count = check_int("thread_count", thread_count)
         if self._queue_depth > 65536:
             raise ValueError(f"queue_depth must be <= 65536, got {queue_depth}")
         if self._thread_count > 1024:
             raise ValueError(f"thread_count must be <= 1024, got {thread_count}")
-        self._single_submit = _check_bool("single_submit", single_submit)
-        self._overlap_events = _check_bool("overlap_events", overlap_events)
+        self._single_submit = check_bool("single_submit", single_submit)
+        self._overlap_events = check_bool("overlap_events", overlap_events)
         if not isinstance(engine, str):
             raise TypeError(f"engine must be a str, got {type(engine).__name__}")
         known = ["auto", *_C.engines()]
@@ -171,21 +86,27 @@ class AsyncIOHandle:
 
     # -- settings (DeepSpeed names) ------------------------------------------
     def get_block_size(self) -> int:
+        """Bytes per submitted I/O (DeepSpeed name)."""
         return self._block_size
 
     def get_queue_depth(self) -> int:
+        """I/Os in flight per worker (DeepSpeed name)."""
         return self._queue_depth
 
     def get_single_submit(self) -> bool:
+        """Whether each I/O is submitted with its own ``io_submit`` (DeepSpeed name)."""
         return self._single_submit
 
     def get_overlap_events(self) -> bool:
+        """Whether the queue is kept full rather than drained per batch (DeepSpeed name)."""
         return self._overlap_events
 
     def get_thread_count(self) -> int:
+        """Number of workers; each request is split into that many slices."""
         return self._thread_count
 
     def get_intra_op_parallelism(self) -> int:
+        """DeepSpeed's name for get_thread_count()."""
         return self._thread_count
 
     def get_alignment(self) -> int:
@@ -195,6 +116,7 @@ class AsyncIOHandle:
 
     @property
     def engine(self) -> str:
+        """The I/O engine in use: ``"kernel_aio"`` or ``"posix"``."""
         return str(self._live().engine)
 
     # -- I/O -----------------------------------------------------------------
@@ -210,27 +132,13 @@ class AsyncIOHandle:
 
     def _submit(self, op: int, buffer: Any, path: PathArg, file_offset: int) -> AioFuture:
         c = self._live()
-        if isinstance(file_offset, bool) or not isinstance(file_offset, int):
-            raise TypeError(f"file_offset must be an int, got {type(file_offset).__name__}")
-        if file_offset < 0:
-            raise ValueError(f"file_offset must be >= 0, got {file_offset}")
-        if isinstance(path, bool):
-            raise TypeError("path must be a str, os.PathLike or an int descriptor, got bool")
-        if isinstance(path, int):
-            if path < 0:
-                raise ValueError(f"file descriptor must be >= 0, got {path}")
-            spath, fd = "", path
-        elif isinstance(path, (str, os.PathLike)):
-            spath, fd = os.fspath(path), -1
-            if isinstance(spath, bytes):
-                spath = os.fsdecode(spath)
-            if not spath:
-                raise ValueError("path must not be empty")
-        else:
-            raise TypeError(
-                f"path must be a str, os.PathLike or an int descriptor, got {type(path).__name__}"
-            )
+        file_offset = check_int("file_offset", file_offset, minimum=0)
+        spath, fd = check_path(path)
         buf = resolve(buffer, writable=(op == _READ))
+        if file_offset + buf.nbytes > MAX_OFFSET:
+            raise OverflowError(
+                f"file_offset + buffer size must be <= 2**63-1, got {file_offset} + {buf.nbytes}"
+            )
         req = c.submit(op, buf.ptr, buf.nbytes, spath, fd, file_offset)
         for note in c.take_notices():
             warnings.warn(note, RuntimeWarning, stacklevel=3)
@@ -290,7 +198,7 @@ class AsyncIOHandle:
             return self.async_pread(buffer, path, file_offset)
         n = self.sync_pread(buffer, path, file_offset)
         if validate:
-            self._validate(buffer, path, file_offset, "read")
+            self.verify(buffer, path, file_offset, "read")
         return n
 
     def pwrite(
@@ -308,7 +216,7 @@ class AsyncIOHandle:
             return self.async_pwrite(buffer, path, file_offset)
         n = self.sync_pwrite(buffer, path, file_offset)
         if validate:
-            self._validate(buffer, path, file_offset, "write")
+            self.verify(buffer, path, file_offset, "write")
         return n
 
     def read(self, buffer: Any, path: PathArg, validate: bool = False) -> int:
@@ -319,7 +227,11 @@ class AsyncIOHandle:
         """Older DeepSpeed name: synchronous write at offset 0."""
         return int(self.pwrite(buffer, path, validate=validate))
 
-    def _validate(self, buffer: Any, path: PathArg, offset: int, what: str) -> None:
+    def verify(self, buffer: Any, path: PathArg, offset: int = 0, what: str = "read") -> None:
+        """Re-read ``len(buffer)`` bytes at `offset` with plain buffered I/O and
+        raise ``OSError(EIO)`` naming `what` (the operation being checked) if
+        they differ from `buffer`. What ``validate=True`` does after a read or
+        write."""
         import numpy as np
 
         b = resolve(buffer, writable=False)
@@ -347,23 +259,27 @@ class AsyncIOHandle:
         """Wait for every async request; return how many completed since the last wait().
 
         Returns 0 when nothing was pending. If any failed, all are still
-        waited for and the first error the caller has not already seen through
-        the future's result() is raised.
+        waited for and the first error not yet seen by this thread (and not
+        yet observed through the future's own ``result()``/``exception()``)
+        is raised. Ctrl-C interrupts the wait; nothing is collected then and
+        every request keeps its buffer until its I/O ends.
         """
         self._live()
         with self._lock:
-            futs, self._pending = self._pending, []
-            pruned, self._pruned = self._pruned, 0
-        first: BaseException | None = None
-        for f in futs:
-            seen = f._observed
-            f.wait()
-            f._settle()
-            if f._exc is not None and not seen and first is None:
-                first = f._exc
+            futs = list(self._pending)
+        # Wait before taking anything out of _pending: an interrupted wait
+        # must leave every in-flight buffer owned by a tracked future.
+        wait_all(futs)
+        first = first_untold_error(futs)
+        with self._lock:
+            gone = {id(f) for f in futs if collectable(f)}
+            before = len(self._pending)
+            self._pending = [f for f in self._pending if id(f) not in gone]
+            n = before - len(self._pending) + self._pruned
+            self._pruned = 0
         if first is not None:
             raise first
-        return len(futs) + pruned
+        return n
 
     def pending(self) -> int:
         """Number of async requests submitted and not yet collected by wait()."""
@@ -380,6 +296,7 @@ class AsyncIOHandle:
         return pinned.free_locked_tensor(tensor)
 
     def is_pinned(self, tensor: Any) -> bool:
+        """True if the tensor's memory is pinned (by aio or by CUDA)."""
         return pinned.is_locked(tensor)
 
     # -- lifecycle -------------------------------------------------------------
@@ -406,6 +323,11 @@ class AsyncIOHandle:
         """Wait for in-flight I/O, then stop the workers. Idempotent."""
         if self._closed:
             return
+        if os.getpid() == self._pid:
+            # Interruptible: Ctrl-C here leaves the handle open and intact.
+            with self._lock:
+                futs = list(self._pending)
+            wait_all(futs)
         self._drain()
         self._closed = True
         if os.getpid() == self._pid:
@@ -432,6 +354,19 @@ class AsyncIOHandle:
             f"single_submit={self._single_submit}, overlap_events={self._overlap_events}, "
             f"thread_count={self._thread_count}, engine={eng!r})"
         )
+
+
+def _after_fork_in_child() -> None:
+    # The child has copies of the parent's core handles but none of their
+    # worker threads: destroying one would join or detach threads that do
+    # not exist here. Keep them (one reference each, never dropped) for the
+    # life of the child; the Python objects refuse use via their pid check.
+    for h in list(_live_handles):
+        if h._c is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(h._c))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

@@ -1,9 +1,20 @@
 """Pinned (page-locked, page-aligned) host memory.
 
-Without CUDA, memory is locked with ``mlock`` by the core (the kernel never
-pages it out and direct I/O lands straight in it). With CUDA, torch's pinned
-allocator is used so the same memory also serves fast host<->GPU copies.
-Locking costs about 1 s per GiB, so allocate once and reuse (see PinnedPool).
+Two ways to get it, pinned differently:
+
+- ``new_locked_tensor`` (and the handle's ``new_cpu_locked_tensor``):
+  without CUDA, memory locked with ``mlock`` by the core (the kernel never
+  pages it out and direct I/O lands straight in it). With CUDA available,
+  page-aligned memory registered with ``cudaHostRegister`` instead, so it
+  also serves fast host<->GPU copies (torch's own pinned allocator is the
+  fallback; it may hand out memory that is not page-aligned, which the core
+  then stages through an aligned bounce buffer). ``pinned_kind`` says which.
+- ``PinnedPool``: one page-aligned allocation cut into equal slots, locked
+  with ``mlock`` when ``lock=True`` (plain page-aligned memory otherwise). It
+  is never registered with CUDA, with or without a GPU: copies between a slot
+  and a GPU tensor are pageable-memory copies.
+
+Locking costs about 1 s per GiB, so allocate once and reuse.
 """
 
 from __future__ import annotations
@@ -14,10 +25,16 @@ import weakref
 from typing import Any
 
 from . import _C
+from ._buffers import MAX_OFFSET, deadline, wait_range_idle, wait_sliced
 
 _lock = threading.Lock()
-# start address -> byte count of locked tensors handed out by this module
-_regions: dict[int, int] = {}
+# start address -> (byte count, how it was pinned) of tensors handed out here
+_regions: dict[int, tuple[int, str]] = {}
+# Bytes pinned through CUDA (registered or torch-allocated); the mlock'ed
+# bytes are counted by the core.
+_cuda_pinned = 0
+
+MLOCK, CUDA_REGISTER, CUDA_PIN_MEMORY = "mlock", "cuda_register", "cuda_pin_memory"
 
 
 def _cuda_available() -> bool:
@@ -27,6 +44,56 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # pragma: no cover - torch missing or broken CUDA setup
         return False
+
+
+def _cudart() -> Any:
+    import torch
+
+    return torch.cuda.cudart()
+
+
+def _cuda_ok(res: Any) -> bool:
+    try:
+        return int(res) == 0  # cudaSuccess
+    except (TypeError, ValueError):
+        return getattr(res, "value", None) == 0
+
+
+def _count_cuda(nbytes: int) -> None:
+    global _cuda_pinned
+    with _lock:
+        _cuda_pinned += nbytes
+
+
+def _unregister(ptr: int, nbytes: int, buf: Any) -> None:
+    # Runs when the last view of the memory is gone; `buf` (the mapping) is
+    # released only after the registration is.
+    try:
+        _cudart().cudaHostUnregister(ptr)
+    finally:
+        _count_cuda(-nbytes)
+        del buf
+
+
+def _cuda_pinned_bytes(nbytes: int) -> tuple[memoryview, str]:
+    """Page-aligned memory pinned for CUDA: our mapping registered with CUDA,
+    else torch's pinned allocator. The memoryview owns it; its death releases it."""
+    import torch
+
+    buf = _C.PinnedBuffer(nbytes, False)
+    mv = memoryview(buf)
+    if _cuda_ok(_cudart().cudaHostRegister(buf.ptr, nbytes, 0)):
+        _count_cuda(nbytes)
+        weakref.finalize(mv, _unregister, buf.ptr, nbytes, buf)
+        return mv, CUDA_REGISTER
+    del mv, buf
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # ndarray.data is a memoryview of the array that holds it, and so the
+    # tensor's pinned storage (numpy's stubs do not type memoryview(ndarray)).
+    mv = host.numpy().data
+    _count_cuda(nbytes)
+    weakref.finalize(mv, _count_cuda, -nbytes)
+    return mv, CUDA_PIN_MEMORY
 
 
 def new_locked_tensor(num_elem: int, dtype: Any) -> Any:
@@ -39,17 +106,20 @@ def new_locked_tensor(num_elem: int, dtype: Any) -> Any:
         raise ValueError(f"num_elem must be >= 0, got {num_elem}")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = num_elem * itemsize
+    if nbytes > MAX_OFFSET:
+        raise OverflowError(f"num_elem * itemsize must be <= 2**63-1 bytes, got {nbytes}")
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
+    owner: Any
     if _cuda_available():
-        t = torch.empty(num_elem, dtype=dtype, pin_memory=True)
+        owner, kind = _cuda_pinned_bytes(nbytes)
     else:
-        buf = _C.PinnedBuffer(nbytes, True)
-        # frombuffer keeps `buf` alive for as long as the tensor's storage lives.
-        t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype)
+        owner, kind = _C.PinnedBuffer(nbytes, True), MLOCK
+    # frombuffer keeps `owner` alive for as long as the tensor's storage lives.
+    t = torch.frombuffer(owner, dtype=torch.uint8, count=nbytes).view(dtype)
     start = t.data_ptr()
     with _lock:
-        _regions[start] = nbytes
+        _regions[start] = (nbytes, kind)
     weakref.finalize(t, _forget, start)
     return t
 
@@ -59,13 +129,22 @@ def _forget(start: int) -> None:
         _regions.pop(start, None)
 
 
-def is_locked(tensor: Any) -> bool:
-    """True if the tensor's memory is pinned (by us or by CUDA)."""
+def pinned_kind(tensor: Any) -> str | None:
+    """How a tensor from new_locked_tensor was pinned: ``"mlock"``,
+    ``"cuda_register"`` (page-aligned), ``"cuda_pin_memory"`` (torch's
+    allocator, maybe not page-aligned), or None if it is not one of ours."""
     ptr = tensor.data_ptr()
     with _lock:
-        for start, n in _regions.items():
+        for start, (n, kind) in _regions.items():
             if start <= ptr < start + n:
-                return True
+                return kind
+    return None
+
+
+def is_locked(tensor: Any) -> bool:
+    """True if the tensor's memory is pinned (by us or by CUDA)."""
+    if pinned_kind(tensor) is not None:
+        return True
     try:
         return bool(tensor.is_pinned())
     except Exception:  # CPU-only builds may refuse
@@ -76,19 +155,28 @@ def free_locked_tensor(tensor: Any) -> bool:
     """Detach `tensor` from its pinned memory; returns whether it was pinned by us.
 
     The memory itself is unlocked and returned when the last view of it goes,
-    so a stale view can never see freed memory (unlike a raw free).
+    so a stale view can never see freed memory (unlike a raw free). I/O still
+    in flight on the memory is waited for first (Ctrl-C interrupts the wait
+    and leaves the tensor as it was).
     """
     start = tensor.data_ptr()
     with _lock:
-        known = _regions.pop(start, None) is not None
-    if known:
-        tensor.set_()
-    return known
+        entry = _regions.get(start)
+    if entry is None:
+        return False
+    wait_range_idle(start, entry[0])
+    with _lock:
+        _regions.pop(start, None)
+    tensor.set_()
+    return True
 
 
 def locked_bytes() -> int:
-    """Bytes of host memory currently locked by aio in this process (mlock path)."""
-    return int(_C.locked_bytes())
+    """Bytes of host memory currently pinned by aio in this process: mlock'ed
+    by the core, plus what new_locked_tensor pinned through CUDA."""
+    with _lock:
+        cuda = _cuda_pinned
+    return int(_C.locked_bytes()) + cuda
 
 
 class Lease:
@@ -122,7 +210,11 @@ class Lease:
         return t
 
     def release(self) -> None:
+        """Give the slot back to its pool (idempotent). I/O still in flight on
+        the slot is waited for first, so the next lease never receives a late
+        read (Ctrl-C interrupts the wait and leaves the lease held)."""
         if not self._released:
+            wait_range_idle(self.ptr, self.nbytes)
             self._released = True
             self._pool._c.release(self.index)
 
@@ -134,10 +226,14 @@ class Lease:
 
 
 class PinnedPool:
-    """`count` equal slots of `slot_bytes` carved from one locked allocation.
+    """`count` equal slots of `slot_bytes` carved from one page-aligned allocation.
 
-    Slots start on page boundaries, so every slot is aligned for direct I/O.
-    ``acquire()`` blocks (without holding the GIL) until a slot is free.
+    The allocation is locked with ``mlock`` when `lock` is true (an
+    ``OSError`` naming RLIMIT_MEMLOCK if the kernel refuses) and left
+    pageable otherwise; it is never registered with CUDA (see the module
+    docstring). `slot_bytes` is rounded up to whole pages, so every slot
+    starts on a page boundary and is aligned for direct I/O. ``acquire()``
+    blocks (without holding the GIL) until a slot is free.
     """
 
     def __init__(self, count: int, slot_bytes: int, lock: bool = True) -> None:
@@ -146,23 +242,40 @@ class PinnedPool:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v <= 0:
                 raise ValueError(f"{name} must be positive, got {v}")
+        page = int(_C.page_size())
+        total = count * (-(-slot_bytes // page) * page)
+        if total > MAX_OFFSET:
+            raise OverflowError(
+                f"count * slot_bytes (rounded up to pages) must be <= 2**63-1 bytes, "
+                f"got {count} x {slot_bytes}"
+            )
         self._c = _C.PinnedPool(count, slot_bytes, lock)
         self.count = count
         self.slot_bytes = int(self._c.slot_bytes)
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the whole allocation: ``count * slot_bytes`` (pages)."""
         return int(self._c.total_bytes)
 
     def available(self) -> int:
+        """Slots free right now (not leased)."""
         return int(self._c.available())
 
     def acquire(self, timeout: float | None = None) -> Lease:
-        ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        i = self._c.acquire(ms)
-        if i < 0:
+        """Lease a free slot, waiting up to `timeout` seconds (None or inf: no
+        limit); TimeoutError if none frees up. Ctrl-C interrupts the wait."""
+        got: list[int] = []
+
+        def try_once(seconds: float) -> bool:
+            i = int(self._c.acquire(int(seconds * 1000)))
+            if i >= 0:
+                got.append(i)
+            return i >= 0
+
+        if not wait_sliced(try_once, deadline(timeout)):
             raise TimeoutError(
                 f"no free slot in the pinned pool ({self.count} slots) within {timeout} s; "
                 "raise the buffer count or release leases sooner"
             )
-        return Lease(self, int(i))
+        return Lease(self, got[0])

@@ -8,69 +8,79 @@ I/O, see bench/throughput.py; to tune settings for a drive, aio-sweep.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 
+from ._cli import (
+    CliParser,
+    check_directory,
+    check_interrupt,
+    check_memory,
+    int_in,
+    open_scratch,
+    parse_size,
+    remove_scratch,
+    run_cli,
+    scratch_buffer,
+)
 from .handle import AsyncIOHandle
-from .pinned import new_locked_tensor
 
 
-def parse_size(text: str) -> int:
-    """'256M', '1G', '4096', '1.5G' -> bytes (binary units)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    try:
-        if t and t[-1] in mult:
-            return int(float(t[:-1]) * mult[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 256K, 1M, 2G)") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="aio-check", description=__doc__.splitlines()[0])
+def build_parser() -> CliParser:
+    """The aio-check command line."""
+    ap = CliParser(prog="aio-check", description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--dir", help="directory on the drive to test (default: a temporary directory)")
     ap.add_argument(
         "--size", type=parse_size, default=parse_size("256M"), help="bytes to move (default 256M)"
     )
     ap.add_argument("--block-size", type=parse_size, default=1 << 20)
-    ap.add_argument("--queue-depth", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per direction; the best is shown")
+    ap.add_argument("--queue-depth", type=int_in(1, 65536), default=8)
+    ap.add_argument("--threads", type=int_in(1, 1024), default=1)
+    ap.add_argument(
+        "--repeat", type=int_in(1, 1_000_000), default=3, help="runs per direction; the best is shown"
+    )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """aio-check: write then read a scratch file on the drive and report GB/s; exit status."""
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.size <= 0:
-        ap.error("--size must be positive")
+    if args.block_size > 1 << 30:
+        ap.error(f"--block-size {args.block_size} is larger than 1 GiB")
+    return run_cli("aio-check", lambda: _check(args), "scratch file removed")
 
-    import torch
 
+def _check(args: argparse.Namespace) -> int:
     tmp = None
     if args.dir:
-        if not os.path.isdir(args.dir):
-            ap.error(f"--dir {args.dir!r} is not a directory")
         base = args.dir
     else:
-        tmp = tempfile.mkdtemp(prefix="aio-check-")
-        base = tmp
-    path = os.path.join(base, f"aio-check-{os.getpid()}.bin")
+        tmp = base = tempfile.mkdtemp(prefix="aio-check-")
+    h = None
+    fd, path = -1, ""
     try:
-        h = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads)
-        buf = new_locked_tensor(args.size, torch.uint8)
+        check_directory(base, args.size, "--size")
+        check_memory(args.size, "--size")
+        fd, path, direct = open_scratch(base, "aio-check-")
+        buf, locked = scratch_buffer(args.size, print)
         buf.random_(0, 256)
+        h = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads)
         print(f"aio-check: {args.size / 2**20:.0f} MiB at {path}")
         print(f"  engine {h.engine} ({h.stats()['engine_reason']})")
         print(f"  block_size={args.block_size} queue_depth={args.queue_depth} thread_count={args.threads}")
-        h.sync_pwrite(buf, path)  # create + allocate once; timed runs overwrite
-        results = {}
+        print(f"  buffer: {'locked' if locked else 'NOT locked (mlock refused)'}, O_DIRECT: {direct}")
+        h.sync_pwrite(buf, fd)  # allocate once; timed runs overwrite
         for name, fn in (("write", h.sync_pwrite), ("read", h.sync_pread)):
             best = 0.0
             for _ in range(args.repeat):
+                check_interrupt()
                 t0 = time.perf_counter()
-                fn(buf, path)
+                fn(buf, fd)
                 dt = time.perf_counter() - t0
                 best = max(best, args.size / dt / 1e9)
-            results[name] = best
             print(f"  {name:5s} {best:6.2f} GB/s (best of {args.repeat})")
         st = h.stats()
         print(
@@ -79,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        if h is not None:
+            h.close()  # no I/O may still use the descriptor when it is closed
+        if fd >= 0:
+            remove_scratch(fd, path)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 

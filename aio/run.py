@@ -13,6 +13,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Enable the DeepSpeed integration, then run the script (or ``-m`` module) in `argv`."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)

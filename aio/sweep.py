@@ -17,10 +17,10 @@ import argparse
 import errno
 import itertools
 import json
+import math
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,13 +30,26 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ._cli import (
+    CliError,
+    CliParser,
+    check_directory,
+    check_interrupt,
+    check_memory,
+    int_in,
+    open_scratch,
+    parse_size,
+    remove_scratch,
+    run_cli,
+    scratch_buffer,
+)
 from .handle import AsyncIOHandle
-from .pinned import new_locked_tensor
-from .quickcheck import parse_size
 
 
 @dataclass(frozen=True, order=True)
 class Setting:
+    """One combination of handle settings to measure."""
+
     block_size: int
     queue_depth: int
     thread_count: int
@@ -54,6 +67,7 @@ class Setting:
         }
 
     def short(self) -> str:
+        """A fixed-width one-line description for progress and tables."""
         bs = self.block_size
         b = f"{bs >> 20}M" if bs % (1 << 20) == 0 else f"{bs >> 10}K"
         return (
@@ -64,6 +78,8 @@ class Setting:
 
 @dataclass
 class Space:
+    """The values to try for each setting; the grid is their product."""
+
     block_sizes: list[int]
     queue_depths: list[int]
     threads: list[int]
@@ -71,6 +87,7 @@ class Space:
     overlap_events: list[bool]
 
     def all(self) -> list[Setting]:
+        """Every setting of the grid."""
         return [
             Setting(*c)
             for c in itertools.product(
@@ -83,6 +100,7 @@ class Space:
         ]
 
     def size(self) -> int:
+        """Number of settings in the grid."""
         return (
             len(self.block_sizes)
             * len(self.queue_depths)
@@ -94,6 +112,8 @@ class Space:
 
 @dataclass
 class Trial:
+    """One timed transfer: its setting, direction, rate, time, bytes and search stage."""
+
     setting: Setting
     direction: str
     gbps: float
@@ -102,11 +122,13 @@ class Trial:
     stage: str
 
 
-class SweepError(Exception):
+class SweepError(CliError):
     """A problem found before any I/O (bad directory, no space, no O_DIRECT)."""
 
 
 class Progress:
+    """A progress bar on stderr (redrawn on a terminal, a line every 5 s otherwise)."""
+
     def __init__(self, total: int, quiet: bool) -> None:
         self.total = total
         self.done = 0
@@ -116,6 +138,7 @@ class Progress:
         self._last_line = 0.0
 
     def step(self, note: str) -> None:
+        """Count one finished trial and show it with `note`."""
         self.done += 1
         if self.quiet:
             return
@@ -132,75 +155,81 @@ class Progress:
             self._last_line = now
 
     def grow(self, extra: int) -> None:
+        """Add `extra` trials to the expected total."""
         self.total += extra
 
     def close(self) -> None:
+        """End the bar's line on a terminal."""
         if self.tty and not self.quiet:
             sys.stderr.write("\n")
 
 
 class Drive:
-    """The files the sweep reads and writes: one per directory, preallocated."""
+    """The files the sweep reads and writes: one per directory, preallocated.
+
+    Each is a fresh mkstemp file (unpredictable name, O_EXCL|O_NOFOLLOW, 0600)
+    used only through its descriptor, so nothing another user plants in the
+    directory is ever opened or written.
+    """
 
     def __init__(self, dirs: Sequence[str], io_size: int, allow_buffered: bool) -> None:
         self.dirs = [os.path.abspath(d) for d in dirs]
         self.io_size = io_size
         self.allow_buffered = allow_buffered
         self.paths: list[str] = []
+        self.fds: list[int] = []
         self.buffered = False
+        self.locked = True
         self.buf: Any = None
 
     def check(self) -> None:
         """Every check that can fail before any I/O."""
         for d in self.dirs:
-            if not os.path.exists(d):
-                raise SweepError(f"{d}: no such directory")
-            if not os.path.isdir(d):
-                raise SweepError(f"{d}: not a directory")
-            if not os.access(d, os.W_OK | os.X_OK):
-                raise SweepError(f"{d}: not writable by this user")
-            free = shutil.disk_usage(d).free
-            if free < self.io_size + (64 << 20):
-                raise SweepError(
-                    f"{d}: {free / 2**30:.2f} GiB free, the sweep needs "
-                    f"{self.io_size / 2**30:.2f} GiB plus 64 MiB headroom; lower --io-size"
-                )
-            probe = os.path.join(d, f".aio-sweep-probe-{os.getpid()}")
             try:
-                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-                os.close(fd)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise SweepError(f"{d}: cannot create a file: {e.strerror}") from None
+                check_directory(d, self.io_size, "--io-size")
+            except CliError as e:
+                raise SweepError(str(e)) from None
+            try:
+                fd, probe, direct = open_scratch(d, ".aio-sweep-probe-")
+            except CliError as e:
+                raise SweepError(str(e)) from None
+            remove_scratch(fd, probe)
+            if not direct:
                 if not self.allow_buffered:
                     raise SweepError(
                         f"{d}: the filesystem does not support O_DIRECT, so results would measure "
                         "the page cache, not the drive. Use a directory on the drive itself, or "
                         "pass --allow-buffered to sweep buffered I/O anyway"
-                    ) from None
+                    )
                 self.buffered = True
-            finally:
-                if os.path.exists(probe):
-                    os.unlink(probe)
+        try:
+            check_memory(self.io_size, "--io-size")
+        except CliError as e:
+            raise SweepError(str(e)) from None
 
-    def prepare(self) -> None:
-        import torch
-
-        self.buf = new_locked_tensor(self.io_size, torch.uint8)
+    def prepare(self, log: Any = print) -> None:
+        """Allocate the I/O buffer and create, preallocate and fill one scratch file per directory."""
+        self.buf, self.locked = scratch_buffer(self.io_size, log)
         self.buf.random_(0, 256)
         h = AsyncIOHandle(block_size=1 << 20, queue_depth=16)
-        for d in self.dirs:
-            p = os.path.join(d, f"aio-sweep-{os.getpid()}.bin")
-            self.paths.append(p)
-            # Allocate the whole file once: writing into new blocks is much
-            # slower than overwriting and would skew the write trials.
-            with open(p, "wb") as f:
+        try:
+            for d in self.dirs:
                 try:
-                    os.posix_fallocate(f.fileno(), 0, self.io_size)
-                except OSError:
-                    pass
-            h.sync_pwrite(self.buf, p)
-        h.close()
+                    fd, p, _ = open_scratch(d, "aio-sweep-", direct=not self.buffered)
+                except CliError as e:
+                    raise SweepError(str(e)) from None
+                self.fds.append(fd)
+                self.paths.append(p)
+                # Allocate the whole file once: writing into new blocks is much
+                # slower than overwriting and would skew the write trials.
+                try:
+                    os.posix_fallocate(fd, 0, self.io_size)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise SweepError(f"{d}: no space left for {self.io_size} bytes") from None
+                h.sync_pwrite(self.buf, fd)
+        finally:
+            h.close()
 
     def run(self, s: Setting, direction: str) -> float:
         """Seconds to move io_size bytes per directory with setting `s`."""
@@ -214,24 +243,25 @@ class Drive:
         try:
             call = h.async_pread if direction == "read" else h.async_pwrite
             t0 = time.perf_counter()
-            futs = [call(self.buf, p) for p in self.paths]  # drives run concurrently
+            futs = [call(self.buf, fd) for fd in self.fds]  # drives run concurrently
             for f in futs:
                 f.result()
             return time.perf_counter() - t0
         finally:
-            h.close()
+            h.close()  # waits for in-flight I/O, so the descriptors can be closed after
 
     def cleanup(self) -> None:
-        for p in self.paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        """Close and remove the scratch files."""
+        for fd, p in zip(self.fds, self.paths, strict=True):
+            remove_scratch(fd, p)
+        self.fds = []
         self.paths = []
 
 
 @dataclass
 class Sweep:
+    """A search over a Space on a Drive: trials, their statistics and the pick."""
+
     drive: Drive
     space: Space
     directions: list[str]
@@ -272,6 +302,7 @@ class Sweep:
                 for d in self.directions:
                     if not self._budget_left():
                         return
+                    check_interrupt()
                     sec = self.drive.run(s, d)
                     gbps = nbytes / sec / 1e9
                     self.trials.append(Trial(s, d, gbps, sec, nbytes, stage))
@@ -284,9 +315,11 @@ class Sweep:
 
     # -- statistics --------------------------------------------------------------
     def samples(self, s: Setting, direction: str) -> list[float]:
+        """The GB/s samples of `s` in `direction`."""
         return list(self._samples.get((s, direction), ()))
 
     def median(self, s: Setting, direction: str) -> float:
+        """Median GB/s of `s` in `direction` (0.0 when not measured)."""
         xs = self.samples(s, direction)
         return statistics.median(xs) if xs else 0.0
 
@@ -299,13 +332,16 @@ class Sweep:
         return len(meds) / sum(1 / m for m in meds)
 
     def measured(self) -> list[Setting]:
+        """Settings measured in every direction."""
         seen = {s for s, _ in self._samples}
         return [s for s in seen if all((s, d) in self._samples for d in self.directions)]
 
     def ranking(self) -> list[Setting]:
+        """Measured settings, best score first."""
         return sorted(self.measured(), key=self.score, reverse=True)
 
     def best(self) -> Setting | None:
+        """The pick: the best confirmed setting, else the top of the ranking (None before any trial)."""
         if self.confirmed:
             return max(self.confirmed, key=lambda s: self.confirmed[s])
         r = self.ranking()
@@ -320,9 +356,11 @@ class Sweep:
 
     # -- searches ------------------------------------------------------------------
     def exhaustive(self) -> None:
+        """Measure every setting of the grid `repeats` times."""
         self.measure(self.space.all(), self.repeats, "exhaustive")
 
     def smart(self) -> None:
+        """Coarse pass, refinement around the four best, then the leaders head to head."""
         sp = self.space
         t0 = 1 if 1 in sp.threads else sp.threads[0]
         ov0 = True if True in sp.overlap_events else sp.overlap_events[0]
@@ -366,6 +404,7 @@ class Sweep:
                 for d in self.directions:
                     if not self._budget_left():
                         return
+                    check_interrupt()
                     sec = self.drive.run(s, d)
                     spent[s] += sec
                     gbps = nbytes / sec / 1e9
@@ -412,6 +451,7 @@ def fio_reference(path: str, s: Setting, io_size: int, direction: str) -> float 
 
 
 def plot(sweep: Sweep, path: str) -> None:
+    """Save a PNG of median GB/s over block size, one line per queue depth."""
     try:
         import matplotlib
 
@@ -466,8 +506,19 @@ def _bools(text: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"expected true/false values, got {text!r}") from None
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    """The aio-sweep command line."""
+    ap = CliParser(
         prog="aio-sweep",
         description=(__doc__ or "").splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -484,29 +535,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--single-submit", type=_bools, default=[False, True], metavar="BOOLS")
     ap.add_argument("--overlap-events", type=_bools, default=[True, False], metavar="BOOLS")
     ap.add_argument("--io-size", type=parse_size, default=parse_size("256M"), help="bytes per trial per DIR")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration and direction")
+    ap.add_argument("--repeats", type=int_in(1, 1000), default=2, help="runs per configuration and direction")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--read-only", action="store_true")
     g.add_argument("--write-only", action="store_true")
     ap.add_argument("--exhaustive", action="store_true", help="measure the full grid")
-    ap.add_argument("--budget-seconds", type=float, help="stop measuring after this long")
+    ap.add_argument("--budget-seconds", type=_seconds, help="stop measuring after this long")
     ap.add_argument("--json", metavar="FILE", help="write every trial as JSON")
     ap.add_argument("--plot", metavar="PNG", help="plot throughput over block size x queue depth")
     ap.add_argument("--emit-config", action="store_true", help="print only the aio block")
     ap.add_argument("--allow-buffered", action="store_true", help="sweep even without O_DIRECT")
     ap.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
-    ap.add_argument("--top", type=int, default=8, help="rows in the results table")
+    ap.add_argument("--top", type=int_in(1, 1_000_000), default=8, help="rows in the results table")
     ap.add_argument("--seed", type=int, default=0)
     return ap
 
 
 def validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Space:
+    """Refuse out-of-range values (one-line error, exit 2); the Space to search."""
     for name in ("block_sizes", "queue_depths", "threads", "single_submit", "overlap_events"):
         if not getattr(a, name):
             ap.error(f"--{name.replace('_', '-')} must list at least one value")
     for b in a.block_sizes:
-        if b <= 0 or b % 4096:
-            ap.error(f"--block-sizes: {b} is not a positive multiple of 4096")
+        if b <= 0 or b % 4096 or b > 1 << 30:
+            ap.error(f"--block-sizes: {b} is not a positive multiple of 4096 up to 1G")
     for q in a.queue_depths:
         if not 1 <= q <= 65536:
             ap.error(f"--queue-depths: {q} is outside 1..65536")
@@ -527,10 +579,30 @@ def validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Space:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _check_output(ap: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """--json/--plot: refuse a path that cannot be written before measuring for minutes."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        ap.error(f"{flag} {path}: is a directory")
+    if not os.path.isdir(parent):
+        ap.error(f"{flag} {path}: no such directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        ap.error(f"{flag} {path}: {parent} is not writable by this user")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """aio-sweep: find the fastest handle settings for the given drives; exit status."""
     ap = build_parser()
     a = ap.parse_args(argv)
     space = validate_args(ap, a)
+    _check_output(ap, "--json", a.json)
+    _check_output(ap, "--plot", a.plot)
+    return run_cli("aio-sweep", lambda: _sweep(a, space), "sweep files removed")
+
+
+def _sweep(a: argparse.Namespace, space: Space) -> int:
     directions = ["read"] if a.read_only else ["write"] if a.write_only else ["read", "write"]
     log = (lambda *x: print(*x, file=sys.stderr)) if a.emit_config else print
     tmp = None
@@ -541,16 +613,6 @@ def main(argv: list[str] | None = None) -> int:
     drive = Drive(a.dirs, a.io_size, a.allow_buffered)
     try:
         drive.check()
-    except SweepError as e:
-        print(f"aio-sweep: {e}", file=sys.stderr)
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return 2
-    # SIGTERM cleans up like Ctrl-C does.
-    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    sweep = Sweep(drive, space, directions, a.repeats, a.budget_seconds, a.seed, quiet=False)
-    t0 = time.monotonic()
-    try:
         if drive.buffered:
             log("aio-sweep: WARNING: no O_DIRECT here; measuring buffered I/O (--allow-buffered)")
         mode = "exhaustive" if a.exhaustive else "smart"
@@ -559,103 +621,115 @@ def main(argv: list[str] | None = None) -> int:
             f"{a.io_size / 2**20:.0f} MiB per trial per DIR, {', '.join(directions)}, "
             f"{a.repeats} repeats"
         )
-        drive.prepare()
+        drive.prepare(log)
+        if not drive.locked:
+            log("aio-sweep: the buffer is NOT locked (mlock refused); rates may be a little low")
+        sweep = Sweep(drive, space, directions, a.repeats, a.budget_seconds, a.seed, quiet=False)
+        t0 = time.monotonic()
         (sweep.exhaustive if a.exhaustive else sweep.smart)()
         sweep.progress.close()
-        elapsed = time.monotonic() - t0
-        best = sweep.best()
-        if best is None:
-            print("aio-sweep: no configuration was measured (budget too small?)", file=sys.stderr)
-            return 1
-        ranking = sweep.ranking()
-        if sweep.confirmed:  # the head-to-head order decides among the leaders
-            lead = sorted(sweep.confirmed, key=lambda s: -sweep.confirmed[s])
-            ranking = lead + [s for s in ranking if s not in sweep.confirmed]
-        log(
-            f"\nmeasured {len(sweep.measured())} configurations, "
-            f"{len(sweep.trials)} trials in {elapsed:.0f} s"
-        )
-        if sweep.out_of_budget:
-            log(f"note: stopped at --budget-seconds {a.budget_seconds}; the search is incomplete")
-        hdr = "  ".join(f"{d:>14s}" for d in directions)
-        log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]  head-to-head")
-        for i, s in enumerate(ranking[: a.top], 1):
-            cols = "  ".join(f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions)
-            lo, hi = sweep.spread(s)
-            h2h = f"{sweep.confirmed[s]:.3f}" if s in sweep.confirmed else ""
-            log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}")
-        if sweep.confirmed:
-            log("  (head-to-head: median score relative to the leaders' mean in paired rounds)")
-            top2 = sorted(sweep.confirmed.values(), reverse=True)[:2]
-            if len(top2) == 2 and top2[0] - top2[1] < 0.02:
-                log("  note: the top two are within 2% head to head: indistinguishable on this drive")
-        elif len(ranking) > 1:
-            lo1, hi1 = sweep.spread(ranking[0])
-            lo2, hi2 = sweep.spread(ranking[1])
-            if lo1 <= hi2:
-                log(
-                    "  note: the top two overlap within their spread; on this drive they are "
-                    "indistinguishable -- either is a good choice"
-                )
-        ref: dict[str, float] = {}
-        if not a.no_fio and not drive.buffered:
-            for d in directions:
-                r = fio_reference(drive.paths[0], best, a.io_size, d)
-                if r:
-                    ref[d] = r
-            if ref:
-                for d, r in ref.items():
-                    log(
-                        f"  fio at the same settings, {d}: {r:.2f} GB/s -> "
-                        f"aio/fio = {sweep.median(best, d) / r:.2f}"
-                    )
-            elif not shutil.which("fio"):
-                log("  (fio not installed: no device reference; apt-get install fio)")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(
-                    {
-                        "dirs": drive.dirs,
-                        "io_size": a.io_size,
-                        "mode": mode,
-                        "elapsed_s": elapsed,
-                        "space": asdict(space),
-                        "best": best.aio_block(),
-                        "fio_gbps": ref,
-                        "trials": [
-                            {
-                                **asdict(t.setting),
-                                "direction": t.direction,
-                                "gbps": t.gbps,
-                                "seconds": t.seconds,
-                                "bytes": t.nbytes,
-                                "stage": t.stage,
-                            }
-                            for t in sweep.trials
-                        ],
-                    },
-                    f,
-                    indent=1,
-                )
-        if a.plot:
-            plot(sweep, a.plot)
-            log(f"  plot written to {a.plot}")
-        block = json.dumps({"aio": best.aio_block()}, indent=2)
-        if not a.emit_config:
-            print("\nbest aio block (paste into your DeepSpeed config):")
-        print(block)
-        return 0
-    except KeyboardInterrupt:
-        print("\naio-sweep: interrupted; removing sweep files", file=sys.stderr)
-        return 130
-    except SweepError as e:
-        print(f"aio-sweep: {e}", file=sys.stderr)
-        return 2
+        return _report(a, sweep, mode, time.monotonic() - t0, log)
     finally:
         drive.cleanup()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        signal.signal(signal.SIGTERM, old)
+
+
+def _report(a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, log: Any) -> int:
+    directions = sweep.directions
+    best = sweep.best()
+    if best is None:
+        print("aio-sweep: no configuration was measured (budget too small?)", file=sys.stderr)
+        return 1
+    ranking = sweep.ranking()
+    if sweep.confirmed:  # the head-to-head order decides among the leaders
+        lead = sorted(sweep.confirmed, key=lambda s: -sweep.confirmed[s])
+        ranking = lead + [s for s in ranking if s not in sweep.confirmed]
+    log(f"\nmeasured {len(sweep.measured())} configurations, {len(sweep.trials)} trials in {elapsed:.0f} s")
+    if sweep.out_of_budget:
+        log(f"note: stopped at --budget-seconds {a.budget_seconds}; the search is incomplete")
+    hdr = "  ".join(f"{d:>14s}" for d in directions)
+    log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]  head-to-head")
+    for i, s in enumerate(ranking[: a.top], 1):
+        cols = "  ".join(f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions)
+        lo, hi = sweep.spread(s)
+        h2h = f"{sweep.confirmed[s]:.3f}" if s in sweep.confirmed else ""
+        log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}")
+    if sweep.confirmed:
+        log("  (head-to-head: median score relative to the leaders' mean in paired rounds)")
+        top2 = sorted(sweep.confirmed.values(), reverse=True)[:2]
+        if len(top2) == 2 and top2[0] - top2[1] < 0.02:
+            log("  note: the top two are within 2% head to head: indistinguishable on this drive")
+    elif len(ranking) > 1:
+        lo1, hi1 = sweep.spread(ranking[0])
+        lo2, hi2 = sweep.spread(ranking[1])
+        if lo1 <= hi2:
+            log(
+                "  note: the top two overlap within their spread; on this drive they are "
+                "indistinguishable -- either is a good choice"
+            )
+    ref = _fio(a, sweep, best, log)
+    if a.json:
+        _write_json(a, sweep, mode, elapsed, best, ref)
+    if a.plot:
+        plot(sweep, a.plot)
+        log(f"  plot written to {a.plot}")
+    block = json.dumps({"aio": best.aio_block()}, indent=2)
+    if not a.emit_config:
+        print("\nbest aio block (paste into your DeepSpeed config):")
+    print(block)
+    return 0
+
+
+def _fio(a: argparse.Namespace, sweep: Sweep, best: Setting, log: Any) -> dict[str, float]:
+    """fio's rate at the best setting, per direction (empty without fio)."""
+    drive, directions = sweep.drive, sweep.directions
+    ref: dict[str, float] = {}
+    if not a.no_fio and not drive.buffered:
+        for d in directions:
+            r = fio_reference(drive.paths[0], best, a.io_size, d)
+            if r:
+                ref[d] = r
+        if ref:
+            for d, r in ref.items():
+                log(
+                    f"  fio at the same settings, {d}: {r:.2f} GB/s -> "
+                    f"aio/fio = {sweep.median(best, d) / r:.2f}"
+                )
+        elif not shutil.which("fio"):
+            log("  (fio not installed: no device reference; apt-get install fio)")
+    return ref
+
+
+def _write_json(
+    a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, best: Setting, ref: dict[str, float]
+) -> None:
+    drive, space = sweep.drive, sweep.space
+    with open(a.json, "w") as f:
+        json.dump(
+            {
+                "dirs": drive.dirs,
+                "io_size": a.io_size,
+                "mode": mode,
+                "elapsed_s": elapsed,
+                "space": asdict(space),
+                "best": best.aio_block(),
+                "fio_gbps": ref,
+                "trials": [
+                    {
+                        **asdict(t.setting),
+                        "direction": t.direction,
+                        "gbps": t.gbps,
+                        "seconds": t.seconds,
+                        "bytes": t.nbytes,
+                        "stage": t.stage,
+                    }
+                    for t in sweep.trials
+                ],
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ def build_gpt(vocab: int, width: int, layers: int, heads: int, seq: int) -> Any:
 
 
 def gpt_params(vocab: int, width: int, layers: int, seq: int) -> int:
+    """The parameter count of :func:`build_gpt` with these sizes (the tied
+    embedding/head counted once); `heads` does not change it."""
     per_block = 12 * width * width + 13 * width
     return vocab * width + seq * width + layers * per_block + 2 * width
 
@@ -120,9 +122,15 @@ def _gib(n: float) -> str:
 
 
 def make_config(args: argparse.Namespace, nvme_path: str) -> dict[str, Any]:
+    """The DeepSpeed-format config dict for this run: the ``--config`` file as
+    read (not validated here; the size and offload flags then do not change
+    it), else one built from the flags, with both offload blocks on
+    `nvme_path` for ``--offload nvme``."""
     if args.config:
-        with open(args.config, encoding="utf-8") as f:
-            return json.load(f)
+        from .config import read_config_data
+
+        data, _where = read_config_data(args.config)
+        return dict(data)
     n = gpt_params(args.vocab, args.width, args.layers, args.seq)
     largest = max(args.vocab * args.width, 4 * args.width * args.width)
     cfg: dict[str, Any] = {
@@ -161,9 +169,7 @@ def make_config(args: argparse.Namespace, nvme_path: str) -> dict[str, Any]:
     return cfg
 
 
-def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> dict[str, Any]:
-    torch = _torch()
-    import aio.zero
+def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> None:
     from aio.config import estimate_memory
 
     est = estimate_memory(
@@ -175,60 +181,73 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     )
     for problem in est.check():
         print(f"warning: {problem}", file=out)
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
+
+
+def _build_trainer(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """The model (built under aio.zero.Init with --init) and its OffloadTrainer."""
+    import aio.zero
+
+    _torch().manual_seed(args.seed)
     if args.init:
         with aio.zero.Init(cfg):
             model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
     else:
         model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
-    engine = aio.zero.initialize(model, cfg)
+    return model, aio.zero.initialize(model, cfg)
+
+
+def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> dict[str, Any]:
+    """Train with aio.zero under `cfg`, printing each step; the figures."""
+    _print_estimate(args, cfg, out)
+    t0 = time.perf_counter()
+    model, trainer = _build_trainer(args, cfg)
     setup = time.perf_counter() - t0
     n = sum(p.aio_numel for p in {id(p): p for p in model.parameters()}.values())
     print(
         f"model: {n / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}); "
-        f"set-up {setup:.1f} s; pinned buffers {_gib(engine.pinned_bytes())}; "
+        f"set-up {setup:.1f} s; pinned buffers {_gib(trainer.pinned_bytes())}; "
         f"fp32 optimizer state {_gib(n * 12)}",
         file=out,
     )
-    lf = torch.nn.functional.cross_entropy
-    losses, times, rates = [], [], []
     try:
-        for step in range(args.steps):
-            io0 = engine.io_bytes()
-            t = time.perf_counter()
-            for micro in range(args.gas):
-                x, y = batch(step, micro, args.batch, args.seq, args.vocab)
-                loss = lf(engine(x).flatten(0, 1).float(), y.flatten())
-                engine.backward(loss)
-                engine.step()
-            dt = time.perf_counter() - t
-            moved = engine.io_bytes() - io0
-            losses.append(loss.item())
-            times.append(dt)
-            rates.append(moved / dt / 1e9)
-            print(
-                f"step {step + 1:3d}  loss {loss.item():.4f}  {dt * 1000:7.0f} ms  "
-                f"{rates[-1]:5.2f} GB/s ({_gib(moved)})  peak RSS {_gib(_peak_rss())}",
-                file=out,
-                flush=True,
-            )
+        run = _offloaded_steps(args, trainer, out)
     finally:
-        stats = engine.stats()
-        engine.close()
-    return {
-        "losses": losses,
-        "step_s": times,
-        "gbps": rates,
-        "params": n,
-        "peak_rss": _peak_rss(),
-        "pinned_bytes": stats["pinned_bytes"],
-        "setup_s": setup,
-        "stats": stats,
-    }
+        stats = trainer.stats()
+        trainer.close()
+    run.update(params=n, peak_rss=_peak_rss(), pinned_bytes=stats["pinned_bytes"], setup_s=setup, stats=stats)
+    return run
+
+
+def _offloaded_steps(args: argparse.Namespace, trainer: Any, out: Any) -> dict[str, Any]:
+    lf = _torch().nn.functional.cross_entropy
+    losses, times, rates = [], [], []
+    for step in range(args.steps):
+        io0 = trainer.io_bytes()
+        t = time.perf_counter()
+        for micro in range(args.gas):
+            x, y = batch(step, micro, args.batch, args.seq, args.vocab)
+            loss = lf(trainer(x).flatten(0, 1).float(), y.flatten())
+            trainer.backward(loss)
+            trainer.step()
+        dt = time.perf_counter() - t
+        moved = trainer.io_bytes() - io0
+        losses.append(loss.item())
+        times.append(dt)
+        rates.append(moved / dt / 1e9)
+        print(
+            f"step {step + 1:3d}  loss {loss.item():.4f}  {dt * 1000:7.0f} ms  "
+            f"{rates[-1]:5.2f} GB/s ({_gib(moved)})  peak RSS {_gib(_peak_rss())}",
+            file=out,
+            flush=True,
+        )
+    return {"losses": losses, "step_s": times, "gbps": rates}
 
 
 def train_in_memory(args: argparse.Namespace, out: Any) -> dict[str, Any]:
+    """The baseline: the same model, seed and data trained in memory with plain
+    torch.optim.AdamW (``--lr``, weight decay 0.01), ``--clip`` and ``--gas``;
+    these come from the flags even with ``--config``. Returns ``losses`` and
+    ``step_s`` (seconds) per optimizer step; prints nothing (`out` is unused)."""
     torch = _torch()
     torch.manual_seed(args.seed)
     model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
@@ -257,41 +276,76 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2] if s else math.nan
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="aio-train", description=__doc__.split("\n\n")[0])
+def _number_arg(lo: float, strictly: bool = False) -> Any:
+    """An argparse type: a finite float >= lo (> lo when strictly)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or (strictly and v == lo):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if strictly else '>='} {lo}, got {text!r}"
+            )
+        return v
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``aio-train`` argument parser; numbers are range-checked as they are parsed."""
+    from ._cli import CliParser, int_in
+
+    big = 1 << 40
+    ap = CliParser(prog="aio-train", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--nvme-path", help="directory on the drive (default: a temporary directory)")
     ap.add_argument("--config", help="DeepSpeed-format JSON config (replaces the built-in one)")
     ap.add_argument("--offload", choices=["nvme", "cpu", "none"], default="nvme")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
-    ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int_in(1, big), default=10)
+    ap.add_argument("--layers", type=int_in(1, 100_000), default=6)
+    ap.add_argument("--width", type=int_in(1, 1 << 20), default=256)
+    ap.add_argument("--heads", type=int_in(1, 1 << 20), default=4)
+    ap.add_argument("--vocab", type=int_in(1, 1 << 31), default=256)
+    ap.add_argument("--seq", type=int_in(1, 1 << 24), default=64)
+    ap.add_argument("--batch", type=int_in(1, 1 << 24), default=8)
+    ap.add_argument("--gas", type=int_in(1, 1 << 20), default=1, help="gradient accumulation steps")
+    ap.add_argument("--clip", type=_number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
+    ap.add_argument("--lr", type=_number_arg(0.0), default=1e-3)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--sub-group-size", type=int, default=1_000_000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sub-group-size", type=int_in(1, big), default=1_000_000)
+    ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     ap.add_argument("--no-init", dest="init", action="store_false", help="build the model in memory first")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
     ap.add_argument("--json", help="write the results to this file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``aio-train`` on `argv` (default: ``sys.argv[1:]``); returns the exit
+    status: 0 when done, 2 for an error the user can fix, 130 when interrupted.
+    Bad arguments exit with status 2 from argument parsing (SystemExit)."""
+    from ._cli import run_cli
+
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.width % args.heads:
         ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
-    for name in ("steps", "layers", "width", "heads", "vocab", "seq", "batch", "gas"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1")
+    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
+        ap.error(f"--nvme-path {args.nvme_path} is not a directory")
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(parent):
+            ap.error(f"--json {args.json}: cannot write a file there")
+    return run_cli("aio-train", lambda: _train(args), "drive files removed")
 
+
+def _train(args: argparse.Namespace) -> int:
     tmp = None
     nvme = args.nvme_path
     if nvme is None:
         tmp = tempfile.mkdtemp(prefix="aio-train-", dir=os.environ.get("AIO_TRAIN_DIR"))
         nvme = tmp
-    elif not os.path.isdir(nvme):
-        ap.error(f"--nvme-path {nvme} is not a directory")
     out = sys.stdout
     try:
         cfg = make_config(args, nvme)

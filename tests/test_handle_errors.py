@@ -212,7 +212,7 @@ def test_validate_detects_mismatch(fpath, monkeypatch):
     # A buffer that differs from the file must fail validation with EIO.
     out[5] ^= 0xFF
     with pytest.raises(OSError) as ei:
-        h._validate(out, fpath, 0, "read")
+        h.verify(out, fpath, 0, "read")
     assert ei.value.errno == errno.EIO and "validation" in str(ei.value)
 
 
@@ -236,3 +236,32 @@ def test_extension_links_no_libaio():
         blob = f.read()
     assert b"libaio.so" not in blob
     assert b"io_submit@" not in blob  # no libaio symbol imports; syscalls only
+
+
+def test_error_names_real_path_for_proc_fd_paths(tmp_path):
+    # The swappers reach their files as /proc/self/fd/N/name through a held
+    # folder descriptor; errors must still name the real file.
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        h = aio.AsyncIOHandle()
+        with pytest.raises(FileNotFoundError) as ei:
+            h.sync_pread(bytearray(4096), f"/proc/self/fd/{fd}/missing.swp")
+        assert ei.value.filename == str(tmp_path / "missing.swp")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_directory_is_refused_without_a_false_fallback(tmp_path, op):
+    # open(dir, O_DIRECT) fails with EINVAL, as on a filesystem without
+    # direct I/O; that must not be taken (and reported) as a fallback.
+    import warnings
+
+    h = aio.AsyncIOHandle()
+    buf = np.zeros(4096, np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(IsADirectoryError):
+            (h.sync_pread if op == "read" else h.sync_pwrite)(buf, str(tmp_path))
+    assert h.stats()["buffered_fallback"] is False
+    h.close()

@@ -18,7 +18,7 @@ def test_quickcheck_runs(capsys, tmp_path):
 
 
 def test_quickcheck_rejects_bad_size():
-    from aio.quickcheck import parse_size
+    from aio._cli import parse_size
 
     assert parse_size("1G") == 1 << 30 and parse_size("256K") == 256 << 10
     assert parse_size("4096") == 4096 and parse_size("1.5M") == 3 << 19

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import random
+import types
 import warnings
 
 import pytest
@@ -159,15 +160,23 @@ def test_not_enough_space(tmp_path, capsys):
     assert _leftovers(tmp_path) == []
 
 
+def _no_o_direct(monkeypatch):
+    """The filesystem refuses O_DIRECT: F_SETFL with O_DIRECT fails with EINVAL."""
+    import fcntl
+
+    from aio import _cli
+
+    def refuse_direct(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return fcntl.fcntl(fd, cmd, arg)
+
+    fake = types.SimpleNamespace(F_GETFL=fcntl.F_GETFL, F_SETFL=fcntl.F_SETFL, fcntl=refuse_direct)
+    monkeypatch.setattr(_cli, "fcntl", fake)
+
+
 def test_no_o_direct_refused_unless_allowed(tmp_path, capsys, monkeypatch):
-    real_open = os.open
-
-    def no_direct(path, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(sw.os, "open", no_direct)
+    _no_o_direct(monkeypatch)
     assert sw.main([str(tmp_path), *TINY]) == 2
     assert "--allow-buffered" in capsys.readouterr().err
     assert _leftovers(tmp_path) == []

@@ -1,8 +1,9 @@
 """DeepSpeed-format configuration: typed models, loading with key-path
-errors, Lightning keyword mapping, and a pinned-memory estimate."""
+errors, the training config aio.zero reads, Lightning keyword mapping, and a
+pinned-memory estimate."""
 
 from .lightning import from_lightning
-from .load import ConfigError, load_config
+from .load import ConfigError, load_config, read_config_data
 from .memory import MemoryEstimate, dtype_bytes, estimate_memory
 from .models import (
     AioConfig,
@@ -11,17 +12,32 @@ from .models import (
     OffloadParamConfig,
     ZeroConfig,
 )
+from .train import (
+    Fp16Config,
+    OptimizerConfig,
+    PrecisionConfig,
+    TrainConfig,
+    TrainZeroConfig,
+    load_train_config,
+)
 
 __all__ = [
     "AioConfig",
     "ConfigError",
+    "Fp16Config",
     "MemoryEstimate",
     "OffloadConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "TrainConfig",
+    "TrainZeroConfig",
     "ZeroConfig",
     "dtype_bytes",
     "estimate_memory",
     "from_lightning",
     "load_config",
+    "load_train_config",
+    "read_config_data",
 ]

@@ -1,6 +1,6 @@
 """aio-config: validate a config, or estimate its memory before training.
 
-aio-config validate ds_config.json
+aio-config validate ds_config.json     (every key aio reads, training keys too)
 aio-config estimate ds_config.json --params 7e9 --dtype bf16
 """
 
@@ -8,35 +8,67 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import warnings
 
-from .load import ConfigError, load_config
 from .memory import estimate_memory
+from .train import load_train_config
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="aio-config", description=__doc__.splitlines()[0])
+def _finite(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 7e9, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``aio-config`` argument parser: ``validate CONFIG`` and ``estimate CONFIG
+    --params N [--dtype] [--optimizer-states] [--json] [--check]``."""
+    from .._cli import CliParser, int_in
+
+    ap = CliParser(prog="aio-config", description=(__doc__ or "").splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="check a DeepSpeed-format config")
     v.add_argument("config")
     e = sub.add_parser("estimate", help="pinned memory and drive space for a model size")
     e.add_argument("config")
-    e.add_argument("--params", required=True, type=float, help="parameters per process, e.g. 7e9")
+    e.add_argument("--params", required=True, type=_finite, help="parameters per process, e.g. 7e9")
     e.add_argument("--dtype", default="fp16")
-    e.add_argument("--optimizer-states", type=int, default=2)
+    e.add_argument("--optimizer-states", type=int_in(0, 64), default=2)
     e.add_argument("--json", action="store_true", help="print JSON")
     e.add_argument("--check", action="store_true", help="compare with this machine; exit 1 if short")
-    a = ap.parse_args(argv)
-    try:
-        if a.cmd == "validate":
-            cfg = load_config(a.config)
-            print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
-            print("config OK", file=sys.stderr)
-            return 0
-        est = estimate_memory(a.config, a.params, a.dtype, a.optimizer_states)
-    except (ConfigError, ValueError, TypeError) as err:
-        print(f"aio-config: {err}", file=sys.stderr)
-        return 2
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``aio-config`` on `argv` (default: ``sys.argv[1:]``); returns the exit
+    status: 0 when fine, 1 when ``estimate --check`` finds this machine short, 2
+    for a config or file problem, 130 when interrupted. Bad arguments exit with
+    status 2 from argument parsing (SystemExit)."""
+    from .._cli import run_cli
+
+    a = build_parser().parse_args(argv)
+    return run_cli("aio-config", lambda: _run(a))
+
+
+def _run(a: argparse.Namespace) -> int:
+    if a.cmd == "validate":
+        # Every key aio reads, training keys included: what validate calls OK,
+        # aio.zero.initialize and aio-train accept.
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            cfg = load_train_config(a.config)
+        print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
+        for n in notes:
+            print(f"aio-config: note: {n.message}", file=sys.stderr)
+        print("config OK", file=sys.stderr)
+        return 0
+    est = estimate_memory(a.config, a.params, a.dtype, a.optimizer_states)
     print(json.dumps(est.as_dict(), indent=2) if a.json else est.format())
     if a.check:
         problems = est.check()

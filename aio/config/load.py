@@ -11,11 +11,13 @@ import difflib
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
 from .models import AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig
+
+M = TypeVar("M", bound=BaseModel)
 
 ConfigSource = Union[Mapping[str, Any], str, "os.PathLike[str]", OffloadConfig]
 
@@ -31,8 +33,15 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[tuple[str, str]], source: str = "") -> None:
         self.problems = problems
+        self.source = source
         head = f"invalid aio/DeepSpeed config{f' ({source})' if source else ''}:"
         super().__init__("\n".join([head] + [f"  {p}: {m}" if p else f"  {m}" for p, m in problems]))
+
+    def one_line(self) -> str:
+        """The same report on one line, for command-line tools."""
+        where = f" ({self.source})" if self.source else ""
+        items = "; ".join(f"{p}: {m}" if p else m for p, m in self.problems)
+        return " ".join(f"invalid aio/DeepSpeed config{where}: {items}".split())
 
 
 def _known_keys(loc: tuple[Any, ...]) -> list[str]:
@@ -73,13 +82,28 @@ def _translate(err: ValidationError) -> list[tuple[str, str]]:
         ):
             msg = f"{msg} (got {e.get('input')!r})"
         # Errors raised by a validator on a block name their field first
-        # ("nvme_path: required ..."): move that into the path.
+        # ("nvme_path: required ...", "params.lr: ..."): move that into the path.
         head, sep, rest = msg.partition(": ")
-        if sep and head.replace("_", "").isalnum() and head == head.lower() and " " not in head:
+        if sep and head.replace("_", "").replace(".", "").isalnum() and head == head.lower():
             path = f"{path}.{head}" if path else head
             msg = rest
         problems.append((path, msg))
     return problems
+
+
+def read_config_file(path: str) -> str:
+    """The text of a config file; a missing, unreadable or binary file is a ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError([("", f"config file not found: {path}")]) from None
+    except IsADirectoryError:
+        raise ConfigError([("", f"{path} is a directory, not a config file")]) from None
+    except OSError as e:
+        raise ConfigError([("", f"cannot read config file {path}: {e.strerror}")]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([("", f"{path} is not UTF-8 text (byte {e.start}); expected JSON")]) from None
 
 
 def _read_json(text: str, where: str) -> Any:
@@ -89,6 +113,66 @@ def _read_json(text: str, where: str) -> Any:
         raise ConfigError(
             [("", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")], where
         ) from None
+    except RecursionError:
+        raise ConfigError([("", "not usable JSON: nested too deeply")], where) from None
+
+
+def read_config_data(source: Any) -> tuple[Mapping[str, Any], str]:
+    """The JSON object a config source holds, and where it came from.
+
+    `source`: a dict, a JSON file path or JSON text (starting with ``{``).
+    Returns ``(data, where)``; `where` is the file path ('' otherwise), for
+    error reports. A missing or unreadable file, bad JSON or a top level that
+    is not an object is a :class:`ConfigError`; any other type a TypeError.
+    """
+    where = ""
+    data: Any
+    if isinstance(source, (str, os.PathLike)):
+        s = os.fspath(source)
+        if isinstance(s, str) and s.lstrip().startswith("{"):
+            data = _read_json(s, "JSON text")
+        else:
+            where = str(s)
+            data = _read_json(read_config_file(where), where)
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        raise TypeError(
+            "config must be a dict, a JSON file path, JSON text or an OffloadConfig, "
+            f"got {type(source).__name__}"
+        )
+    if not isinstance(data, Mapping):
+        raise ConfigError([("", f"the top level must be a JSON object, got {type(data).__name__}")], where)
+    return data, where
+
+
+def pick_blocks(
+    data: Mapping[str, Any], keys: tuple[str, ...]
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The blocks `keys` of a config that are given (null means absent), and
+    the problems of those that are not objects."""
+    picked: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    for key in keys:
+        if key in data and data[key] is not None:
+            v = data[key]
+            if isinstance(v, bool) and key == "zero_optimization":
+                problems.append((key, "the boolean form is deprecated; use an object with 'stage'"))
+                continue
+            if not isinstance(v, Mapping):
+                problems.append((key, f"must be an object, got {type(v).__name__}"))
+                continue
+            picked[key] = dict(v)
+    return picked, problems
+
+
+def validate(model: type[M], data: Mapping[str, Any], where: str = "") -> M:
+    """`model` validated from `data`; every problem raised at once as a
+    :class:`ConfigError` naming its key path."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_translate(e), where) from None
 
 
 def load_config(source: ConfigSource) -> OffloadConfig:
@@ -100,53 +184,23 @@ def load_config(source: ConfigSource) -> OffloadConfig:
     """
     if isinstance(source, OffloadConfig):
         return source
-    where = ""
-    data: Any
-    if isinstance(source, (str, os.PathLike)):
-        s = os.fspath(source)
-        if isinstance(s, str) and s.lstrip().startswith("{"):
-            data = _read_json(s, "JSON text")
-        else:
-            where = str(s)
-            try:
-                with open(s, encoding="utf-8") as f:
-                    data = _read_json(f.read(), where)
-            except FileNotFoundError:
-                raise ConfigError([("", f"config file not found: {s}")]) from None
-    elif isinstance(source, Mapping):
-        data = source
-    else:
-        raise TypeError(
-            "config must be a dict, a JSON file path, JSON text or an OffloadConfig, "
-            f"got {type(source).__name__}"
-        )
-    if not isinstance(data, Mapping):
-        raise ConfigError([("", f"the top level must be a JSON object, got {type(data).__name__}")], where)
-    picked: dict[str, Any] = {}
-    problems: list[tuple[str, str]] = []
-    for key in ("aio", "zero_optimization"):
-        if key in data and data[key] is not None:
-            v = data[key]
-            if isinstance(v, bool) and key == "zero_optimization":
-                problems.append((key, "the boolean form is deprecated; use an object with 'stage'"))
-                continue
-            if not isinstance(v, Mapping):
-                problems.append((key, f"must be an object, got {type(v).__name__}"))
-                continue
-            picked[key] = dict(v)
+    data, where = read_config_data(source)
+    picked, problems = pick_blocks(data, ("aio", "zero_optimization"))
     if problems:
         raise ConfigError(problems, where)
-    try:
-        cfg = OffloadConfig.model_validate(picked)
-    except ValidationError as e:
-        raise ConfigError(_translate(e), where) from None
-    if cfg.aio.use_gds:
+    cfg = validate(OffloadConfig, picked, where)
+    warn_use_gds(cfg.aio, stacklevel=3)
+    return cfg
+
+
+def warn_use_gds(aio: AioConfig, stacklevel: int = 2) -> None:
+    """One notice when ``aio.use_gds`` is set: DeepSpeed reads it, aio does not."""
+    if aio.use_gds:
         import warnings
 
         warnings.warn(
             "aio.use_gds=true: aio has no GPUDirect Storage engine and uses its own "
             "pinned-buffer path; DeepSpeed itself still reads the key",
             UserWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
-    return cfg

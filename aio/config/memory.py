@@ -67,6 +67,10 @@ def _fmt(n: float) -> str:
 
 @dataclass
 class MemoryEstimate:
+    """The result of :func:`estimate_memory` for one process, all sizes in bytes:
+    ``pinned`` (page-locked) and ``cpu`` (ordinary CPU memory) by component,
+    ``nvme`` (drive space) by ``nvme_path``."""
+
     num_params: int
     dtype_bytes: int
     pinned: dict[str, int] = field(default_factory=dict)  # component -> pinned bytes
@@ -75,10 +79,12 @@ class MemoryEstimate:
 
     @property
     def pinned_bytes(self) -> int:
+        """Page-locked CPU memory in all, in bytes."""
         return sum(self.pinned.values())
 
     @property
     def cpu_bytes(self) -> int:
+        """CPU memory in all, in bytes, the pinned part included."""
         return sum(self.cpu.values()) + self.pinned_bytes
 
     def check(self) -> list[str]:
@@ -125,6 +131,7 @@ class MemoryEstimate:
         return problems
 
     def format(self) -> str:
+        """A multi-line, human-readable report (sizes in B/KiB/MiB/GiB/TiB)."""
         lines = [f"{self.num_params:,} parameters, {self.dtype_bytes} bytes each"]
         lines.append(f"pinned CPU memory per process: {_fmt(self.pinned_bytes)}")
         for k, v in self.pinned.items():
@@ -138,6 +145,8 @@ class MemoryEstimate:
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
+        """The estimate as JSON-ready plain data (sizes in bytes), with the
+        ``pinned_bytes`` and ``cpu_bytes`` totals added."""
         return {
             "num_params": self.num_params,
             "dtype_bytes": self.dtype_bytes,

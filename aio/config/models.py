@@ -4,11 +4,14 @@ Defaults and meanings follow DeepSpeed 0.19 (the `aio` block and
 `zero_optimization.offload_param` / `offload_optimizer`), so an existing
 DeepSpeed config means the same thing here. Stricter than DeepSpeed where
 strictness saves a user hours: unknown keys in these blocks, unresolved
-"auto", block sizes the drive cannot take, nvme without a path.
+"auto", block sizes the drive cannot take, nvme without a path, and numbers
+that are not plain finite JSON numbers (strings, booleans, NaN, inf).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -31,24 +34,44 @@ def _unresolved_auto(v: Any) -> None:
         )
 
 
-def _as_int(v: Any) -> Any:
-    """Accept 1e8-style numbers where an integer is meant; refuse bools and fractions."""
+def strict_int(v: Any) -> int:
+    """A JSON integer: whole numbers, also written 1e8 (a JSON float). Refused,
+    with a ValueError saying why: booleans, strings (DeepSpeed refuses "1e8"
+    too), NaN/inf, fractions, and values beyond 64 bits."""
     _unresolved_auto(v)
     if isinstance(v, bool):
-        raise ValueError("expected an integer, got a boolean")
-    if isinstance(v, float):
-        if not v.is_integer():
-            raise ValueError(f"expected a whole number, got {v}")
-        return int(v)
+        raise ValueError(f"expected an integer, got the boolean {str(v).lower()}")
     if isinstance(v, str):
-        try:
-            f = float(v)
-        except ValueError:
-            raise ValueError(f"expected an integer, got the string {v!r}") from None
+        raise ValueError(f"expected an integer, got the string {v!r}; write the number without quotes")
+    if isinstance(v, numbers.Integral):
+        n = int(v)
+    elif isinstance(v, numbers.Real):
+        f = float(v)
+        if not math.isfinite(f):
+            raise ValueError(f"expected a finite integer, got {f}")
         if not f.is_integer():
-            raise ValueError(f"expected a whole number, got {v!r}")
-        return int(f)
-    return v
+            raise ValueError(f"expected a whole number, got {f}")
+        n = int(f)
+    else:
+        raise ValueError(f"expected an integer, got {type(v).__name__}")
+    if not -(2**63) <= n < 2**63:
+        raise ValueError(f"{n} is out of range (more than 64 bits)")
+    return n
+
+
+def strict_float(v: Any) -> float:
+    """A finite JSON number; booleans, strings, NaN and inf are refused (ValueError)."""
+    _unresolved_auto(v)
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got the boolean {str(v).lower()}")
+    if isinstance(v, str):
+        raise ValueError(f"expected a number, got the string {v!r}; write the number without quotes")
+    if not isinstance(v, numbers.Real):
+        raise ValueError(f"expected a number, got {type(v).__name__}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"expected a finite number, got {f}")
+    return f
 
 
 def _as_device(v: Any) -> Any:
@@ -74,18 +97,11 @@ def _as_path(v: Any) -> Any:
     raise ValueError(f"expected a directory path, got {type(v).__name__}")
 
 
-def _as_float(v: Any) -> Any:
-    _unresolved_auto(v)
-    if isinstance(v, bool):
-        raise ValueError("expected a number, got a boolean")
-    return v
-
-
-Int = Annotated[int, BeforeValidator(_as_int)]
+Int = Annotated[int, BeforeValidator(strict_int)]
 Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_as_device)]
 PathStr = Annotated[str | None, BeforeValidator(_as_path)]
 Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v), v)[1])]
-Ratio = Annotated[float, BeforeValidator(_as_float), Field(ge=0.0, le=1.0)]
+Ratio = Annotated[float, BeforeValidator(strict_float), Field(ge=0.0, le=1.0)]
 
 
 class _Block(BaseModel):
@@ -133,6 +149,8 @@ class AioConfig(_Block):
 
     @property
     def thread_count(self) -> int:
+        """``intra_op_parallelism`` under the name :class:`aio.AsyncIOHandle` uses
+        (also accepted as an input key for it)."""
         return self.intra_op_parallelism
 
     def handle_kwargs(self) -> dict[str, Any]:
@@ -183,15 +201,12 @@ class OffloadOptimizerConfig(_OffloadBase):
     buffer_count: Int = Field(4, gt=0, description="pinned buffers for optimizer swapping")
     pipeline_read: Bool = Field(False, description="read sub-group i+1 during step of i")
     pipeline_write: Bool = Field(False, description="write sub-group i-1 during step of i")
-    fast_init: Bool = Field(False, description="skip the initial NVMe write of optimizer state")
-    ratio: Ratio = Field(1.0, description="fraction of the optimizer step on CPU")
-    # Accepted because DeepSpeed 0.19 reads them; aio does not use them.
+    # Accepted (and validated) because DeepSpeed 0.19 reads them, so one
+    # config serves both; aio reads none of them.
+    fast_init: Bool = Field(False, description="DeepSpeed: skip the initial NVMe write (unused by aio)")
+    ratio: Ratio = Field(1.0, description="DeepSpeed: fraction of the step on CPU (unused by aio)")
     super_offload: Bool = False
     cpuadam_cores_perc: Ratio = 0.8
-
-    @property
-    def pipeline(self) -> bool:
-        return self.pipeline_read or self.pipeline_write
 
 
 class ZeroConfig(BaseModel):
@@ -226,9 +241,11 @@ class ZeroConfig(BaseModel):
         return self
 
     def param_device(self) -> str:
+        """``offload_param.device``: ``none``, ``cpu`` or ``nvme`` (``none`` without the block)."""
         return self.offload_param.device if self.offload_param else "none"
 
     def optimizer_device(self) -> str:
+        """``offload_optimizer.device``: ``none``, ``cpu`` or ``nvme`` (``none`` without the block)."""
         return self.offload_optimizer.device if self.offload_optimizer else "none"
 
 
@@ -242,13 +259,17 @@ class OffloadConfig(BaseModel):
 
     @property
     def offload_param(self) -> OffloadParamConfig | None:
+        """``zero_optimization.offload_param``, or None when the config has none."""
         return self.zero_optimization.offload_param
 
     @property
     def offload_optimizer(self) -> OffloadOptimizerConfig | None:
+        """``zero_optimization.offload_optimizer``, or None when the config has none."""
         return self.zero_optimization.offload_optimizer
 
     def nvme_paths(self) -> list[str]:
+        """The distinct ``nvme_path`` of each offload block whose device is ``nvme``
+        (parameters' first); empty when nothing goes to a drive."""
         out: list[str] = []
         for blk in (self.offload_param, self.offload_optimizer):
             if blk is not None and blk.device == "nvme" and blk.nvme_path not in out:

@@ -78,27 +78,34 @@ class DeepSpeedAioHandle:
 
     # settings
     def get_block_size(self) -> int:
+        """Bytes per submitted I/O."""
         return self._h.get_block_size()
 
     def get_queue_depth(self) -> int:
+        """I/Os in flight per worker."""
         return self._h.get_queue_depth()
 
     def get_single_submit(self) -> bool:
+        """Whether each I/O is submitted on its own."""
         return self._h.get_single_submit()
 
     def get_overlap_events(self) -> bool:
+        """Whether the queue is kept full rather than drained per batch."""
         return self._h.get_overlap_events()
 
     def get_intra_op_parallelism(self) -> int:
+        """Number of workers (also get_thread_count())."""
         return self._h.get_thread_count()
 
     get_thread_count = get_intra_op_parallelism
 
     def get_alignment(self) -> int:
+        """Granularity of the zero-copy O_DIRECT path (see AsyncIOHandle.get_alignment)."""
         return self._h.get_alignment()
 
     # I/O: DeepSpeed's return conventions
     def async_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        """Start a read; returns 0 (DeepSpeed's convention). ``wait()`` collects it."""
         self._h.async_pread(buffer, filename, int(file_offset))
         return 0
 
@@ -115,9 +122,11 @@ class DeepSpeedAioHandle:
         return n + 1
 
     def sync_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        """Read now, after completing pending async work; returns the operations completed."""
         return self._sync(True, buffer, filename, file_offset)
 
     def sync_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
+        """Write now, after completing pending async work; returns the operations completed."""
         return self._sync(False, buffer, filename, file_offset)
 
     def _combined(
@@ -128,42 +137,51 @@ class DeepSpeedAioHandle:
             return 0
         n = self._sync(read, buffer, filename, file_offset)
         if validate:
-            self._h._validate(buffer, filename, int(file_offset), "read" if read else "write")
+            self._h.verify(buffer, filename, int(file_offset), "read" if read else "write")
         return n
 
     def pread(
         self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False, file_offset: int = 0
     ) -> int:
+        """Read: 0 when `async_op`, else the operations completed; `validate` re-checks the bytes."""
         return self._combined(True, buffer, filename, validate, async_op, file_offset)
 
     def pwrite(
         self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False, file_offset: int = 0
     ) -> int:
+        """Write: 0 when `async_op`, else the operations completed; `validate` re-checks the bytes."""
         return self._combined(False, buffer, filename, validate, async_op, file_offset)
 
     def read(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
+        """Older DeepSpeed name: synchronous read; returns 0."""
         self.pread(buffer, filename, validate, False, file_offset)
         return 0
 
     def write(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
+        """Older DeepSpeed name: synchronous write; returns 0."""
         self.pwrite(buffer, filename, validate, False, file_offset)
         return 0
 
     def wait(self) -> int:
+        """Wait for every async request; returns how many completed (raises a failed one)."""
         return self._h.wait()
 
     # pinned memory
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        """A pinned 1-D CPU tensor of `num_elem` elements with example_tensor's dtype."""
         return new_locked_tensor(int(num_elem), example_tensor.dtype)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        """Release a tensor from new_cpu_locked_tensor (safe against stale views)."""
         return free_locked_tensor(tensor)
 
     def is_pinned(self, tensor: Any) -> bool:
+        """True if the tensor's memory is pinned (by aio or by CUDA)."""
         return is_locked(tensor)
 
     # GPUDirect Storage entry points (gds_handle) are not offered.
     def pin_device_tensor(self, tensor: Any) -> bool:
+        """GPUDirect Storage is not offered: always NotImplementedError."""
         raise NotImplementedError("aio has no GPUDirect Storage engine; set aio.use_gds to false")
 
     unpin_device_tensor = pin_device_tensor
@@ -187,18 +205,23 @@ class AioAsyncIOBuilder:
         self.name = self.NAME
 
     def absolute_name(self) -> str:
+        """The op's import path, as DeepSpeed's builders report it."""
         return "aio.integrations.deepspeed.async_io"
 
     def is_compatible(self, verbose: bool = False) -> bool:
+        """Always True: nothing to compile."""
         return True
 
     def load(self, verbose: bool = True) -> types.ModuleType:
+        """The op module whose ``aio_handle`` is DeepSpeedAioHandle."""
         return _op_module()
 
     def jit_load(self, verbose: bool = True) -> types.ModuleType:
+        """Same as load(): nothing to compile."""
         return _op_module()
 
     def sources(self) -> list[str]:
+        """No sources: nothing to compile."""
         return []
 
 
@@ -235,67 +258,84 @@ def enable() -> None:
             "aio.integrations.deepspeed disabled to use DeepSpeed's own async_io op."
         )
     with _lock:
-        modules = [
-            "deepspeed.ops.op_builder",
-            "deepspeed.ops.aio",
-            "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
-            "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
-            "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
-        ]
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except ImportError:  # pragma: no cover - layout differs; the scan below still runs
-                pass
-        for name, mod in list(sys.modules.items()):
-            if not name.startswith("deepspeed") or mod is None:
-                continue
-            cur = getattr(mod, "AsyncIOBuilder", None)
-            if _is_ds_builder(cur):
-                _patched.append((mod, "AsyncIOBuilder", cur))
-                setattr(mod, "AsyncIOBuilder", AioAsyncIOBuilder)  # noqa: B010 - module attribute
-        # Code that asks the accelerator for the builder by name.
-        from deepspeed.accelerator import get_accelerator
+        _patch_builders()
+        _patch_accelerator()
+        _patch_load_checkpoint()
 
-        acc = get_accelerator()
-        orig = acc.get_op_builder
-        if not getattr(orig, "_aio_wrapped", False):
 
-            def get_op_builder(class_name: str) -> Any:
-                if class_name == "AsyncIOBuilder":
-                    return AioAsyncIOBuilder
-                return orig(class_name)
+_SWAPPER_MODULES = (
+    "deepspeed.ops.op_builder",
+    "deepspeed.ops.aio",
+    "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
+    "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
+    "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
+)
 
-            get_op_builder._aio_wrapped = True  # type: ignore[attr-defined]
-            _patched.append((acc, "get_op_builder", orig))
-            acc.get_op_builder = get_op_builder
-        # DeepSpeed 0.19 leaves part of the optimizer state out when loading a
-        # checkpoint with NVMe optimizer offload (see ds_checkpoint.py).
-        from deepspeed.runtime.engine import DeepSpeedEngine
 
-        orig_load = DeepSpeedEngine.load_checkpoint
-        if not getattr(orig_load, "_aio_wrapped", False):
+def _patch_builders() -> None:
+    """Replace ``AsyncIOBuilder`` in every DeepSpeed module that imported it."""
+    for name in _SWAPPER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # pragma: no cover - layout differs; the scan below still runs
+            pass
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("deepspeed") or mod is None:
+            continue
+        cur = getattr(mod, "AsyncIOBuilder", None)
+        if _is_ds_builder(cur):
+            _patched.append((mod, "AsyncIOBuilder", cur))
+            setattr(mod, "AsyncIOBuilder", AioAsyncIOBuilder)  # noqa: B010 - module attribute
 
-            @functools.wraps(orig_load)
-            def load_checkpoint(self: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-                result = orig_load(self, load_dir, tag, *args, **kwargs)
-                bound = inspect.signature(orig_load).bind(self, load_dir, tag, *args, **kwargs)
-                bound.apply_defaults()
-                a = bound.arguments
-                if (
-                    result[0] is not None
-                    and a.get("load_optimizer_states", True)
-                    and not a.get("load_module_only", False)
-                    and self.zero_nvme_offload_optimizer()
-                ):
-                    from .ds_checkpoint import restore
 
-                    restore(self, load_dir, tag)
-                return result
+def _patch_accelerator() -> None:
+    """Code that asks the accelerator for the builder by name gets aio's."""
+    from deepspeed.accelerator import get_accelerator
 
-            load_checkpoint._aio_wrapped = True  # type: ignore[attr-defined]
-            _patched.append((DeepSpeedEngine, "load_checkpoint", orig_load))
-            DeepSpeedEngine.load_checkpoint = load_checkpoint
+    acc = get_accelerator()
+    orig = acc.get_op_builder
+    if getattr(orig, "_aio_wrapped", False):
+        return
+
+    def get_op_builder(class_name: str) -> Any:
+        if class_name == "AsyncIOBuilder":
+            return AioAsyncIOBuilder
+        return orig(class_name)
+
+    get_op_builder._aio_wrapped = True  # type: ignore[attr-defined]
+    _patched.append((acc, "get_op_builder", orig))
+    acc.get_op_builder = get_op_builder
+
+
+def _patch_load_checkpoint() -> None:
+    """DeepSpeed 0.19 leaves part of the optimizer state out when loading a
+    checkpoint with NVMe optimizer offload (see ds_checkpoint.py): restore it."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    orig_load = DeepSpeedEngine.load_checkpoint
+    if getattr(orig_load, "_aio_wrapped", False):
+        return
+
+    @functools.wraps(orig_load)
+    def load_checkpoint(self: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        result = orig_load(self, load_dir, tag, *args, **kwargs)
+        bound = inspect.signature(orig_load).bind(self, load_dir, tag, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if (
+            result[0] is not None
+            and a.get("load_optimizer_states", True)
+            and not a.get("load_module_only", False)
+            and self.zero_nvme_offload_optimizer()
+        ):
+            from .ds_checkpoint import restore
+
+            restore(self, load_dir, tag)
+        return result
+
+    load_checkpoint._aio_wrapped = True  # type: ignore[attr-defined]
+    _patched.append((DeepSpeedEngine, "load_checkpoint", orig_load))
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
 
 
 def disable() -> None:
@@ -313,6 +353,7 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
+    """Whether enable() is in effect (DeepSpeed's param swapper gets aio's builder)."""
     try:
         from deepspeed.runtime.swap_tensor import partitioned_param_swapper as pps
     except ImportError:

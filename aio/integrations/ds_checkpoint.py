@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..swap.storage import load_plain
+
 
 def _resolve_tag(load_dir: str, tag: Any) -> str | None:
     if tag is not None:
@@ -49,6 +51,16 @@ def _subgroup_state_index(opt: Any) -> dict[int, int]:
     return index
 
 
+def _deepspeed_safe_types() -> tuple[Any, ...]:
+    """The DeepSpeed classes a ZeRO-3 optimizer checkpoint pickles besides
+    tensors and plain data: plain-attribute classes that run no code when
+    rebuilt, so the file is still read with weights_only=True."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return (ZeroStageEnum, LossScaler, DynamicLossScaler)
+
+
 def restore(engine: Any, load_dir: str, tag: Any) -> bool:
     """Put back what DeepSpeed's NVMe-offload load left out; True if it did."""
     import torch
@@ -62,7 +74,7 @@ def restore(engine: Any, load_dir: str, tag: Any) -> bool:
     path = engine._get_zero_ckpt_name(load_dir, tag)
     if not os.path.isfile(path):
         return False
-    saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    saved = load_plain(path, _deepspeed_safe_types())["optimizer_state_dict"]
     states = saved["optimizer_state_dict"]["state"]
     flats = saved["fp32_flat_groups"]
     index = _subgroup_state_index(opt)

@@ -2,7 +2,7 @@
 
 The unit is a sub-group of ``sub_group_size`` elements. Its fp32 gradient,
 fp32 master weights and every optimizer state tensor live back to back in one
-aligned region of the swap file::
+aligned extent of the swap file::
 
     [ grad | master | state_0 | state_1 | ... ]
 
@@ -32,7 +32,15 @@ from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease
 from .param import SwapStateError
 from .pool import BufferPool
-from .storage import SwapStorage, align_up, checkpoint_dir, write_manifest
+from .storage import (
+    SwapStorage,
+    align_up,
+    checkpoint_dir,
+    load_plain,
+    require_complete,
+    save_plain,
+    write_manifest,
+)
 
 CHECKPOINT_VERSION = 1
 
@@ -57,9 +65,9 @@ def discover_state_spec(optimizer_cls: Any, **hyper: Any) -> list[tuple[str, Any
 class _SubGroup:
     index: int
     numel: int
-    offset: int  # of the region in the swap file
-    parts: dict[str, tuple[int, Any]]  # name -> (byte offset in region, dtype)
-    region: int  # bytes
+    offset: int  # of its extent in the swap file
+    parts: dict[str, tuple[int, Any]]  # name -> (byte offset in the extent, dtype)
+    nbytes: int  # of its extent
     scalars: dict[str, Any] | None = None  # None until its first step
     valid: bool = False  # drive copy holds a complete state
     grad_future: AioFuture | None = None
@@ -127,6 +135,8 @@ class OptimizerSwapper:
     def from_config(
         cls, config: Any, optimizer_cls: Any, hyper: dict[str, Any] | None = None, **kw: Any
     ) -> OptimizerSwapper:
+        """From a DeepSpeed-style config (anything aio.config.load_config takes);
+        `kw` (job_id, rank) goes to the constructor. Needs offload_optimizer.device 'nvme'."""
         from ..config import load_config
 
         cfg = load_config(config)
@@ -160,7 +170,7 @@ class OptimizerSwapper:
         return parts, off
 
     def register_subgroup(self, index: int, numel: int) -> None:
-        """Reserve the drive region for sub-group `index` of `numel` elements."""
+        """Reserve the drive extent for sub-group `index` of `numel` elements."""
         self._check_usable()
         import torch
 
@@ -174,16 +184,16 @@ class OptimizerSwapper:
                 f"zero_optimization.sub_group_size={self.sub_group_size}; raise sub_group_size "
                 f"to at least {numel} or split the group"
             )
-        parts, region = self._layout(numel)
-        if self.pool is not None and region > self.pool.slot_bytes:
+        parts, nbytes = self._layout(numel)
+        if self.pool is not None and nbytes > self.pool.slot_bytes:
             if self.optimizer is not None or self.pool.available() != self.pool.count:
                 raise ValueError(
                     f"sub-group {index} ({numel} elements) is larger than the swap buffers, which "
                     "were sized at the first step; register every sub-group before stepping"
                 )
             self.pool = None  # still setting up and idle: re-size on next use
-        off = self.file.allocate(region)
-        g = _SubGroup(index, numel, off, parts, region)
+        off = self.file.allocate(nbytes)
+        g = _SubGroup(index, numel, off, parts, nbytes)
         g.proxy = torch.nn.Parameter(torch.empty(0))
         self.groups[index] = g
 
@@ -191,10 +201,10 @@ class OptimizerSwapper:
         if self.pool is None:
             if not self.groups:
                 raise ValueError("no sub-groups registered")
-            slot = max(g.region for g in self.groups.values())
+            slot_bytes = max(g.nbytes for g in self.groups.values())
             self.pool = BufferPool(
                 self.buffer_count,
-                slot,
+                slot_bytes,
                 self.pin_memory,
                 "zero_optimization.offload_optimizer.buffer_count",
                 "zero_optimization.sub_group_size",
@@ -216,6 +226,7 @@ class OptimizerSwapper:
         return {name: BufferPool.view(lease, dt, g.numel, off) for name, (off, dt) in g.parts.items()}
 
     def pinned_bytes(self) -> int:
+        """Bytes of pinned sub-group buffers this swapper holds (or will hold at first use)."""
         return self._pool().pinned_bytes if self.groups else 0
 
     # -- initial state and gradients -------------------------------------------------
@@ -235,8 +246,8 @@ class OptimizerSwapper:
             for v in views.values():
                 v.zero_()
             views["param"].copy_(src.to(torch.float32))
-            self.writer.sync_pwrite(lease.buffer()[: g.region], self.file.path, g.offset)
-            self.counters["bytes_written"] += g.region
+            self.writer.sync_pwrite(lease.buffer()[: g.nbytes], self.file.path, g.offset)
+            self.counters["bytes_written"] += g.nbytes
         finally:
             lease.release()
         g.scalars = None
@@ -313,8 +324,13 @@ class OptimizerSwapper:
             st.update(g.scalars)
             for name, _ in self.spec:
                 st[name] = views[name]
-        # else: first step of this sub-group -- the optimizer creates its own
-        # state exactly as it would in memory; it is copied into the buffer below.
+        else:
+            # First step of this sub-group: start from the state the optimizer
+            # makes in its constructor, as it would in memory. Some optimizers
+            # (Adagrad before torch 2.13) create state only there and fail on a
+            # parameter without it; lazy ones create nothing here and make it
+            # in step(). Either way it is copied into the buffer below.
+            st.update(self.optimizer_cls([proxy], **self.hyper).state.get(proxy, {}))
         self.optimizer.step()
         names = {n for n, _ in self.spec}
         for name in names:
@@ -348,81 +364,36 @@ class OptimizerSwapper:
             if not self.groups[i].valid:
                 raise SwapStateError(f"sub-group {i} has no valid state on the drive; initialize() it first")
         self._ensure_optimizer()
-        pool = self._pool()
-        reads: dict[int, tuple[Lease, AioFuture]] = {}
-        writes: collections.deque[tuple[int, Lease, AioFuture]] = collections.deque()
-        held: list[Lease] = []
-
-        def finish_write(entry: tuple[int, Lease, AioFuture]) -> None:
-            i, lease, fut = entry
-            try:
-                fut.result()
-                self.groups[i].valid = True
-            finally:
-                lease.release()
-                held.remove(lease)
-
-        def start_read(i: int) -> None:
-            g = self.groups[i]
-            lease = pool.try_acquire()
-            while lease is None and writes:
-                finish_write(writes.popleft())
-                lease = pool.try_acquire()
-            if lease is None:  # cannot happen with the construction-time check
-                raise SwapStateError("no free optimizer swap buffer")
-            held.append(lease)
-            self._settle_grad(g)
-            fut = self.reader.async_pread(lease.buffer()[: g.region], self.file.path, g.offset)
-            self.counters["bytes_read"] += g.region
-            reads[i] = (lease, fut)
-
+        io = _StepIO(self, self._pool())
         try:
             for k, i in enumerate(order):
-                if i not in reads:
-                    start_read(i)
+                if i not in io.reads:
+                    io.start_read(i)
                 if self.pipeline_read and k + 1 < len(order):
-                    start_read(order[k + 1])
-                lease, fut = reads.pop(i)
-                fut.result()
-                g = self.groups[i]
-                views = self._views(g, lease)
-                self._apply(g, views, grad_scale)
-                # The drive copy is stale from here until the write lands.
-                g.valid = False
-                self.counters["subgroup_steps"] += 1
-                if after is not None:
-                    after(i, views["param"])
-                p_off = g.parts["param"][0]
-                wfut = self.writer.async_pwrite(
-                    lease.buffer()[p_off : g.region], self.file.path, g.offset + p_off
-                )
-                self.counters["bytes_written"] += g.region - p_off
-                if self.pipeline_write:
-                    writes.append((i, lease, wfut))
-                    while writes and writes[0][2].done():
-                        finish_write(writes.popleft())
-                else:
-                    finish_write((i, lease, wfut))
-            while writes:
-                finish_write(writes.popleft())
+                    io.start_read(order[k + 1])
+                lease = io.take_read(i)
+                self._step_subgroup(self.groups[i], lease, after, grad_scale)
+                io.start_write(i, lease)
+            io.finish_writes()
             self.steps += 1
         except BaseException as e:
-            # Drain: nothing may still be reading into or writing from a buffer.
-            for _lease, fut in reads.values():
-                fut.exception()
-            while writes:
-                i, lease, fut = writes.popleft()
-                if fut.exception() is None:
-                    self.groups[i].valid = True
-                lease.release()
-                held.remove(lease)
-            for lease in held:
-                lease.release()
+            io.abort()
             self.broken = (
                 f"optimizer step {self.steps + 1} failed ({type(e).__name__}: {e}); the swapped "
                 "optimizer state is partly updated. Restore it with import_checkpoint()"
             )
             raise
+
+    def _step_subgroup(
+        self, g: _SubGroup, lease: Lease, after: Callable[[int, Any], None] | None, grad_scale: Any
+    ) -> None:
+        views = self._views(g, lease)
+        self._apply(g, views, grad_scale)
+        # The drive copy is stale from here until the write lands.
+        g.valid = False
+        self.counters["subgroup_steps"] += 1
+        if after is not None:
+            after(g.index, views["param"])
 
     def read_master(self, index: int) -> Any:
         """A CPU copy of a sub-group's fp32 master weights."""
@@ -438,7 +409,6 @@ class OptimizerSwapper:
         """Write every sub-group's master weights and optimizer state, plus a
         manifest with checksums, to `directory` (created atomically: a crash
         leaves no half-written checkpoint under that name)."""
-        import torch
 
         self._check_usable()
         with checkpoint_dir(directory) as tmp:
@@ -456,20 +426,21 @@ class OptimizerSwapper:
                 self._settle_grad(g)
                 p_off = g.parts["param"][0]
                 with pool.acquire() as lease:
-                    buf = lease.buffer()[p_off : g.region]
+                    buf = lease.buffer()[p_off : g.nbytes]
                     self.reader.sync_pread(buf, self.file.path, g.offset + p_off)
                     path = os.path.join(tmp, f"subgroup_{i}.bin")
                     self.writer.sync_pwrite(buf, path, 0)
                     crc = zlib.crc32(buf)
                 manifest["groups"][str(i)] = {
                     "numel": g.numel,
-                    "bytes": g.region - p_off,
+                    "bytes": g.nbytes - p_off,
                     "crc32": crc,
                 }
                 scalars[i] = g.scalars
-            torch.save(
+            save_plain(
                 {"scalars": scalars, "param_groups": self._param_groups()},
                 os.path.join(tmp, "scalars.pt"),
+                "the optimizer's scalar state",
             )
             write_manifest(tmp, manifest)
 
@@ -478,12 +449,12 @@ class OptimizerSwapper:
             return []
         return [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
 
-    def import_checkpoint(self, directory: str) -> None:
-        """Load a checkpoint from export_checkpoint() into the swap files.
-        Every file is verified (size and checksum) before the state counts as valid."""
-        import torch
-
+    def verify_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Check a checkpoint from export_checkpoint() completely -- completeness
+        marker, manifest, layout, every sub-group's checksum, the scalar state --
+        without changing anything. Returns what apply_checkpoint() needs."""
         self._check_open()
+        require_complete(directory)
         with open(os.path.join(directory, "manifest.json")) as f:
             manifest = json.load(f)
         if manifest.get("version") != CHECKPOINT_VERSION:
@@ -495,31 +466,70 @@ class OptimizerSwapper:
             )
         if sorted(int(i) for i in manifest["groups"]) != sorted(self.groups):
             raise ValueError("checkpoint sub-groups do not match the registered sub-groups")
-        extra = torch.load(os.path.join(directory, "scalars.pt"), weights_only=False)
-        pool = self._pool()
+        extra = load_plain(os.path.join(directory, "scalars.pt"))
+        if (
+            not isinstance(extra, dict)
+            or not isinstance(extra.get("scalars"), dict)
+            or set(extra["scalars"]) != set(self.groups)
+            or not isinstance(extra.get("param_groups"), list)
+            or not isinstance(manifest.get("steps"), int)
+        ):
+            raise ValueError(f"{directory}: scalars.pt or the manifest does not describe these sub-groups")
         for i in sorted(self.groups):
             g = self.groups[i]
             meta = manifest["groups"][str(i)]
-            p_off = g.parts["param"][0]
-            if meta["numel"] != g.numel or meta["bytes"] != g.region - p_off:
+            if meta["numel"] != g.numel or meta["bytes"] != g.nbytes - g.parts["param"][0]:
                 raise ValueError(f"checkpoint sub-group {i} has a different size")
-            g.valid = False
-            with pool.acquire() as lease:
-                buf = lease.buffer()[p_off : g.region]
-                self.reader.sync_pread(buf, os.path.join(directory, f"subgroup_{i}.bin"), 0)
-                if zlib.crc32(buf) != meta["crc32"]:
-                    raise OSError(5, f"checkpoint sub-group {i} fails its checksum", directory)
-                self.writer.sync_pwrite(buf, self.file.path, g.offset + p_off)
+            with self._pool().acquire() as lease:
+                self._read_verified(directory, g, meta, lease)
+        return {"manifest": manifest, "extra": extra}
+
+    def _read_verified(self, directory: str, g: _SubGroup, meta: dict[str, Any], lease: Lease) -> Any:
+        p_off = g.parts["param"][0]
+        buf = lease.buffer()[p_off : g.nbytes]
+        self.reader.sync_pread(buf, os.path.join(directory, f"subgroup_{g.index}.bin"), 0)
+        if zlib.crc32(buf) != meta["crc32"]:
+            raise OSError(5, f"checkpoint sub-group {g.index} fails its checksum", directory)
+        return buf
+
+    def apply_checkpoint(self, directory: str, verified: dict[str, Any]) -> None:
+        """Load a checkpoint that verify_checkpoint() accepted into the swap
+        files. Only an I/O error can still fail here; then the swapper refuses
+        further use (and export) until a checkpoint is imported again."""
+        self._check_open()
+        manifest, extra = verified["manifest"], verified["extra"]
+        try:
+            for i in sorted(self.groups):
+                g = self.groups[i]
+                g.valid = False
+                with self._pool().acquire() as lease:
+                    buf = self._read_verified(directory, g, manifest["groups"][str(i)], lease)
+                    self.writer.sync_pwrite(buf, self.file.path, g.offset + g.parts["param"][0])
+                g.valid = True
+        except BaseException as e:
+            self.broken = (
+                f"importing checkpoint {directory} failed part-way ({type(e).__name__}: {e}); the "
+                "swapped optimizer state is a mix. Import a checkpoint again"
+            )
+            raise
+        for i, g in self.groups.items():
             g.scalars = extra["scalars"][i]
-            g.valid = True
         self._ensure_optimizer()
         for pg, saved in zip(self.optimizer.param_groups, extra["param_groups"], strict=False):
             pg.update(saved)
         self.steps = manifest["steps"]
         self.broken = None
 
+    def import_checkpoint(self, directory: str) -> None:
+        """Load a checkpoint from export_checkpoint() into the swap files.
+        Everything is verified (marker, sizes, every checksum) before anything
+        changes: a bad checkpoint leaves the current state intact."""
+        self.apply_checkpoint(directory, self.verify_checkpoint(directory))
+
     # -- lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        """Counters (bytes read/written, sub-group steps), steps, state tensor names,
+        pinned and drive bytes, why it is broken (or None), swap folder."""
         return {
             **self.counters,
             "subgroups": len(self.groups),
@@ -541,6 +551,7 @@ class OptimizerSwapper:
             raise SwapStateError(self.broken)
 
     def close(self) -> None:
+        """Finish I/O, free the buffers and remove the swap folder. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -556,3 +567,77 @@ class OptimizerSwapper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _StepIO:
+    """The buffers and I/Os of one OptimizerSwapper.step(): reads ahead,
+    write-backs behind, and every lease held, so a failure can drain them all."""
+
+    def __init__(self, sw: OptimizerSwapper, pool: BufferPool) -> None:
+        self.sw = sw
+        self.pool = pool
+        self.reads: dict[int, tuple[Lease, AioFuture]] = {}
+        self.writes: collections.deque[tuple[int, Lease, AioFuture]] = collections.deque()
+        self.held: list[Lease] = []
+
+    def _finish_write(self, entry: tuple[int, Lease, AioFuture]) -> None:
+        i, lease, fut = entry
+        try:
+            fut.result()
+            self.sw.groups[i].valid = True
+        finally:
+            lease.release()
+            self.held.remove(lease)
+
+    def finish_writes(self) -> None:
+        """Wait for every write-back still in flight."""
+        while self.writes:
+            self._finish_write(self.writes.popleft())
+
+    def start_read(self, i: int) -> None:
+        """Lease a buffer (finishing write-backs to free one) and start reading sub-group i."""
+        sw, g = self.sw, self.sw.groups[i]
+        lease = self.pool.try_acquire()
+        while lease is None and self.writes:
+            self._finish_write(self.writes.popleft())
+            lease = self.pool.try_acquire()
+        if lease is None:  # cannot happen with the construction-time check
+            raise SwapStateError("no free optimizer swap buffer")
+        self.held.append(lease)
+        sw._settle_grad(g)
+        fut = sw.reader.async_pread(lease.buffer()[: g.nbytes], sw.file.path, g.offset)
+        sw.counters["bytes_read"] += g.nbytes
+        self.reads[i] = (lease, fut)
+
+    def take_read(self, i: int) -> Lease:
+        """Wait for sub-group i's read; return the buffer holding it."""
+        lease, fut = self.reads.pop(i)
+        fut.result()
+        return lease
+
+    def start_write(self, i: int, lease: Lease) -> None:
+        """Write sub-group i back (all but its gradient), pipelined or at once."""
+        sw, g = self.sw, self.sw.groups[i]
+        p_off = g.parts["param"][0]
+        fut = sw.writer.async_pwrite(lease.buffer()[p_off : g.nbytes], sw.file.path, g.offset + p_off)
+        sw.counters["bytes_written"] += g.nbytes - p_off
+        if not sw.pipeline_write:
+            self._finish_write((i, lease, fut))
+            return
+        self.writes.append((i, lease, fut))
+        while self.writes and self.writes[0][2].done():
+            self._finish_write(self.writes.popleft())
+
+    def abort(self) -> None:
+        """After a failure: drain so nothing still reads into or writes from a
+        buffer, keep the sub-groups whose write landed valid, release every lease."""
+        for _lease, fut in self.reads.values():
+            fut.exception()
+        while self.writes:
+            i, lease, fut = self.writes.popleft()
+            if fut.exception() is None:
+                self.sw.groups[i].valid = True
+            lease.release()
+            self.held.remove(lease)
+        for lease in self.held:
+            lease.release()

@@ -1,7 +1,7 @@
 """ParamSwapper: parameter partitions paged between the drive and a fixed
 pool of pinned buffers.
 
-Life of a partition: ``register`` (slot reserved on the drive, or kept in CPU
+Life of a partition: ``register`` (extent reserved on the drive, or kept in CPU
 memory when it is small or fits in ``max_in_cpu``) -> ``write`` (its values
 go to the drive) -> ``prefetch``/``swap_in`` (read into a pool buffer; the
 returned tensor is a view of that buffer) -> ``release`` (buffer back to the
@@ -11,6 +11,7 @@ optimizer step, ``write`` again, or ``swap_out`` of a modified buffer.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease, new_locked_tensor
 from .pool import BufferPool, PoolExhaustedError
-from .storage import SwapStorage, checkpoint_dir, write_manifest
+from .storage import SwapStorage, checkpoint_dir, crc32_of, require_complete, write_manifest
 
 
 class SwapStateError(RuntimeError):
@@ -27,6 +28,8 @@ class SwapStateError(RuntimeError):
 
 
 class State(enum.Enum):
+    """Where a partition's values are, and which I/O (if any) is in flight on them."""
+
     RESIDENT = "resident"  # kept in CPU memory, never on the drive
     ON_DRIVE = "on_drive"  # only on the drive
     IN_FLIGHT = "in_flight"  # being read into a buffer
@@ -37,7 +40,7 @@ class State(enum.Enum):
 
 @dataclass
 class _Partition:
-    pid: Any
+    part_id: Any
     numel: int
     dtype: Any
     nbytes: int
@@ -132,13 +135,13 @@ class ParamSwapper:
         )
 
     # -- registration ------------------------------------------------------------
-    def register(self, pid: Any, numel: int, dtype: Any | None = None) -> State:
+    def register(self, part_id: Any, numel: int, dtype: Any | None = None) -> State:
         """Declare a partition; returns where it will live (RESIDENT or ON_DRIVE)."""
         self._check_open()
-        if pid in self.parts:
-            raise ValueError(f"partition {pid!r} is already registered")
+        if part_id in self.parts:
+            raise ValueError(f"partition {part_id!r} is already registered")
         if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
-            raise ValueError(f"partition {pid!r}: numel must be a positive int, got {numel!r}")
+            raise ValueError(f"partition {part_id!r}: numel must be a positive int, got {numel!r}")
         dtype = dtype or self.dtype
         nbytes = numel * _itemsize(dtype)
         small = nbytes < self.min_swap_bytes
@@ -147,27 +150,27 @@ class ParamSwapper:
             if not small:
                 self.resident_numel += numel
             self.counters["resident_bytes"] += nbytes
-            self.parts[pid] = _Partition(pid, numel, dtype, nbytes, State.RESIDENT, tensor=t)
+            self.parts[part_id] = _Partition(part_id, numel, dtype, nbytes, State.RESIDENT, tensor=t)
             return State.RESIDENT
         if nbytes > self.pool.slot_bytes:
             need = -(-nbytes // _itemsize(self.dtype))
             raise ValueError(
-                f"partition {pid!r} has {numel} elements ({nbytes} bytes), more than one swap "
+                f"partition {part_id!r} has {numel} elements ({nbytes} bytes), more than one swap "
                 f"buffer holds ({self.buffer_size} elements of {self.dtype}); raise "
                 f"zero_optimization.offload_param.buffer_size to at least {need}"
             )
         off = self.file.allocate(nbytes)
-        self.parts[pid] = _Partition(pid, numel, dtype, nbytes, State.ON_DRIVE, offset=off)
+        self.parts[part_id] = _Partition(part_id, numel, dtype, nbytes, State.ON_DRIVE, offset=off)
         return State.ON_DRIVE
 
     # -- moving data ----------------------------------------------------------------
-    def write(self, pid: Any, tensor: Any, async_op: bool = False) -> None:
+    def write(self, part_id: Any, tensor: Any, async_op: bool = False) -> None:
         """Store new values for a partition (initial values, or after a step)."""
-        p = self._part(pid)
+        p = self._part(part_id)
         src = tensor.detach().reshape(-1)
         if src.numel() != p.numel or src.dtype != p.dtype:
             raise ValueError(
-                f"partition {pid!r}: expected {p.numel} elements of {p.dtype}, "
+                f"partition {part_id!r}: expected {p.numel} elements of {p.dtype}, "
                 f"got {src.numel()} of {src.dtype}"
             )
         if p.state == State.RESIDENT:
@@ -186,12 +189,12 @@ class ParamSwapper:
         if not async_op:
             self._settle(p)
 
-    def swap_in(self, pids: list[Any], async_op: bool = False) -> list[Any]:
+    def swap_in(self, part_ids: list[Any], async_op: bool = False) -> list[Any]:
         """Make partitions available; returns their tensors (views of pool
         buffers for partitions on the drive). With async_op the reads are only
         started: call synchronize() (or swap_in again) before using them."""
         self._check_open()
-        parts = [self._part(pid) for pid in pids]
+        parts = [self._part(part_id) for part_id in part_ids]
         need = sum(1 for p in parts if p.lease is None and p.state != State.RESIDENT)
         if need > self.pool.count:
             raise PoolExhaustedError(
@@ -205,12 +208,12 @@ class ParamSwapper:
                 self._settle(p)
         return [p.tensor for p in parts]
 
-    def prefetch(self, pids: list[Any]) -> int:
+    def prefetch(self, part_ids: list[Any]) -> int:
         """Start reading partitions that will be needed soon, as far as free
         buffers allow; returns how many reads were started."""
         started = 0
-        for pid in pids:
-            p = self._part(pid)
+        for part_id in part_ids:
+            p = self._part(part_id)
             if p.state == State.ON_DRIVE:
                 if not self._start_read(p, must=False):
                     break
@@ -221,7 +224,7 @@ class ParamSwapper:
     def _start_read(self, p: _Partition, must: bool) -> bool:
         if p.state == State.INVALID:
             raise SwapStateError(
-                f"partition {p.pid!r}: its drive copy is invalid after a failed write; "
+                f"partition {p.part_id!r}: its drive copy is invalid after a failed write; "
                 "write() it again before reading"
             )
         if p.state in (State.RESIDENT, State.AVAILABLE, State.IN_FLIGHT):
@@ -233,13 +236,13 @@ class ParamSwapper:
                 self.counters["hits"] += 1
                 return True
         if not p.written:
-            raise SwapStateError(f"partition {p.pid!r} was never written; write() it first")
+            raise SwapStateError(f"partition {p.part_id!r} was never written; write() it first")
         lease = self.pool.try_acquire()
         while lease is None:
             if not self._free_one_buffer():
                 if not must:
                     return False
-                held = [q.pid for q in self.parts.values() if q.lease is not None]
+                held = [q.part_id for q in self.parts.values() if q.lease is not None]
                 raise PoolExhaustedError(
                     f"no free parameter swap buffer: all {self.pool.count} hold available "
                     f"partitions ({held[:8]}{'...' if len(held) > 8 else ''}); release() them "
@@ -263,10 +266,10 @@ class ParamSwapper:
                 return True
         return False
 
-    def release(self, pids: list[Any]) -> None:
+    def release(self, part_ids: list[Any]) -> None:
         """Give buffers back without writing (parameters are read-only between steps)."""
-        for pid in pids:
-            p = self._part(pid)
+        for part_id in part_ids:
+            p = self._part(part_id)
             if p.state == State.RESIDENT or p.lease is None:
                 continue
             self._settle(p)
@@ -274,16 +277,16 @@ class ParamSwapper:
                 self._drop_buffer(p)
                 self.counters["release"] += 1
 
-    def swap_out(self, pids: list[Any], async_op: bool = False) -> None:
+    def swap_out(self, part_ids: list[Any], async_op: bool = False) -> None:
         """Write modified buffered partitions back, then release their buffers."""
-        for pid in pids:
-            p = self._part(pid)
+        for part_id in part_ids:
+            p = self._part(part_id)
             if p.state == State.RESIDENT:
                 continue
             self._settle(p)
             if p.state != State.AVAILABLE:
                 raise SwapStateError(
-                    f"partition {pid!r} is {p.state.value}, not available; nothing to swap out"
+                    f"partition {part_id!r} is {p.state.value}, not available; nothing to swap out"
                 )
             p.future = self.writer.async_pwrite(p.tensor, self.file.path, p.offset)
             p.state = State.WRITING
@@ -291,8 +294,8 @@ class ParamSwapper:
             self.counters["writes"] += 1
             self.counters["bytes_written"] += p.nbytes
         if not async_op:
-            for pid in pids:
-                self._settle(self._part(pid))
+            for part_id in part_ids:
+                self._settle(self._part(part_id))
 
     def _drop_buffer(self, p: _Partition) -> None:
         if p.lease is not None:
@@ -319,7 +322,7 @@ class ParamSwapper:
                     p.lease.release()
                     p.lease, p.tensor = None, None
                 raise SwapStateError(
-                    f"writing partition {p.pid!r} failed; its drive copy is now invalid"
+                    f"writing partition {p.part_id!r} failed; its drive copy is now invalid"
                 ) from exc
             p.written = True
             if releasing:
@@ -334,10 +337,10 @@ class ParamSwapper:
             raise exc
         p.state = State.AVAILABLE
 
-    def wait(self, pids: list[Any]) -> None:
+    def wait(self, part_ids: list[Any]) -> None:
         """Wait for these partitions' pending reads and writes (raises a failed one)."""
-        for pid in pids:
-            self._settle(self._part(pid))
+        for part_id in part_ids:
+            self._settle(self._part(part_id))
 
     def synchronize(self) -> None:
         """Wait for every read and write; raises the first failure after all finished."""
@@ -368,9 +371,11 @@ class ParamSwapper:
             off = 0
             for p in self.parts.values():
                 if p.state == State.INVALID:
-                    raise SwapStateError(f"partition {p.pid!r} is invalid; cannot checkpoint it")
-                if not isinstance(p.pid, (int, str)):
-                    raise TypeError(f"checkpoint needs int or str partition ids, got {type(p.pid).__name__}")
+                    raise SwapStateError(f"partition {p.part_id!r} is invalid; cannot checkpoint it")
+                if not isinstance(p.part_id, (int, str)):
+                    raise TypeError(
+                        f"checkpoint needs int or str partition ids, got {type(p.part_id).__name__}"
+                    )
                 if p.state == State.RESIDENT or p.lease is not None:
                     src = p.tensor.contiguous()
                 else:
@@ -380,7 +385,7 @@ class ParamSwapper:
                 self.writer.sync_pwrite(src, data, off)
                 entries.append(
                     {
-                        "id": p.pid,
+                        "id": p.part_id,
                         "numel": p.numel,
                         "dtype": str(p.dtype).removeprefix("torch."),
                         "offset": off,
@@ -390,16 +395,16 @@ class ParamSwapper:
                 off += -(-p.nbytes // 4096) * 4096
             write_manifest(tmp, {"version": 1, "kind": "aio-params", "partitions": entries})
 
-    def import_checkpoint(self, directory: str) -> None:
-        """Load values written by export_checkpoint() into the registered
-        partitions (same ids, sizes and dtypes), verifying every checksum."""
+    def verify_checkpoint(self, directory: str) -> dict[Any, Any]:
+        """Check a checkpoint from export_checkpoint() completely -- marker,
+        manifest, ids, sizes, dtypes, every checksum -- without changing
+        anything. Returns what apply_checkpoint() needs (the values of
+        resident partitions, already read; drive partitions are read again)."""
         import json
         import os
-        import zlib
-
-        import torch
 
         self._check_open()
+        require_complete(directory)
         with open(os.path.join(directory, "manifest.json")) as f:
             manifest = json.load(f)
         if manifest.get("kind") != "aio-params" or manifest.get("version") != 1:
@@ -407,22 +412,62 @@ class ParamSwapper:
         entries = {e["id"]: e for e in manifest["partitions"]}
         if set(entries) != set(self.parts):
             raise ValueError("checkpoint partitions do not match the registered partitions")
-        data = os.path.join(directory, "params.bin")
-        for pid, e in entries.items():
-            p = self.parts[pid]
+        plan: dict[Any, Any] = {}
+        for part_id, e in entries.items():
+            p = self.parts[part_id]
             if e["numel"] != p.numel or e["dtype"] != str(p.dtype).removeprefix("torch."):
-                raise ValueError(f"checkpoint partition {pid!r} has a different size or dtype")
-            t = torch.empty(p.numel, dtype=p.dtype)
-            self.reader.sync_pread(t, data, e["offset"])
-            if zlib.crc32(t.view(torch.uint8).numpy().tobytes()) != e["crc32"]:
-                raise OSError(5, f"checkpoint partition {pid!r} fails its checksum", directory)
-            self.write(pid, t)
+                raise ValueError(f"checkpoint partition {part_id!r} has a different size or dtype")
+            t = self._read_verified(directory, p, e)
+            plan[part_id] = (e, t if p.state == State.RESIDENT else None)
+        return plan
+
+    def _read_verified(self, directory: str, p: _Partition, e: dict[str, Any]) -> Any:
+        import os
+
+        t = _empty(p.numel, p.dtype)
+        self.reader.sync_pread(t, os.path.join(directory, "params.bin"), e["offset"])
+        if crc32_of(t) != e["crc32"]:
+            raise OSError(5, f"checkpoint partition {p.part_id!r} fails its checksum", directory)
+        return t
+
+    def apply_checkpoint(self, directory: str, verified: dict[Any, Any]) -> None:
+        """Load a checkpoint that verify_checkpoint() accepted. Only an I/O
+        error can still fail here; then every drive partition is marked
+        invalid (no mix of old and new values is ever read or exported)."""
+        self._check_open()
+        try:
+            for part_id, (e, t) in verified.items():
+                if t is None:
+                    self.write(part_id, self._read_verified(directory, self.parts[part_id], e))
+        except BaseException:
+            self._invalidate_drive_partitions()
+            raise
+        for part_id, (_e, t) in verified.items():
+            if t is not None:
+                self.write(part_id, t)
+
+    def _invalidate_drive_partitions(self) -> None:
+        for p in self.parts.values():
+            if p.state == State.RESIDENT:
+                continue
+            with contextlib.suppress(BaseException):
+                self._settle(p)
+            p.state = State.INVALID
+            p.written = False
+
+    def import_checkpoint(self, directory: str) -> None:
+        """Load values written by export_checkpoint() into the registered
+        partitions (same ids, sizes and dtypes). Everything is verified first:
+        a bad checkpoint leaves the current values intact."""
+        self.apply_checkpoint(directory, self.verify_checkpoint(directory))
 
     # -- introspection ----------------------------------------------------------------
-    def status(self, pid: Any) -> str:
-        return self._part(pid).state.value
+    def status(self, part_id: Any) -> str:
+        """The partition's State, as its string value (e.g. ``"on_drive"``)."""
+        return self._part(part_id).state.value
 
     def stats(self) -> dict[str, Any]:
+        """Counters, partitions per state, free buffers, pinned and drive bytes, swap folder."""
         by_state: dict[str, int] = {}
         for p in self.parts.values():
             by_state[p.state.value] = by_state.get(p.state.value, 0) + 1
@@ -436,11 +481,11 @@ class ParamSwapper:
             "swap_dir": self.storage.dir,
         }
 
-    def _part(self, pid: Any) -> _Partition:
+    def _part(self, part_id: Any) -> _Partition:
         try:
-            return self.parts[pid]
+            return self.parts[part_id]
         except KeyError:
-            raise KeyError(f"partition {pid!r} is not registered") from None
+            raise KeyError(f"partition {part_id!r} is not registered") from None
 
     def _check_open(self) -> None:
         if self.closed:

@@ -15,8 +15,8 @@ class BufferPool:
     """``count`` buffers of ``slot_bytes`` each, allocated (and locked) on
     first use, so a swapper that is configured but never used costs nothing.
 
-    ``setting`` names the config keys to point at in errors, e.g.
-    ``("zero_optimization.offload_param.buffer_count", "...buffer_size")``.
+    ``count_key``/``size_key`` name the config keys that errors point at, e.g.
+    ``"zero_optimization.offload_param.buffer_count"`` and ``"...buffer_size"``.
     """
 
     def __init__(self, count: int, slot_bytes: int, pin: bool, count_key: str, size_key: str) -> None:
@@ -33,6 +33,7 @@ class BufferPool:
 
     @property
     def allocated(self) -> bool:
+        """Whether the buffers have been allocated (first acquire)."""
         return self._pool is not None
 
     @property
@@ -46,9 +47,11 @@ class BufferPool:
         return self._pool
 
     def available(self) -> int:
+        """Buffers free right now (all of them before the first use)."""
         return self._get().available() if self._pool is not None else self.count
 
     def try_acquire(self) -> Lease | None:
+        """Lease a free buffer, or None at once when all are in use."""
         pool = self._get()
         try:
             return pool.acquire(timeout=0)
@@ -56,6 +59,7 @@ class BufferPool:
             return None
 
     def acquire(self, timeout: float | None = None) -> Lease:
+        """Lease a buffer, waiting up to `timeout` seconds (None: no limit); TimeoutError then."""
         return self._get().acquire(timeout)
 
     @staticmethod

@@ -1,28 +1,45 @@
-"""Swap storage: a per-job, per-rank folder under ``nvme_path`` with
-preallocated swap files and aligned slots.
+"""Swap storage: a private per-user folder under ``nvme_path`` holding one
+folder per job and rank, with preallocated swap files and aligned extents; and
+the durable, atomic checkpoint folders the swappers and aio.zero write.
 
-Two jobs (or two ranks) sharing one ``nvme_path`` never collide: each gets
-its own folder, created exclusively, with an owner marker. Cleanup removes
-only folders that carry our marker, on close() and at interpreter exit.
+Layout: ``<nvme_path>/aio-swap-<uid>/<job>-rank<r>-<kind>-<pid>-<rand>/``.
+The per-user folder is created mode 0700 and, before any use, checked to be
+a real directory (not a symlink), owned by this user and closed to others:
+on a drive shared by several users (a 1777 scratch folder) users never
+collide, and nobody can plant a symlink that makes us write through it.
+Every later access goes through descriptors held on the verified folders
+(``SwapFile.path`` is ``/proc/self/fd/<dirfd>/<name>``), so renaming a path
+component afterwards cannot redirect our I/O either.
+
+Cleanup removes only folders that carry our marker: on close(), at
+interpreter exit, and -- for jobs that were killed (SIGKILL, or SIGTERM,
+which skips exit handlers) -- when the next job of the same user on the same
+host starts and finds the marker's process gone.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import re
-import shutil
 import socket
+import stat
 import threading
 import uuid
 import weakref
+import zlib
 from collections.abc import Iterator
+from typing import Any
 
-ROOT_NAME = "aio-swap"
+ROOT_PREFIX = "aio-swap-"
 MARKER = ".aio-swap-owner"
+COMPLETE = "complete"  # written last into a checkpoint folder: the checkpoint is whole
 ALIGN = 4096
+_MARKER_MAX = 4096
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _live: weakref.WeakSet[SwapStorage] = weakref.WeakSet()
 
@@ -43,12 +60,200 @@ def _rank() -> int:
     return 0
 
 
+def root_name() -> str:
+    """Name of this user's private swap folder inside an ``nvme_path``."""
+    return f"{ROOT_PREFIX}{os.geteuid()}"
+
+
+# -- the private per-user folder ----------------------------------------------------------
+def _refuse(path: str, what: str) -> PermissionError:
+    return PermissionError(
+        errno.EACCES,
+        f"refusing to use swap folder: it {what}; swap folders must be private to their user "
+        "(remove it, or point nvme_path elsewhere)",
+        path,
+    )
+
+
+def _check_private(st: os.stat_result, path: str) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, "is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(path, "is not a directory")
+    if st.st_uid != os.geteuid():
+        raise _refuse(path, f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise _refuse(path, f"has mode {stat.S_IMODE(st.st_mode):04o}, open to other users (want 0700)")
+
+
+def _open_private_root(nvme_path: str) -> tuple[str, int]:
+    """Create (exclusively) or reuse this user's folder; verify it and return
+    (path, descriptor). Verified twice: lstat for a clear message, then fstat
+    of the descriptor actually used (opened with O_NOFOLLOW), so a swap
+    between the check and the open cannot slip through."""
+    path = os.path.join(nvme_path, root_name())
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    _check_private(os.lstat(path), path)
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _refuse(path, "was replaced by a symbolic link or file") from None
+        raise
+    try:
+        _check_private(os.fstat(fd), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return path, fd
+
+
+# -- owner markers and reclaiming killed jobs' folders --------------------------------------
+def _read_small(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) of a process, or None if
+    it does not exist. Start time tells a reused pid from the original."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ("?", "?")  # cannot tell: treat as alive
+    fields = raw[raw.rfind(")") + 2 :].split()
+    if len(fields) < 20:
+        return ("?", "?")
+    return fields[0], fields[19]
+
+
+def _identity() -> dict[str, Any]:
+    st = _start_time(os.getpid())
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return {
+        "pid": os.getpid(),
+        "start": st[1] if st else "",
+        "host": socket.gethostname(),
+        "boot": _read_small("/proc/sys/kernel/random/boot_id"),
+        "pidns": pidns,
+    }
+
+
+def _owner_is_dead(owner: dict[str, Any], me: dict[str, Any]) -> bool:
+    """True only when we can be sure the owning process is gone: same host,
+    same boot and same pid namespace as us, and its pid is free, a zombie, or
+    now belongs to a process that started at another time. Anything else
+    (another host, unreadable marker, unknown start time) counts as alive."""
+    if owner.get("host") != me["host"] or not me["boot"] or not me["pidns"]:
+        return False
+    if owner.get("boot") != me["boot"] or owner.get("pidns") != me["pidns"]:
+        return False
+    pid, start = owner.get("pid"), owner.get("start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not start:
+        return False
+    now = _start_time(pid)
+    return now is None or now[0] in ("Z", "X") or (now[1] != "?" and now[1] != start)
+
+
+def _read_marker(root_fd: int, name: str) -> dict[str, Any] | None:
+    try:
+        dfd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return None
+    try:
+        fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            owner = json.loads(os.read(fd, _MARKER_MAX))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(dfd)
+    return owner if isinstance(owner, dict) else None
+
+
+def _remove_folder(root_fd: int, name: str) -> None:
+    """Remove a job folder (flat: marker and swap files) without following
+    any symlink: entries are unlinked relative to the held descriptors."""
+    try:
+        dfd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return
+    try:
+        for entry in os.listdir(dfd):
+            with contextlib.suppress(OSError):
+                os.unlink(entry, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=root_fd)
+
+
+def _reclaim_dead(root_fd: int, me: dict[str, Any]) -> list[str]:
+    """Remove the folders of this user's jobs that died without cleaning up."""
+    removed = []
+    for name in os.listdir(root_fd):
+        try:
+            if not stat.S_ISDIR(os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode):
+                continue
+        except OSError:
+            continue
+        owner = _read_marker(root_fd, name)
+        if owner is not None and _owner_is_dead(owner, me):
+            _remove_folder(root_fd, name)
+            removed.append(name)
+    return removed
+
+
+# -- checkpoint folders -----------------------------------------------------------------------
+def _fsync_path(path: str, flags: int) -> None:
+    fd = os.open(path, flags | os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(top: str) -> dict[str, int]:
+    """fsync every file and folder under `top` (folders after their files);
+    returns {relative path: size} of the files."""
+    sizes: dict[str, int] = {}
+    for d, dirs, files in os.walk(top, topdown=False):
+        for name in files:
+            p = os.path.join(d, name)
+            _fsync_path(p, 0)
+            sizes[os.path.relpath(p, top)] = os.lstat(p).st_size
+        for name in dirs:
+            _fsync_path(os.path.join(d, name), os.O_DIRECTORY)
+    return sizes
+
+
 @contextlib.contextmanager
 def checkpoint_dir(directory: str) -> Iterator[str]:
-    """Yield a temporary folder beside `directory`; on success rename it to
-    `directory`, on any failure remove it. A crash or error never leaves a
-    half-written checkpoint under the final name. `directory` must not exist
-    or be empty."""
+    """Yield a temporary folder beside `directory`; on success make it
+    durable and rename it to `directory`, on any failure remove it.
+
+    Durable means: every file and folder in it fsynced, then a ``complete``
+    marker (listing every file, its size and, for all but the ``.bin`` data
+    files that carry per-part checksums in their manifests, its CRC32)
+    written and fsynced last, the
+    folder fsynced, renamed, and the parent folder fsynced so the rename
+    itself survives a power cut. A crash or error never leaves a
+    half-written checkpoint under the final name, and loaders refuse a
+    folder without the marker. `directory` must not exist or be empty."""
     if os.path.exists(directory) and os.listdir(directory):
         raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
     parent = os.path.dirname(os.path.abspath(directory))
@@ -56,64 +261,194 @@ def checkpoint_dir(directory: str) -> Iterator[str]:
     os.makedirs(tmp)
     try:
         yield tmp
+        sizes = _sync_tree(tmp)
+        crcs = {rel: _crc32_file(os.path.join(tmp, rel)) for rel in sizes if not rel.endswith(".bin")}
+        write_json_durably(os.path.join(tmp, COMPLETE), {"files": sizes, "crc32": crcs})
+        _fsync_path(tmp, os.O_DIRECTORY)
         if os.path.exists(directory):
             os.rmdir(directory)
         os.rename(tmp, directory)
+        _fsync_path(parent, os.O_DIRECTORY)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_tree(tmp)
         raise
 
 
-def write_manifest(folder: str, manifest: dict) -> None:
-    """manifest.json, flushed to the drive before the folder is renamed into place."""
-    with open(os.path.join(folder, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)  # never follows symlinks to folders
+
+
+def _crc32_file(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def require_complete(directory: str) -> None:
+    """Raise unless `directory` is a whole checkpoint: its ``complete``
+    marker exists, every file it lists is there with the listed size, and
+    every file it has a CRC32 for still has that checksum."""
+    marker = os.path.join(directory, COMPLETE)
+    try:
+        with open(marker) as f:
+            listing = json.load(f)
+        files, crcs = listing["files"], listing.get("crc32", {})
+        if not isinstance(files, dict) or not isinstance(crcs, dict):
+            raise ValueError("bad marker")
+    except FileNotFoundError:
+        raise ValueError(
+            f"{directory} is not a complete checkpoint: it has no '{COMPLETE}' marker (it was not "
+            "fully written, or was written by an aio version without durable checkpoints)"
+        ) from None
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ValueError(f"{directory}: unreadable '{COMPLETE}' marker ({e})") from None
+    for rel, size in files.items():
+        p = os.path.join(directory, rel)
+        try:
+            got = os.lstat(p).st_size
+        except FileNotFoundError:
+            raise ValueError(f"{directory} is incomplete: {rel} is missing") from None
+        if got != size:
+            raise ValueError(f"{directory} is damaged: {rel} has {got} bytes, {size} were written")
+    for rel, crc in crcs.items():
+        if _crc32_file(os.path.join(directory, rel)) != crc:
+            raise ValueError(f"{directory} is damaged: {rel} does not match the checksum it was written with")
+
+
+def write_json_durably(path: str, obj: Any) -> None:
+    """Write `obj` as JSON to `path` and fsync it before returning."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
 
+def write_manifest(folder: str, manifest: dict) -> None:
+    """manifest.json, flushed to the drive before the folder is renamed into place."""
+    write_json_durably(os.path.join(folder, "manifest.json"), manifest)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an unpickling error (torch's are long), or its type."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_plain(path: str, safe: tuple[Any, ...] = ()) -> Any:
+    """torch.load with ``weights_only=True``: tensors and plain containers
+    only (plus the classes in `safe`), so a tampered checkpoint cannot run
+    code. Anything else is a ValueError naming the file."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(safe)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"refusing to load {path}: it holds something other than tensors and plain data "
+            f"(a tampered or foreign file?): {_first_line(e)}"
+        ) from None
+
+
+def save_plain(obj: Any, path: str, what: str) -> None:
+    """torch.save `obj`, first checking that load_plain() will accept it:
+    a TypeError naming `what` instead of a checkpoint that cannot be loaded."""
+    import io
+    import pickle
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise TypeError(
+            f"{what} must hold only tensors and plain data (dict, list, tuple, str, int, float, "
+            f"bool, None), so that loading it cannot run code: {_first_line(e)}"
+        ) from None
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
+
+
+def crc32_of(t: Any) -> int:
+    """CRC32 of a contiguous CPU tensor's bytes."""
+    import torch
+
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+
+
 def align_up(n: int, a: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `a` (the swap files' alignment by default)."""
     return (n + a - 1) // a * a
 
 
-class SwapFile:
-    """One file of slots; each slot starts on an ALIGN boundary, so a slot
-    is one aligned direct I/O."""
+# -- swap files and folders -------------------------------------------------------------------
+_PROC_FD = os.path.isdir("/proc/self/fd")
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+
+class SwapFile:
+    """One file of extents (byte ranges handed out by allocate()); each starts
+    on an ALIGN boundary, so an extent is one aligned direct I/O.
+
+    ``path`` is what to hand to an AsyncIOHandle: ``/proc/self/fd/<dirfd>/
+    <name>``, resolved through the descriptor of our verified folder, so no
+    path component can be swapped under us. ``real_path`` is for people."""
+
+    def __init__(self, dir_fd: int, name: str, real_path: str) -> None:
+        self.real_path = real_path
+        self.path = f"/proc/self/fd/{dir_fd}/{name}" if _PROC_FD else real_path
         self.size = 0
         self._lock = threading.Lock()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.close(fd)
+        # O_EXCL|O_NOFOLLOW: a planted file or symlink is an error, never reused.
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
 
     def allocate(self, nbytes: int) -> int:
-        """Reserve an aligned slot of at least nbytes; returns its offset.
+        """Reserve an aligned extent of at least nbytes; returns its offset.
 
         The file is grown with fallocate right away: writing into allocated
         blocks is much faster than extending a file, and running out of space
         shows up here, at registration, not mid-training.
         """
         if nbytes <= 0:
-            raise ValueError(f"slot size must be positive, got {nbytes}")
+            raise ValueError(f"extent size must be positive, got {nbytes}")
         with self._lock:
+            if self._fd < 0:
+                raise ValueError("swap storage is closed")
             off = self.size
             self.size = off + align_up(nbytes)
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
             try:
-                os.posix_fallocate(fd, off, self.size - off)
+                os.posix_fallocate(self._fd, off, self.size - off)
             except OSError as e:
                 self.size = off
                 raise OSError(
-                    e.errno, f"cannot reserve {nbytes} bytes of swap space: {e.strerror}", self.path
+                    e.errno, f"cannot reserve {nbytes} bytes of swap space: {e.strerror}", self.real_path
                 ) from None
-            finally:
-                os.close(fd)
             return off
+
+    def close(self) -> None:
+        """Close the file's descriptor (the folder removal deletes it). Idempotent."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 class SwapStorage:
-    """The folder of one swapper: ``<nvme_path>/aio-swap/<job>-rank<r>-<kind>-<pid>-<rand>``."""
+    """The folder of one swapper:
+    ``<nvme_path>/aio-swap-<uid>/<job>-rank<r>-<kind>-<pid>-<rand>``.
+
+    Creating one first removes the folders of this user's killed jobs on
+    this host (see the module docstring); a live job's folder, or another
+    host's, is never touched."""
 
     def __init__(self, nvme_path: str, kind: str, job_id: str | None = None, rank: int | None = None) -> None:
         if not nvme_path:
@@ -125,39 +460,69 @@ class SwapStorage:
             raise PermissionError(13, "nvme_path is not writable", nvme_path)
         job = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id or _job_id())[:64]
         r = _rank() if rank is None else rank
-        self.root = os.path.join(nvme_path, ROOT_NAME)
-        os.makedirs(self.root, exist_ok=True)
+        me = _identity()
         name = f"{job}-rank{r}-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        for _attempt in range(8):
+            self.root, self._root_fd = _open_private_root(nvme_path)
+            self.reclaimed = _reclaim_dead(self._root_fd, me)
+            try:
+                os.mkdir(name, 0o700, dir_fd=self._root_fd)  # exclusive: never share a folder
+                break
+            except FileNotFoundError:
+                # Another job of ours removed the (empty) user folder just now: redo.
+                os.close(self._root_fd)
+        else:
+            raise FileNotFoundError(2, "swap folder keeps disappearing", os.path.join(nvme_path, root_name()))
         self.dir = os.path.join(self.root, name)
-        os.mkdir(self.dir, 0o700)  # exclusive: fails rather than share a folder
-        with open(os.path.join(self.dir, MARKER), "w") as f:
-            f.write(f"pid={os.getpid()} host={socket.gethostname()} job={job} rank={r}\n")
+        self._name = name
+        self._pid = os.getpid()
+        try:
+            self._dir_fd = os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
+            self._write_marker({**me, "job": job, "rank": r, "kind": kind})
+        except BaseException:
+            _remove_folder(self._root_fd, name)
+            os.close(self._root_fd)
+            raise
         self.files: dict[str, SwapFile] = {}
         self.closed = False
         _live.add(self)
 
+    def _write_marker(self, owner: dict[str, Any]) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(MARKER, flags, 0o600, dir_fd=self._dir_fd)
+            with os.fdopen(fd, "w") as f:
+                json.dump(owner, f)
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
+
     def file(self, name: str) -> SwapFile:
+        """The swap file `name` in this folder, created (exclusively) on first request."""
         if self.closed:
             raise ValueError("swap storage is closed")
+        if "/" in name or name in ("", ".", "..", MARKER):
+            raise ValueError(f"bad swap file name {name!r}")
         if name not in self.files:
-            self.files[name] = SwapFile(os.path.join(self.dir, name))
+            self.files[name] = SwapFile(self._dir_fd, name, os.path.join(self.dir, name))
         return self.files[name]
 
-    def bytes_reserved(self) -> int:
-        return sum(f.size for f in self.files.values())
-
     def close(self) -> None:
-        """Remove our folder (only if it carries our marker), and the shared
-        root if it is left empty."""
+        """Remove our folder, and the user folder if it is left empty. In a
+        forked child this only closes descriptors: the folder is the parent's."""
         if self.closed:
             return
         self.closed = True
-        if os.path.isfile(os.path.join(self.dir, MARKER)):
-            shutil.rmtree(self.dir, ignore_errors=True)
+        for f in self.files.values():
+            f.close()
         try:
-            os.rmdir(self.root)  # only succeeds when no other job uses it
-        except OSError:
-            pass
+            if os.getpid() == self._pid:
+                _remove_folder(self._root_fd, self._name)
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.root)  # only succeeds when no other job of ours uses it
+        finally:
+            os.close(self._dir_fd)
+            os.close(self._root_fd)
 
 
 @atexit.register

@@ -1,13 +1,14 @@
-"""Offload training engine: DeepSpeed-format configs with ``offload_param`` /
+"""Offload training: DeepSpeed-format configs with ``offload_param`` /
 ``offload_optimizer`` ``device: nvme`` train a plain PyTorch model with its
 parameters and optimizer state on the drive (see docs/zero.md)."""
 
 from typing import Any
 
 from .config import TrainConfig, load_train_config
-from .engine import Engine, initialize
 from .init import Init
+from .optimizer import ZeroOptimizer
 from .params import ParamStore
+from .trainer import OffloadTrainer, initialize
 
 
 def register_external_parameter(module: Any, param: Any) -> None:
@@ -19,10 +20,11 @@ def register_external_parameter(module: Any, param: Any) -> None:
 
 
 __all__ = [
-    "Engine",
     "Init",
+    "OffloadTrainer",
     "ParamStore",
     "TrainConfig",
+    "ZeroOptimizer",
     "initialize",
     "load_train_config",
     "register_external_parameter",

@@ -20,12 +20,19 @@ from .params import ParamStore, module_params
 
 
 class Fetcher:
+    """Forward hooks on every module with parameters of its own: fetch them from
+    the :class:`ParamStore` right before the module's forward (and, through an
+    identity autograd function, before its backward), release them right after.
+    The module order of each pass is recorded on the first pass and used to
+    prefetch up to `prefetch_bucket_size` elements of drive partitions ahead.
+    :meth:`remove` takes the hooks off."""
+
     def __init__(self, store: ParamStore, modules: list[Any], prefetch_bucket_size: int) -> None:
         self.store = store
         self.mods = [m for m in modules if module_params(m)]
         self.index = {id(m): i for i, m in enumerate(self.mods)}
         self.mparams = [module_params(m) for m in self.mods]
-        self.mdrive = [store.on_drive_pids(ps) for ps in self.mparams]
+        self.mdrive = [store.on_drive_part_ids(ps) for ps in self.mparams]
         self.numel = {p.aio_id: p.aio_numel for ps in self.mparams for p in ps}
         self.bucket = prefetch_bucket_size
         # Buffers kept free for the module being fetched (prefetch never takes them).
@@ -60,11 +67,16 @@ class Fetcher:
         self.phase = None
 
     def begin_forward(self) -> None:
+        """Start a forward pass. Parameters still held for a backward that never ran
+        (a forward with grad, then none) are released first."""
         if self.bw_held:  # a forward with grad whose backward never ran
             self.end_backward()
         self._begin("fw")
 
     def end_backward(self) -> None:
+        """End of backward: release every parameter backward still holds, and every
+        other parameter still acquired in the store; a backward pass's module order
+        becomes its trace if it was the first or left the previous one."""
         held = list(self.bw_held.values())
         self.bw_held.clear()
         self.store.drop(held)
@@ -74,6 +86,10 @@ class Fetcher:
 
     # -- fetching ----------------------------------------------------------------------------
     def fetch(self, module: Any, phase: str) -> None:
+        """Materialise `module`'s own parameters for `phase` (``"fw"`` or ``"bw"``; a
+        change of phase starts a new pass), note the module in the pass's order and
+        start prefetching what the trace says comes next. In backward the parameters
+        stay held until release_after_backward() or end_backward()."""
         if phase != self.phase:
             self._begin(phase)
         i = self.index[id(module)]
@@ -110,18 +126,20 @@ class Fetcher:
         window: list[int] = []
         total = 0
         for i in self._upcoming():
-            for pid in self.mdrive[i]:
+            for part_id in self.mdrive[i]:
                 if total >= self.bucket:
                     break
-                if pid not in window:
-                    window.append(pid)
-                    total += self.numel[pid]
+                if part_id not in window:
+                    window.append(part_id)
+                    total += self.numel[part_id]
             if total >= self.bucket:
                 break
         self.soon = set(window)
         self.store.prefetch(window, limit=self.reserve)
 
     def release_after_backward(self, param: Any) -> None:
+        """`param`'s gradient is accumulated: release it if backward holds it (its
+        buffer is kept for now when it is about to be needed again)."""
         p = self.bw_held.pop(param.aio_id, None)
         if p is not None:
             self.store.drop([p], keep=self.soon)
@@ -151,6 +169,7 @@ class Fetcher:
         return new_output
 
     def remove(self) -> None:
+        """Take every hook off the modules (idempotent); parameters still held are not released."""
         for h in self.handles:
             h.remove()
         self.handles.clear()

@@ -11,7 +11,7 @@ Two guards:
   :class:`_Linear`, which saves the parameter itself and computes exactly the
   gradients autograd's addmm/mm backward computes (same kernels, same operand
   order, so results are bit-identical to an in-memory run).
-- :func:`saved_tensor_guard` (used around every engine forward): any other
+- :func:`saved_tensor_guard` (used around every trainer forward): any other
   saved tensor that lives in a swap buffer is copied when saved, trading
   memory for correctness.
 """

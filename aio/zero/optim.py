@@ -1,4 +1,4 @@
-"""The optimizer side of the engine when ``offload_optimizer.device`` is
+"""The optimizer side of the trainer when ``offload_optimizer.device`` is
 ``cpu`` or ``none``: the same sub-group layout and step as
 :class:`aio.swap.OptimizerSwapper`, with everything in CPU memory."""
 
@@ -8,10 +8,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..swap.storage import checkpoint_dir
+from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain
+from .optimizer import GradientBuffer, PendingWrite, set_lr
 
 
 class MemoryOptimizer:
+    """A :class:`aio.zero.optimizer.ZeroOptimizer` with master weights,
+    gradients and optimizer state in CPU memory."""
+
     def __init__(self, optimizer_cls: Any, hyper: dict[str, Any]) -> None:
         self.optimizer_cls = optimizer_cls
         self.hyper = dict(hyper)
@@ -22,6 +26,8 @@ class MemoryOptimizer:
         self.steps = 0
 
     def register_subgroup(self, index: int, numel: int) -> None:
+        """Allocate sub-group `index`: `numel` fp32 master weights (zeros) and a
+        gradient buffer of the same size."""
         import torch
 
         self.master[index] = torch.zeros(numel, dtype=torch.float32)
@@ -29,13 +35,45 @@ class MemoryOptimizer:
         self.proxies[index] = torch.nn.Parameter(self.master[index])
 
     def initialize(self, index: int, master: Any) -> None:
+        """Set sub-group `index`'s master weights from `master` (copied, flattened, converted to fp32)."""
         self.master[index].copy_(master.detach().reshape(-1))
+
+    def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
+        """open_gradient(): a buffer in memory is always free, so never None."""
+        return self.open_gradient(index, numel, resume)
+
+    def open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer:
+        """The sub-group's own gradient tensor, accumulated into in place."""
+        buf = self.grads[index]
+        if not resume:
+            buf.zero_()
+        return GradientBuffer(buf)
+
+    def close_gradient(self, index: int, buf: GradientBuffer) -> PendingWrite | None:
+        """Nothing to store: the gradient already is where step() reads it; always None."""
+        return None  # already where step() reads it
+
+    def discard_gradients(self) -> None:
+        """Nothing in flight: the next window zeroes the buffers."""
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate from the next step on."""
+        set_lr(self.hyper, self.optimizer, lr)
+
+    def io_bytes(self) -> int:
+        """Always 0: nothing goes to a drive."""
+        return 0
 
     def _ensure_optimizer(self) -> None:
         if self.optimizer is None:
             self.optimizer = self.optimizer_cls([self.proxies[i] for i in sorted(self.proxies)], **self.hyper)
 
     def step(self, after: Callable[[int, Any], None] | None = None, grad_scale: Any = None) -> None:
+        """One optimizer step over every sub-group at once. Each gradient is first
+        multiplied in place by `grad_scale` (when given); then `after(index,
+        master)` runs for each sub-group, in index order, with its updated fp32
+        master weights (the live tensor: copy it to keep it). The torch optimizer is
+        created at the first step."""
         self._ensure_optimizer()
         for i in sorted(self.proxies):
             if grad_scale is not None:
@@ -48,37 +86,56 @@ class MemoryOptimizer:
                 after(i, self.master[i])
         self.steps += 1
 
-    def read_master(self, index: int) -> Any:
-        return self.master[index].clone()
-
     def export_checkpoint(self, directory: str) -> None:
-        import torch
-
+        """Write the master weights, the torch optimizer state and the step count to
+        ``directory/optimizer.pt``, durably, with a ``complete`` marker; `directory`
+        must not exist or be empty (FileExistsError)."""
         self._ensure_optimizer()
         with checkpoint_dir(directory) as tmp:
-            torch.save(
+            save_plain(
                 {"master": self.master, "optimizer": self.optimizer.state_dict(), "steps": self.steps},
                 os.path.join(tmp, "optimizer.pt"),
+                "the optimizer state",
             )
 
-    def import_checkpoint(self, directory: str) -> None:
-        import torch
-
-        saved = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=False)
+    def verify_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Load and check a checkpoint without changing anything (tensors and
+        plain data only: a tampered file cannot run code)."""
+        require_complete(directory)
+        saved = load_plain(os.path.join(directory, "optimizer.pt"))
+        if not isinstance(saved, dict) or not isinstance(saved.get("master"), dict):
+            raise ValueError(f"{directory}: optimizer.pt is not an aio.zero optimizer checkpoint")
         if set(saved["master"]) != set(self.master) or any(
             saved["master"][i].shape != self.master[i].shape for i in self.master
         ):
             raise ValueError(f"{directory}: optimizer sub-groups do not match this model")
-        for i, t in saved["master"].items():
+        opt_state = saved.get("optimizer")
+        groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
+        if not isinstance(groups, list) or not isinstance(saved.get("steps"), int):
+            raise ValueError(f"{directory}: optimizer.pt has no optimizer state or step count")
+        mine = [len(pg["params"]) for pg in self._optimizer().param_groups]
+        if [len(pg.get("params", ())) for pg in groups] != mine:
+            raise ValueError(f"{directory}: the optimizer's parameter groups do not match this model")
+        return saved
+
+    def apply_checkpoint(self, directory: str, verified: dict[str, Any]) -> None:
+        """Load a checkpoint verify_checkpoint() accepted."""
+        self._optimizer().load_state_dict(verified["optimizer"])
+        for i, t in verified["master"].items():
             self.master[i].copy_(t)
+        self.steps = verified["steps"]
+
+    def _optimizer(self) -> Any:
         self._ensure_optimizer()
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.steps = saved["steps"]
+        return self.optimizer
 
     def pinned_bytes(self) -> int:
+        """Always 0: nothing here is page-locked."""
         return 0
 
     def memory_bytes(self) -> int:
+        """CPU bytes held: fp32 master weights and gradients (8 bytes per element)
+        plus the torch optimizer's state tensors (none before the first step)."""
         n = sum(t.numel() for t in self.master.values())
         states = sum(
             t.numel() * t.element_size()
@@ -89,9 +146,11 @@ class MemoryOptimizer:
         return n * 8 + states
 
     def stats(self) -> dict[str, Any]:
+        """``subgroups``, ``steps`` taken and ``memory_bytes``."""
         return {"subgroups": len(self.master), "steps": self.steps, "memory_bytes": self.memory_bytes()}
 
     def close(self) -> None:
+        """Drop every tensor and the torch optimizer; no use afterwards."""
         self.master.clear()
         self.grads.clear()
         self.proxies.clear()

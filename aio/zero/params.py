@@ -110,11 +110,11 @@ class ParamStore:
                 aio=cfg.offload.aio.handle_kwargs(),
                 min_swap_bytes=cfg.persistence_threshold * torch.empty(0, dtype=self.dtype).element_size(),
             )
-        self.resident: dict[int, Any] = {}  # pid -> flat CPU tensor (memory backend)
-        self.params: dict[int, Any] = {}  # pid -> weakref to the Parameter
+        self.resident: dict[int, Any] = {}  # part_id -> flat CPU tensor (memory backend)
+        self.params: dict[int, Any] = {}  # part_id -> weakref to the Parameter
         self.refs: collections.Counter[int] = collections.Counter()
         self.speculative: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.next_pid = 0
+        self.next_part_id = 0
         self.buffer_ptrs: set[int] = set()  # storages of swap buffers (see linear.py)
         self.closed = False
 
@@ -127,47 +127,49 @@ class ParamStore:
 
         if getattr(param, "_aio_store", None) is not None:
             if param._aio_store is not self:
-                raise ValueError(f"parameter {name!r} already belongs to another aio.zero engine")
+                raise ValueError(f"parameter {name!r} already belongs to another aio.zero trainer")
             return
         self._check_open()
         numel = param.numel()
-        check_fits(self.cfg, name or f"#{self.next_pid}", numel)
-        pid = self.next_pid
-        self.next_pid += 1
+        check_fits(self.cfg, name or f"#{self.next_part_id}", numel)
+        part_id = self.next_part_id
+        self.next_part_id += 1
         src = param.detach().reshape(-1).to(self.dtype)
         param.aio_shape = tuple(param.shape)
         param.aio_numel = numel
-        param.aio_id = pid
+        param.aio_id = part_id
         param.aio_name = name
         if self.swapper is not None:
-            self.swapper.register(pid, numel)
-            self.swapper.write(pid, src.cpu())
+            self.swapper.register(part_id, numel)
+            self.swapper.write(part_id, src.cpu())
         else:
             host = torch.empty(numel, dtype=self.dtype, pin_memory=self.device.type == "cuda")
             host.copy_(src)
-            self.resident[pid] = host
+            self.resident[part_id] = host
         del src
         param._aio_store = self
-        self.params[pid] = weakref.ref(param)
-        if self._stays_materialised(pid):
-            param.data = self._host(pid).view(param.aio_shape)
+        self.params[part_id] = weakref.ref(param)
+        if self._stays_materialised(part_id):
+            param.data = self._host(part_id).view(param.aio_shape)
         else:
             param.data = _placeholder(self.dtype, self.device)
 
-    def _host(self, pid: int) -> Any:
+    def _host(self, part_id: int) -> Any:
         if self.swapper is None:
-            return self.resident[pid]
-        return self.swapper.parts[pid].tensor
+            return self.resident[part_id]
+        return self.swapper.parts[part_id].tensor
 
-    def _stays_materialised(self, pid: int) -> bool:
+    def _stays_materialised(self, part_id: int) -> bool:
         """A CPU model whose partition lives in CPU memory can keep pointing at it."""
         if self.device.type != "cpu":
             return False
         if self.swapper is None:
             return True
-        return self.swapper.parts[pid].state == State.RESIDENT
+        return self.swapper.parts[part_id].state == State.RESIDENT
 
-    def on_drive_pids(self, params: Iterable[Any]) -> list[int]:
+    def on_drive_part_ids(self, params: Iterable[Any]) -> list[int]:
+        """The part ids of `params` that are swapped, i.e. not kept resident in CPU
+        memory; always empty with the memory backend."""
         if self.swapper is None:
             return []
         return [p.aio_id for p in params if self.swapper.parts[p.aio_id].state != State.RESIDENT]
@@ -178,21 +180,25 @@ class ParamStore:
         self._check_open()
         todo = []
         for p in params:
-            pid = p.aio_id
-            self.refs[pid] += 1
-            if self.refs[pid] == 1:
-                self.speculative.pop(pid, None)
-                if not self._stays_materialised(pid):
+            part_id = p.aio_id
+            self.refs[part_id] += 1
+            if self.refs[part_id] == 1:
+                self.speculative.pop(part_id, None)
+                if not self._stays_materialised(part_id):
                     todo.append(p)
         if not todo:
             return
         if self.swapper is not None:
-            pids = [p.aio_id for p in todo]
+            part_ids = [p.aio_id for p in todo]
             parts = self.swapper.parts
-            need = sum(1 for pid in pids if parts[pid].lease is None and parts[pid].state != State.RESIDENT)
+            need = sum(
+                1
+                for part_id in part_ids
+                if parts[part_id].lease is None and parts[part_id].state != State.RESIDENT
+            )
             self._make_room(need)
             try:
-                tensors = self.swapper.swap_in(pids)
+                tensors = self.swapper.swap_in(part_ids)
             except BaseException:
                 for p in params:
                     self.refs[p.aio_id] -= 1
@@ -226,42 +232,44 @@ class ParamStore:
         Those in `keep` (needed again soon) keep their buffer for now."""
         release = []
         for p in params:
-            pid = p.aio_id
-            if self.refs[pid] <= 0:
+            part_id = p.aio_id
+            if self.refs[part_id] <= 0:
                 continue
-            self.refs[pid] -= 1
-            if self.refs[pid] == 0:
-                del self.refs[pid]
-                if self._stays_materialised(pid):
+            self.refs[part_id] -= 1
+            if self.refs[part_id] == 0:
+                del self.refs[part_id]
+                if self._stays_materialised(part_id):
                     continue
                 p.data = _placeholder(self.dtype, self.device)
                 if self.swapper is not None:
-                    if keep is not None and pid in keep:
-                        self.speculative[pid] = None
+                    if keep is not None and part_id in keep:
+                        self.speculative[part_id] = None
                     else:
-                        release.append(pid)
+                        release.append(part_id)
         if release and self.swapper is not None:
             self.swapper.release(release)
 
-    def prefetch(self, pids: list[int], limit: int) -> None:
+    def prefetch(self, part_ids: list[int], limit: int) -> None:
         """Start reading partitions needed soon, keeping `limit` buffers free."""
-        if self.swapper is None or not pids:
+        if self.swapper is None or not part_ids:
             return
         room = self.swapper.pool.available() - limit
-        want = [pid for pid in pids if self.swapper.parts[pid].state == State.ON_DRIVE][: max(room, 0)]
+        want = [part_id for part_id in part_ids if self.swapper.parts[part_id].state == State.ON_DRIVE][
+            : max(room, 0)
+        ]
         if want:
             self.swapper.prefetch(want)
-            for pid in want:
-                if self.swapper.parts[pid].lease is not None and self.refs[pid] == 0:
-                    self.speculative[pid] = None
+            for part_id in want:
+                if self.swapper.parts[part_id].lease is not None and self.refs[part_id] == 0:
+                    self.speculative[part_id] = None
 
     def _make_room(self, need: int) -> None:
         assert self.swapper is not None
         while self.swapper.pool.available() < need and self.speculative:
-            pid, _ = self.speculative.popitem(last=False)
-            self.swapper.release([pid])
+            part_id, _ = self.speculative.popitem(last=False)
+            self.swapper.release([part_id])
         if self.swapper.pool.available() < need:
-            in_use = sum(1 for pid in self.refs if self.swapper.parts[pid].lease is not None)
+            in_use = sum(1 for part_id in self.refs if self.swapper.parts[part_id].lease is not None)
             raise PoolExhaustedError(
                 f"{need} more parameter swap buffers needed but {in_use} of "
                 f"{self.swapper.pool.count} hold parameters in use; raise "
@@ -270,7 +278,7 @@ class ParamStore:
 
     def release_all(self) -> None:
         """Drop every parameter still held (end of a backward pass)."""
-        held = [p for pid in list(self.refs) if (p := self.params[pid]()) is not None]
+        held = [p for part_id in list(self.refs) if (p := self.params[part_id]()) is not None]
         for p in held:
             self.refs[p.aio_id] = 1  # so that one drop() releases it
         self.drop(held)
@@ -280,11 +288,11 @@ class ParamStore:
         """A CPU copy of a parameter's stored values (flat, training dtype)."""
         import torch
 
-        pid = param.aio_id
+        part_id = param.aio_id
         if self.swapper is None:
-            return self.resident[pid].clone()
-        part = self.swapper.parts[pid]
-        self.swapper.wait([pid])
+            return self.resident[part_id].clone()
+        part = self.swapper.parts[part_id]
+        self.swapper.wait([part_id])
         if part.state == State.INVALID:
             raise SwapStateError(
                 f"parameter {param.aio_name!r}: its drive copy is invalid after a failed write"
@@ -298,16 +306,16 @@ class ParamStore:
     def write(self, param: Any, flat: Any, async_op: bool = True) -> None:
         """Store new values (flat, any float dtype; converted). The caller may
         reuse `flat` right away: an asynchronous write goes from a copy."""
-        pid = param.aio_id
+        part_id = param.aio_id
         if self.swapper is None:
-            self.resident[pid].copy_(flat)
+            self.resident[part_id].copy_(flat)
         else:
             # The write outlives this call when async: it must own its source.
             src = flat.to(self.dtype, copy=async_op)
-            self.swapper.write(pid, src, async_op=async_op)
-        if self.refs.get(pid, 0) > 0 and not self._stays_materialised(pid):
+            self.swapper.write(part_id, src, async_op=async_op)
+        if self.refs.get(part_id, 0) > 0 and not self._stays_materialised(part_id):
             # In use right now (e.g. inside gathered()): refresh the live copy too.
-            self._materialise(param, self._host(pid))
+            self._materialise(param, self._host(part_id))
 
     def settle(self, params: list[Any]) -> None:
         """Wait for these parameters' pending writes (raises a failed one)."""
@@ -315,6 +323,7 @@ class ParamStore:
             self.swapper.wait([p.aio_id for p in params])
 
     def synchronize(self) -> None:
+        """Wait for every parameter read and write in flight; raises the first failure."""
         if self.swapper is not None:
             self.swapper.synchronize()
 
@@ -335,41 +344,54 @@ class ParamStore:
 
     # -- checkpoint -------------------------------------------------------------------------
     def export_checkpoint(self, directory: str) -> None:
+        """Write every partition's stored values to `directory` (the swapper's data
+        file and manifest, or ``params.pt`` in memory), durably, with a
+        ``complete`` marker; `directory` must not exist or be empty."""
         if self.swapper is not None:
             self.swapper.export_checkpoint(directory)
             return
-        import torch
-
-        from ..swap.storage import checkpoint_dir
+        from ..swap.storage import checkpoint_dir, save_plain
 
         with checkpoint_dir(directory) as tmp:
-            torch.save({pid: t for pid, t in self.resident.items()}, f"{tmp}/params.pt")
+            save_plain(dict(self.resident), f"{tmp}/params.pt", "the parameters")
 
-    def import_checkpoint(self, directory: str) -> None:
+    def verify_checkpoint(self, directory: str) -> Any:
+        """Check a checkpoint completely without changing anything."""
         if self.swapper is not None:
-            self.swapper.import_checkpoint(directory)
-        else:
-            import torch
+            return self.swapper.verify_checkpoint(directory)
+        from ..swap.storage import load_plain, require_complete
 
-            saved = torch.load(f"{directory}/params.pt", weights_only=True)
-            if set(saved) != set(self.resident):
-                raise ValueError(f"{directory}: checkpoint parameters do not match this model")
-            for pid, t in saved.items():
-                if t.shape != self.resident[pid].shape or t.dtype != self.dtype:
-                    raise ValueError(f"{directory}: parameter {pid} has a different size or dtype")
-                self.resident[pid].copy_(t)
-        for pid in self.refs:
-            p = self.params[pid]()
-            if p is not None and not self._stays_materialised(pid):
-                self._materialise(p, self._host(pid))
+        require_complete(directory)
+        saved = load_plain(f"{directory}/params.pt")
+        if not isinstance(saved, dict) or set(saved) != set(self.resident):
+            raise ValueError(f"{directory}: checkpoint parameters do not match this model")
+        for part_id, t in saved.items():
+            if not hasattr(t, "shape") or t.shape != self.resident[part_id].shape or t.dtype != self.dtype:
+                raise ValueError(f"{directory}: parameter {part_id} has a different size or dtype")
+        return saved
+
+    def apply_checkpoint(self, directory: str, verified: Any) -> None:
+        """Load a checkpoint verify_checkpoint() accepted."""
+        if self.swapper is not None:
+            self.swapper.apply_checkpoint(directory, verified)
+        else:
+            for part_id, t in verified.items():
+                self.resident[part_id].copy_(t)
+        for part_id in self.refs:
+            p = self.params[part_id]()
+            if p is not None and not self._stays_materialised(part_id):
+                self._materialise(p, self._host(part_id))
 
     # -- accounting --------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
+        """The swapper's buffer pool plus its CPU-resident partitions, in bytes (counted
+        even with ``pin_memory`` false); 0 with the memory backend."""
         if self.swapper is not None:
             return self.swapper.pool.pinned_bytes + self.swapper.counters["resident_bytes"]
         return 0
 
     def stats(self) -> dict[str, Any]:
+        """The swapper's stats(), or in memory ``partitions`` and ``resident_bytes``."""
         if self.swapper is not None:
             return self.swapper.stats()
         return {
@@ -382,6 +404,8 @@ class ParamStore:
             raise ValueError("the aio.zero parameter store is closed")
 
     def close(self) -> None:
+        """Close the swapper (I/O finished, swap files removed); idempotent. Acquiring
+        or adopting afterwards raises ValueError."""
         if self.closed:
             return
         self.closed = True

@@ -119,111 +119,131 @@ class KaioEngine final : public Engine {
     sl.cb.aio_offset = sl.off + static_cast<int64_t>(sl.done);
   }
 
-  void run_direct(const Slice& s) {
-    const size_t align = s.file->alignment().offset;
-    const uint64_t chunk = std::max<uint64_t>(align, s_.block_size / align * align);
-    if (s.bounce) ensure_stage(chunk);
-
+  // The state of one direct slice in progress.
+  struct Run {
+    const Slice& s;
+    size_t align;    // the file's direct-I/O granularity
+    uint64_t chunk;  // bytes per I/O (a multiple of align)
     std::vector<Slot*> free_slots;
-    for (unsigned i = 0; i < depth_; ++i) {
-      slots_[i].stage = s.bounce ? static_cast<char*>(stage_->data()) + i * chunk : nullptr;
-      free_slots.push_back(&slots_[i]);
-    }
     std::vector<struct iocb*> to_submit;
-    to_submit.reserve(depth_);
     std::optional<Error> error;
-    uint64_t next = 0;
+    uint64_t next = 0;  // first byte of the slice not yet handed to a slot
     unsigned inflight = 0;
     int submit_spins = 0;
 
-    auto fail = [&](Error e) {
-      if (!error) error.emplace(std::move(e));
-    };
+    // Keep the failure lowest in the file: chunks below it all completed, so
+    // the request's error can say which bytes are known to be transferred.
+    void fail(Error e) {
+      if (!error || e.offset() < error->offset()) error.emplace(std::move(e));
+    }
+  };
 
+  void run_direct(const Slice& s) {
+    const size_t align = s.file->alignment().offset;
+    Run run{s, align, std::max<uint64_t>(align, s_.block_size / align * align), {}, {}, {}};
+    if (s.bounce) ensure_stage(run.chunk);
+    for (unsigned i = 0; i < depth_; ++i) {
+      slots_[i].stage = s.bounce ? static_cast<char*>(stage_->data()) + i * run.chunk : nullptr;
+      run.free_slots.push_back(&slots_[i]);
+    }
+    run.to_submit.reserve(depth_);
     while (true) {
-      // 1. Fill: with overlap_events the queue is topped up as completions
-      //    arrive; without it a new batch starts only once the last one drained.
-      if (!error && (s_.overlap_events || inflight == 0)) {
-        while (!free_slots.empty() && next < s.len) {
-          Slot* sl = free_slots.back();
-          free_slots.pop_back();
-          sl->user = s.buf + next;
-          sl->len = std::min<uint64_t>(chunk, s.len - next);
-          sl->off = s.off + static_cast<int64_t>(next);
-          sl->done = 0;
-          sl->spins = 0;
-          if (sl->stage && s.op == Op::Write) {
-            std::memcpy(sl->stage, sl->user, sl->len);
-            c_.bounce_bytes.fetch_add(sl->len, std::memory_order_relaxed);
-          }
-          prepare(*sl, s);
-          to_submit.push_back(&sl->cb);
-          next += sl->len;
-        }
-      }
-      // 2. Submit.
-      size_t submitted = 0;
-      while (submitted < to_submit.size()) {
-        const long n = s_.single_submit ? 1 : static_cast<long>(to_submit.size() - submitted);
-        const long r = sys_io_submit(ctx_, n, to_submit.data() + submitted);
-        c_.submit_calls.fetch_add(1, std::memory_order_relaxed);
-        if (r > 0) {
-          submitted += static_cast<size_t>(r);
-          inflight += static_cast<unsigned>(r);
-          c_.note_inflight(inflight);
-          submit_spins = 0;
-          continue;
-        }
-        const int e = r == 0 ? EAGAIN : errno;
-        if ((e == EAGAIN || e == EINTR) && submit_spins < kMaxRetries) {
-          ++submit_spins;
-          c_.retries.fetch_add(1, std::memory_order_relaxed);
-          if (inflight > 0) break;  // reap first, then try again
-          std::this_thread::sleep_for(std::chrono::microseconds(100));
-          continue;
-        }
-        // The kernel refused the I/O outright: record, put the slots back.
-        for (size_t i = submitted; i < to_submit.size(); ++i) {
-          Slot* sl = reinterpret_cast<Slot*>(to_submit[i]->aio_data);
-          fail(Error(e, std::string("io_submit ") + op_name(s.op), s.file->path(),
-                     sl->off + static_cast<int64_t>(sl->done), sl->len - sl->done));
-          free_slots.push_back(sl);
-        }
-        submitted = to_submit.size();
-      }
-      to_submit.erase(to_submit.begin(), to_submit.begin() + static_cast<long>(submitted));
-
-      if (inflight == 0) {
-        if (!to_submit.empty()) continue;
-        if (error || next >= s.len) break;
+      // With overlap_events the queue is topped up as completions arrive;
+      // without it a new batch starts only once the last one drained.
+      if (!run.error && (s_.overlap_events || run.inflight == 0)) fill(run);
+      submit(run);
+      if (run.inflight == 0) {
+        if (!run.to_submit.empty()) continue;
+        if (run.error || run.next >= s.len) break;
         continue;
       }
-      // 3. Reap.
-      const long min_nr = s_.overlap_events ? 1 : static_cast<long>(inflight);
-      const long got = sys_io_getevents(ctx_, min_nr, static_cast<long>(depth_), events_.data());
-      c_.getevents_calls.fetch_add(1, std::memory_order_relaxed);
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        // Cannot happen with a valid context; make sure nothing is still in
-        // flight (io_destroy waits for it) before reporting.
-        const int e = errno;
-        sys_io_destroy(ctx_);
-        ctx_ = 0;
-        if (sys_io_setup(depth_, &ctx_) != 0) ctx_ = 0;
-        throw Error(e, "io_getevents", s.file->path(), s.off, s.len);
-      }
-      for (long i = 0; i < got; ++i) {
-        --inflight;
-        Slot* sl = reinterpret_cast<Slot*>(events_[i].data);
-        complete(*sl, static_cast<long>(events_[i].res), s, align, free_slots, to_submit, fail);
-      }
+      reap(run);
     }
-    if (error) throw *error;
+    if (run.error) throw *run.error;
   }
 
-  template <class Fail>
-  void complete(Slot& sl, long res, const Slice& s, size_t align, std::vector<Slot*>& free_slots,
-                std::vector<struct iocb*>& to_submit, Fail& fail) {
+  // Hands the next chunks of the slice to free slots, queued for submission.
+  void fill(Run& run) {
+    const Slice& s = run.s;
+    while (!run.free_slots.empty() && run.next < s.len) {
+      Slot* sl = run.free_slots.back();
+      run.free_slots.pop_back();
+      sl->user = s.buf + run.next;
+      sl->len = std::min<uint64_t>(run.chunk, s.len - run.next);
+      sl->off = s.off + static_cast<int64_t>(run.next);
+      sl->done = 0;
+      sl->spins = 0;
+      if (sl->stage && s.op == Op::Write) {
+        std::memcpy(sl->stage, sl->user, sl->len);
+        c_.bounce_bytes.fetch_add(sl->len, std::memory_order_relaxed);
+      }
+      prepare(*sl, s);
+      run.to_submit.push_back(&sl->cb);
+      run.next += sl->len;
+    }
+  }
+
+  // Submits the queued I/Os. EINTR/EAGAIN are retried (after reaping when
+  // something is in flight); any other refusal fails the refused chunks.
+  void submit(Run& run) {
+    size_t submitted = 0;
+    while (submitted < run.to_submit.size()) {
+      const long n = s_.single_submit ? 1 : static_cast<long>(run.to_submit.size() - submitted);
+      const long r = sys_io_submit(ctx_, n, run.to_submit.data() + submitted);
+      c_.submit_calls.fetch_add(1, std::memory_order_relaxed);
+      if (r > 0) {
+        submitted += static_cast<size_t>(r);
+        run.inflight += static_cast<unsigned>(r);
+        c_.note_inflight(run.inflight);
+        run.submit_spins = 0;
+        continue;
+      }
+      const int e = r == 0 ? EAGAIN : errno;
+      if ((e == EAGAIN || e == EINTR) && run.submit_spins < kMaxRetries) {
+        ++run.submit_spins;
+        c_.retries.fetch_add(1, std::memory_order_relaxed);
+        if (run.inflight > 0) break;  // reap first, then try again
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        continue;
+      }
+      // The kernel refused the I/O outright: record, put the slots back.
+      for (size_t i = submitted; i < run.to_submit.size(); ++i) {
+        Slot* sl = reinterpret_cast<Slot*>(run.to_submit[i]->aio_data);
+        run.fail(Error(e, std::string("io_submit ") + op_name(run.s.op), run.s.file->path(),
+                       sl->off + static_cast<int64_t>(sl->done), sl->len - sl->done));
+        run.free_slots.push_back(sl);
+      }
+      submitted = run.to_submit.size();
+    }
+    run.to_submit.erase(run.to_submit.begin(),
+                        run.to_submit.begin() + static_cast<long>(submitted));
+  }
+
+  // Waits for completions (one with overlap_events, else all in flight).
+  void reap(Run& run) {
+    const long min_nr = s_.overlap_events ? 1 : static_cast<long>(run.inflight);
+    const long got = sys_io_getevents(ctx_, min_nr, static_cast<long>(depth_), events_.data());
+    c_.getevents_calls.fetch_add(1, std::memory_order_relaxed);
+    if (got < 0) {
+      if (errno == EINTR) return;
+      // Cannot happen with a valid context; make sure nothing is still in
+      // flight (io_destroy waits for it) before reporting.
+      const int e = errno;
+      sys_io_destroy(ctx_);
+      ctx_ = 0;
+      if (sys_io_setup(depth_, &ctx_) != 0) ctx_ = 0;
+      throw Error(e, "io_getevents", run.s.file->path(), run.s.off, run.s.len);
+    }
+    for (long i = 0; i < got; ++i) {
+      --run.inflight;
+      complete(*reinterpret_cast<Slot*>(events_[i].data), static_cast<long>(events_[i].res), run);
+    }
+  }
+
+  // One completion: done, resubmitted (EINTR/EAGAIN, aligned short
+  // transfer), finished through the buffered descriptor, or failed.
+  void complete(Slot& sl, long res, Run& run) {
+    const Slice& s = run.s;
     const uint64_t want = sl.len - sl.done;
     FaultAction fa = f_.on_io(s.op);
     if (fa.kind == FaultKind::Error) res = -fa.errno_value;
@@ -235,11 +255,12 @@ class KaioEngine final : public Engine {
         ++sl.spins;
         c_.retries.fetch_add(1, std::memory_order_relaxed);
         prepare(sl, s);
-        to_submit.push_back(&sl.cb);
+        run.to_submit.push_back(&sl.cb);
         return;
       }
-      fail(Error(e, op_name(s.op), s.file->path(), sl.off + static_cast<int64_t>(sl.done), want));
-      free_slots.push_back(&sl);
+      run.fail(
+          Error(e, op_name(s.op), s.file->path(), sl.off + static_cast<int64_t>(sl.done), want));
+      run.free_slots.push_back(&sl);
       return;
     }
     const uint64_t got = static_cast<uint64_t>(res);
@@ -250,15 +271,21 @@ class KaioEngine final : public Engine {
     sl.done += got;
     if (got >= want) {
       c_.ios.fetch_add(1, std::memory_order_relaxed);
-      free_slots.push_back(&sl);
+      run.free_slots.push_back(&sl);
       return;
     }
+    resume_short(sl, got, run);
+  }
+
+  // A short transfer of `got` bytes (possibly none).
+  void resume_short(Slot& sl, uint64_t got, Run& run) {
+    const Slice& s = run.s;
     c_.short_resumed.fetch_add(1, std::memory_order_relaxed);
-    if (got > 0 && sl.done % align == 0) {
+    if (got > 0 && sl.done % run.align == 0) {
       // Still aligned: resubmit the rest as direct I/O.
       sl.spins = 0;
       prepare(sl, s);
-      to_submit.push_back(&sl.cb);
+      run.to_submit.push_back(&sl.cb);
       return;
     }
     // Unaligned remainder (or no progress): finish it through the buffered
@@ -268,9 +295,9 @@ class KaioEngine final : public Engine {
                     sl.off + static_cast<int64_t>(sl.done), c_, f_);
       c_.ios.fetch_add(1, std::memory_order_relaxed);
     } catch (Error& e) {
-      fail(std::move(e));
+      run.fail(std::move(e));
     }
-    free_slots.push_back(&sl);
+    run.free_slots.push_back(&sl);
   }
 
   const Settings& s_;

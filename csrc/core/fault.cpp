@@ -29,7 +29,8 @@ FaultAction FaultInjector::on_io(Op op) {
   // Fast path: one relaxed load when no test armed the hook.
   if (!armed_.load(std::memory_order_relaxed)) return {};
   std::lock_guard<std::mutex> g(mu_);
-  if (kind_ == FaultKind::None || kind_ == FaultKind::OpenDirect || !matches(op)) return {};
+  if (kind_ != FaultKind::Error && kind_ != FaultKind::Short) return {};
+  if (!matches(op)) return {};
   ++seen_;
   if (seen_ < nth_ || seen_ >= nth_ + count_) return {};
   hits_.fetch_add(1);
@@ -39,7 +40,8 @@ FaultAction FaultInjector::on_io(Op op) {
 FaultAction FaultInjector::on_open_direct(Op op) {
   if (!armed_.load(std::memory_order_relaxed)) return {};
   std::lock_guard<std::mutex> g(mu_);
-  if (kind_ != FaultKind::OpenDirect || !matches(op)) return {};
+  if (kind_ != FaultKind::OpenDirect && kind_ != FaultKind::NoDirectStatx) return {};
+  if (!matches(op)) return {};
   hits_.fetch_add(1);
   return {kind_, errno_value_};
 }

@@ -17,6 +17,9 @@ enum class FaultKind {
   Error,       // the I/O completes with -errno_value
   Short,       // the I/O completes with fewer bytes than asked (half, unaligned)
   OpenDirect,  // opening with O_DIRECT fails with errno_value (e.g. EINVAL)
+  // statx reports dio_offset_align=0 (no direct I/O for this file), as ext4
+  // with data=journal does.
+  NoDirectStatx,
 };
 
 struct FaultAction {
@@ -32,6 +35,7 @@ class FaultInjector {
   void disarm();
   // Called once per I/O (each submitted chunk, each open with O_DIRECT).
   FaultAction on_io(Op op);
+  // Called once per open of a path; answers OpenDirect and NoDirectStatx.
   FaultAction on_open_direct(Op op);
   uint64_t hits() const { return hits_.load(); }
 

@@ -10,14 +10,17 @@
 #include <cstring>
 
 #include "error.h"
+#include "interrupt.h"
 
 namespace aio {
 
-static int open_retry(const char* path, int flags, mode_t mode) {
+// Retries EINTR. On the submitting thread (interruptible) the caller's
+// signal handlers run first: open() of a FIFO with no writer blocks until a
+// signal, and Ctrl-C must get out. Worker threads never call the hook.
+static int open_retry(const char* path, int flags, mode_t mode, bool interruptible = true) {
   int fd;
-  do {
-    fd = ::open(path, flags, mode);
-  } while (fd < 0 && errno == EINTR);
+  while ((fd = ::open(path, flags, mode)) < 0 && errno == EINTR)
+    if (interruptible) check_interrupt();
   return fd;
 }
 
@@ -25,50 +28,80 @@ static int base_flags(Op op) {
   return (op == Op::Read ? O_RDONLY : (O_WRONLY | O_CREAT)) | O_CLOEXEC;
 }
 
+static const char* open_name(Op op) { return op == Op::Read ? "open for read" : "open for write"; }
+
+// A directory opens read-only (and refuses O_DIRECT with EINVAL, like a
+// filesystem without direct I/O): name it for what it is, before anything is
+// taken for a buffered fallback.
+static void refuse_directory(int fd, Op op, const std::string& path) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISDIR(st.st_mode)) return;
+  ::close(fd);
+  throw Error(EISDIR, open_name(op), path, 0, 0);
+}
+
+void File::open_buffered_fallback(const std::string& reason) {
+  const int fd = open_retry(path_.c_str(), open_flags_, 0644);
+  if (fd < 0) throw Error(errno, open_name(op_), path_, 0, 0);
+  refuse_directory(fd, op_, path_);
+  buffered_fd_ = fd;
+  owns_buffered_ = true;
+  fell_back_ = true;
+  fallback_reason_ = reason;
+  align_ = Alignment{1, 1, false, "buffered"};
+}
+
 std::shared_ptr<File> File::open(const std::string& path, Op op, FaultInjector* faults) {
+  // c_str() would silently cut the path at the NUL and open another file.
+  if (path.find('\0') != std::string::npos)
+    throw Error(EINVAL, open_name(op), path.substr(0, path.find('\0')), 0, 0,
+                "the path contains a NUL byte");
   std::shared_ptr<File> f(new File());
   f->path_ = path;
   f->op_ = op;
   f->open_flags_ = base_flags(op);
-  const char* opname = op == Op::Read ? "open for read" : "open for write";
 
-  int injected = 0;
-  if (faults) {
-    FaultAction a = faults->on_open_direct(op);
-    if (a.kind == FaultKind::OpenDirect) injected = a.errno_value;
-  }
+  FaultAction a;
+  if (faults) a = faults->on_open_direct(op);
   int fd = -1;
   int err = 0;
-  if (injected) {
-    err = injected;
+  if (a.kind == FaultKind::OpenDirect) {
+    err = a.errno_value;
   } else {
     fd = open_retry(path.c_str(), f->open_flags_ | O_DIRECT, 0644);
     if (fd < 0) err = errno;
   }
   if (fd >= 0) {
+    refuse_directory(fd, op, path);
     f->direct_fd_ = fd;
     f->owns_direct_ = true;
     f->align_ = probe_alignment(fd);
+    if (a.kind == FaultKind::NoDirectStatx) f->align_.direct_supported = false;
+    f->note_identity(fd);
     if (!f->align_.direct_supported) {
+      // The descriptor is valid but direct I/O on it is not: swap it for a
+      // buffered one (e.g. ext4 data=journal).
       ::close(fd);
       f->direct_fd_ = -1;
       f->owns_direct_ = false;
-      f->fell_back_ = true;
-      f->fallback_reason_ = "the filesystem reports no direct-I/O support for this file (statx)";
+      f->open_buffered_fallback(
+          "the filesystem reports no direct-I/O support for this file (statx)");
     }
     return f;
   }
   // EINVAL is how open() says "this filesystem does not do O_DIRECT"; anything
   // else (ENOENT, EACCES, ...) is a real error for the caller.
-  if (err != EINVAL) throw Error(err, opname, path, 0, 0);
-  fd = open_retry(path.c_str(), f->open_flags_, 0644);
-  if (fd < 0) throw Error(errno, opname, path, 0, 0);
-  f->buffered_fd_ = fd;
-  f->owns_buffered_ = true;
-  f->fell_back_ = true;
-  f->fallback_reason_ = "the filesystem rejected O_DIRECT (EINVAL at open)";
-  f->align_ = Alignment{1, 1, false, "buffered"};
+  if (err != EINVAL) throw Error(err, open_name(op), path, 0, 0);
+  f->open_buffered_fallback("the filesystem rejected O_DIRECT (EINVAL at open)");
+  f->note_identity(f->buffered_fd_);
   return f;
+}
+
+void File::note_identity(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return;
+  dev_ = static_cast<uint64_t>(st.st_dev);
+  ino_ = static_cast<uint64_t>(st.st_ino);
 }
 
 std::shared_ptr<File> File::adopt(int fd, Op op) {
@@ -91,6 +124,7 @@ std::shared_ptr<File> File::adopt(int fd, Op op) {
     f->buffered_fd_ = fd;
     f->align_ = Alignment{1, 1, false, "buffered"};
   }
+  f->note_identity(fd);
   return f;
 }
 
@@ -98,7 +132,7 @@ int File::buffered_fd() {
   std::lock_guard<std::mutex> g(mu_);
   if (buffered_fd_ >= 0) return buffered_fd_;
   std::string p = adopted_fd_ >= 0 ? "/proc/self/fd/" + std::to_string(adopted_fd_) : path_;
-  int fd = open_retry(p.c_str(), open_flags_ & ~O_CREAT, 0);
+  int fd = open_retry(p.c_str(), open_flags_ & ~O_CREAT, 0, false);
   if (fd < 0) throw Error(errno, "open (buffered)", path_, 0, 0);
   buffered_fd_ = fd;
   owns_buffered_ = true;
@@ -106,7 +140,8 @@ int File::buffered_fd() {
 }
 
 int64_t File::size() const {
-  int fd = direct_fd_ >= 0 ? direct_fd_ : buffered_fd_;
+  const int fd = direct_fd_ >= 0 ? direct_fd_ : buffered_fd_;
+  if (fd < 0) throw Error(EBADF, "fstat", path_, 0, 0, "internal: file has no open descriptor");
   struct stat st;
   if (fstat(fd, &st) != 0) throw Error(errno, "fstat", path_, 0, 0);
   if (S_ISBLK(st.st_mode)) {

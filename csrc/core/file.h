@@ -36,9 +36,15 @@ class File {
   const std::string& path() const { return path_; }
   // Current size in bytes (regular files and block devices), -1 for others.
   int64_t size() const;
+  // Identity of the file (st_dev, st_ino); both 0 if fstat failed. Requests
+  // on the same identity are ordered when they overlap.
+  uint64_t dev() const { return dev_; }
+  uint64_t ino() const { return ino_; }
 
  private:
   File() = default;
+  void open_buffered_fallback(const std::string& reason);
+  void note_identity(int fd);
   std::string path_;
   Op op_ = Op::Read;
   int direct_fd_ = -1;
@@ -50,6 +56,8 @@ class File {
   Alignment align_;
   bool fell_back_ = false;
   std::string fallback_reason_;
+  uint64_t dev_ = 0;
+  uint64_t ino_ = 0;
   std::mutex mu_;
 };
 

@@ -4,9 +4,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 
 #include "alignment.h"
 #include "error.h"
+#include "interrupt.h"
 
 namespace aio {
 
@@ -20,7 +22,10 @@ static std::string settings_problem(const Settings& s) {
 }
 
 Handle::Handle(const Settings& s, const std::string& engine)
-    : settings_(s), owner_pid_(getpid()), alignment_(page_size()) {
+    : settings_(s),
+      owner_pid_(getpid()),
+      alignment_(page_size()),
+      idle_cv_(new std::condition_variable()) {
   const std::string bad = settings_problem(s);
   if (!bad.empty()) throw Error(EINVAL, "create handle", "", 0, 0, bad);
 
@@ -51,6 +56,9 @@ Handle::Handle(const Settings& s, const std::string& engine)
     w->engine = std::move(e);
     workers_.push_back(w);
   }
+  // Workers inherit a mask blocking asynchronous signals, so SIGINT & co. go
+  // to the application's threads (and interrupt their blocking calls).
+  AsyncSignalBlock block;
   for (Worker* w : workers_) w->thread = std::thread(&Handle::worker_main, this, w);
 }
 
@@ -58,12 +66,13 @@ bool Handle::forked() const { return getpid() != owner_pid_; }
 
 Handle::~Handle() {
   if (forked()) {
-    // The threads exist only in the parent; joining here would hang. Leak the
-    // bookkeeping (the child rarely keeps running long with it).
-    for (Worker* w : workers_) {
-      w->thread.detach();
-      w->engine.release();
-    }
+    // The threads exist only in the parent. Touch neither them nor any lock or
+    // condition variable a parent thread may have held or waited on at fork():
+    // detach() would fail (no such thread) and terminate, a joinable
+    // std::thread's destructor terminates, and destroying a condition variable
+    // with (parent) waiters blocks. Leak them instead.
+    for (Worker*& w : workers_) w = nullptr;
+    (void)idle_cv_.release();
     return;
   }
   drain();
@@ -80,6 +89,29 @@ Handle::~Handle() {
   }
 }
 
+// Runs the pieces of one task; returns the error and the first byte of the
+// task not known to be transferred (pieces are in file order).
+std::optional<Error> Handle::run_task(Worker* w, const Task& t, int64_t* fail_at) {
+  for (const auto& d : t.deps) d->wait_done();
+  for (const Slice& p : t.pieces) {
+    try {
+      w->engine->transfer(p);
+      if (p.edge) counters_.edge_bytes.fetch_add(p.len, std::memory_order_relaxed);
+    } catch (const Error& e) {
+      const int64_t end = p.off + static_cast<int64_t>(p.len);
+      // Errors that are not about a byte of this piece (open of the buffered
+      // descriptor...) lose the whole piece.
+      *fail_at = e.offset() >= p.off && e.offset() < end ? e.offset() : p.off;
+      return e;
+    } catch (const std::exception& e) {
+      *fail_at = p.off;
+      return Error(EIO, op_name(p.op), p.file->path(), p.off, p.len,
+                   std::string("internal error: ") + e.what());
+    }
+  }
+  return std::nullopt;
+}
+
 void Handle::worker_main(Worker* w) {
   while (true) {
     Task t;
@@ -91,20 +123,9 @@ void Handle::worker_main(Worker* w) {
       w->queue.pop_front();
     }
     counters_.tasks.fetch_add(1, std::memory_order_relaxed);
-    std::optional<Error> err;
-    for (const Slice& p : t.pieces) {
-      try {
-        w->engine->transfer(p);
-        if (p.edge) counters_.edge_bytes.fetch_add(p.len, std::memory_order_relaxed);
-      } catch (const Error& e) {
-        err.emplace(e);
-      } catch (const std::exception& e) {
-        err.emplace(EIO, op_name(p.op), p.file->path(), p.off, p.len,
-                    std::string("internal error: ") + e.what());
-      }
-      if (err) break;
-    }
-    t.req->task_finished(err ? &*err : nullptr);
+    int64_t fail_at = 0;
+    std::optional<Error> err = run_task(w, t, &fail_at);
+    t.req->task_finished(err ? &*err : nullptr, fail_at);
   }
 }
 
@@ -119,6 +140,15 @@ void Handle::enqueue(size_t worker, Task t) {
 
 void Handle::on_request_done(RequestState& r) {
   {
+    std::lock_guard<std::mutex> g(order_mu_);
+    for (size_t i = 0; i < inflight_.size(); ++i) {
+      if (inflight_[i].req != &r) continue;
+      inflight_[i] = inflight_.back();
+      inflight_.pop_back();
+      break;
+    }
+  }
+  {
     std::lock_guard<std::mutex> g(mu_);
     if (r.error()) {
       ++failed_;
@@ -131,14 +161,12 @@ void Handle::on_request_done(RequestState& r) {
     }
     --outstanding_;
   }
-  idle_cv_.notify_all();
+  idle_cv_->notify_all();
 }
 
-static int64_t round_up(int64_t v, int64_t g) { return (v + g - 1) / g * g; }
-static int64_t round_down(int64_t v, int64_t g) { return v / g * g; }
-
-std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
-                                             const std::string& path, int fd, int64_t offset) {
+// Everything detectable about the arguments before a file is opened.
+void Handle::check_request(Op op, const char* buf, uint64_t nbytes, const std::string& path, int fd,
+                           int64_t offset) const {
   const char* opn = op_name(op);
   const std::string where = path.empty() ? "fd " + std::to_string(fd) : path;
   if (forked())
@@ -146,22 +174,77 @@ std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
                 "this handle was created in another process (before fork); create a new "
                 "AsyncIOHandle in this process");
   if (offset < 0) throw Error(EINVAL, opn, where, offset, nbytes, "file offset must be >= 0");
+  int64_t end;
+  if (nbytes > static_cast<uint64_t>(INT64_MAX) ||
+      __builtin_add_overflow(offset, static_cast<int64_t>(nbytes), &end))
+    throw Error(EOVERFLOW, opn, where, offset, nbytes,
+                "offset + nbytes exceeds the largest file offset (2**63 - 1)");
+  uintptr_t last;
+  if (__builtin_add_overflow(reinterpret_cast<uintptr_t>(buf), nbytes, &last))
+    throw Error(EINVAL, opn, where, offset, nbytes, "the buffer wraps around the address space");
   if (buf == nullptr && nbytes > 0) throw Error(EINVAL, opn, where, offset, nbytes, "null buffer");
   if (path.empty() && fd < 0)
     throw Error(EBADF, opn, where, offset, nbytes, "no path and no descriptor");
+}
 
-  std::shared_ptr<File> file = path.empty() ? File::adopt(fd, op) : File::open(path, op, &faults_);
-  if (file->fell_back()) {
-    std::lock_guard<std::mutex> g(mu_);
-    buffered_fallback_ = true;
-    if (!fallback_noticed_) {
-      fallback_noticed_ = true;
-      notices_.push_back("O_DIRECT is not available for '" + file->path() + "' (" +
-                         file->fallback_reason() +
-                         "); using buffered I/O for such files. Data is correct, but "
-                         "throughput and page-cache use differ from direct I/O.");
+void Handle::note_fallback(const File& file) {
+  if (!file.fell_back()) return;
+  std::lock_guard<std::mutex> g(mu_);
+  buffered_fallback_ = true;
+  if (fallback_noticed_) return;
+  fallback_noticed_ = true;
+  notices_.push_back("O_DIRECT is not available for '" + file.path() + "' (" +
+                     file.fallback_reason() +
+                     "); using buffered I/O for such files. Data is correct, but "
+                     "throughput and page-cache use differ from direct I/O.");
+}
+
+// The direct-I/O granularity is at least a page (see plan_slices); the
+// handle reports the largest one it has used.
+std::vector<std::vector<Slice>> Handle::plan(Op op, char* buf, uint64_t nbytes, File* file,
+                                             int64_t offset) {
+  SlicePlanInput in;
+  in.op = op;
+  in.file = file;
+  in.buf = buf;
+  in.nbytes = nbytes;
+  in.offset = offset;
+  in.threads = workers_.size();
+  in.direct = nbytes > 0 && file->direct_fd() >= 0;
+  if (in.direct) {
+    const Alignment& al = file->alignment();
+    in.granularity = std::max(al.offset, page_size());
+    in.memory_alignment = al.memory;
+    size_t prev = alignment_.load();
+    while (in.granularity > prev && !alignment_.compare_exchange_weak(prev, in.granularity)) {
     }
   }
+  return plan_slices(in);
+}
+
+// Registers the request as in flight and returns the earlier in-flight
+// requests it must wait for: same file, overlapping bytes, either a write.
+// Caller holds order_mu_.
+std::vector<std::shared_ptr<RequestState>> Handle::register_inflight(
+    const std::shared_ptr<RequestState>& req, const File& file) {
+  const int64_t end = req->offset() + static_cast<int64_t>(req->nbytes());
+  InFlight me{req.get(), req, file.dev(), file.ino(), req->offset(), end, req->op()};
+  std::vector<std::shared_ptr<RequestState>> deps;
+  if (file.ino() == 0) return deps;  // identity unknown: nothing to order against
+  for (const InFlight& o : inflight_) {
+    if (o.dev != me.dev || o.ino != me.ino || o.end <= me.start || me.end <= o.start) continue;
+    if (o.op == Op::Read && me.op == Op::Read) continue;
+    if (auto d = o.weak.lock()) deps.push_back(std::move(d));
+  }
+  inflight_.push_back(std::move(me));
+  return deps;
+}
+
+std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
+                                             const std::string& path, int fd, int64_t offset) {
+  check_request(op, buf, nbytes, path, fd, offset);
+  std::shared_ptr<File> file = path.empty() ? File::adopt(fd, op) : File::open(path, op, &faults_);
+  note_fallback(*file);
   if (op == Op::Read) {
     const int64_t size = file->size();
     if (size >= 0 && static_cast<uint64_t>(offset) + nbytes > static_cast<uint64_t>(size))
@@ -171,81 +254,33 @@ std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
                       std::to_string(offset + static_cast<int64_t>(nbytes)),
                   true);
   }
-
-  // Plan: unaligned head and tail go through the page cache; the aligned
-  // middle goes O_DIRECT, split into thread_count contiguous slices. The
-  // granularity is at least a page so that no page is ever touched both by a
-  // buffered edge and a direct slice (mixing the two on one page can let a
-  // stale cached page be written back over direct-written data).
-  const size_t nthreads = workers_.size();
-  std::vector<std::vector<Slice>> per_worker(nthreads);
-  const int64_t end = offset + static_cast<int64_t>(nbytes);
-  auto slice = [&](int64_t a, int64_t b, bool direct, bool edge) {
-    Slice s;
-    s.op = op;
-    s.file = file.get();
-    s.buf = buf + (a - offset);
-    s.len = static_cast<uint64_t>(b - a);
-    s.off = a;
-    s.direct = direct;
-    s.edge = edge;
-    return s;
-  };
-  if (nbytes > 0 && file->direct_fd() < 0) {
-    const int64_t per = (static_cast<int64_t>(nbytes) + static_cast<int64_t>(nthreads) - 1) /
-                        static_cast<int64_t>(nthreads);
-    for (size_t i = 0; i < nthreads; ++i) {
-      const int64_t a = offset + static_cast<int64_t>(i) * per;
-      const int64_t b = std::min(end, a + per);
-      if (a < b) per_worker[i].push_back(slice(a, b, false, false));
-    }
-  } else if (nbytes > 0) {
-    const Alignment& al = file->alignment();
-    const int64_t g = static_cast<int64_t>(std::max(al.offset, page_size()));
-    size_t prev = alignment_.load();
-    while (static_cast<size_t>(g) > prev && !alignment_.compare_exchange_weak(prev, g)) {
-    }
-    const int64_t head_end = std::min(round_up(offset, g), end);
-    const int64_t tail_start = std::max(round_down(end, g), head_end);
-    const bool bounce =
-        reinterpret_cast<uintptr_t>(buf + (head_end - offset)) % std::max<size_t>(al.memory, 1) !=
-        0;
-    const int64_t units = (tail_start - head_end) / g;
-    int64_t pos = head_end;
-    size_t last = 0;
-    for (size_t i = 0; i < nthreads && units > 0; ++i) {
-      const int64_t take =
-          units / static_cast<int64_t>(nthreads) +
-          (static_cast<int64_t>(i) < units % static_cast<int64_t>(nthreads) ? 1 : 0);
-      if (take == 0) continue;
-      Slice s = slice(pos, pos + take * g, true, false);
-      s.bounce = bounce;
-      per_worker[i].push_back(s);
-      pos += take * g;
-      last = i;
-    }
-    if (head_end > offset)
-      per_worker[0].insert(per_worker[0].begin(), slice(offset, head_end, false, true));
-    if (end > tail_start)
-      per_worker[units > 0 ? last : 0].push_back(slice(tail_start, end, false, true));
-  }
-
+  std::vector<std::vector<Slice>> per_worker = plan(op, buf, nbytes, file.get(), offset);
   int ntasks = 0;
   for (auto& v : per_worker) ntasks += v.empty() ? 0 : 1;
   {
     std::lock_guard<std::mutex> g(mu_);
     ++outstanding_;
   }
-  auto req = std::make_shared<RequestState>(op, nbytes, offset, file, ntasks,
+  const File& f = *file;
+  auto req = std::make_shared<RequestState>(op, nbytes, offset, std::move(file), ntasks,
                                             [this](RequestState& r) { on_request_done(r); });
-  for (size_t i = 0; i < nthreads; ++i)
-    if (!per_worker[i].empty()) enqueue(i, Task{req, std::move(per_worker[i])});
+  if (ntasks == 0) return req;
+  // Registration and enqueueing happen under one lock so that every worker
+  // queue holds the tasks of an earlier request before those of a later one
+  // that waits for it (no wait cycle).
+  std::lock_guard<std::mutex> g(order_mu_);
+  std::vector<std::shared_ptr<RequestState>> deps = register_inflight(req, f);
+  for (size_t i = 0; i < per_worker.size(); ++i)
+    if (!per_worker[i].empty()) enqueue(i, Task{req, std::move(per_worker[i]), deps});
   return req;
 }
 
 void Handle::drain() {
+  // In a forked child nothing of this process is in flight here; the parent's
+  // requests never complete in this copy.
+  if (forked()) return;
   std::unique_lock<std::mutex> lk(mu_);
-  idle_cv_.wait(lk, [&] { return outstanding_ == 0; });
+  idle_cv_->wait(lk, [&] { return outstanding_ == 0; });
 }
 
 std::vector<std::string> Handle::take_notices() {

@@ -9,6 +9,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,6 +66,16 @@ class Handle {
   struct Task {
     std::shared_ptr<RequestState> req;
     std::vector<Slice> pieces;
+    // Earlier requests that overlap this one (and one of them writes): the
+    // task starts only once they are done, so overlapping I/O keeps its order.
+    std::vector<std::shared_ptr<RequestState>> deps;
+  };
+  struct InFlight {
+    const RequestState* req;
+    std::weak_ptr<RequestState> weak;
+    uint64_t dev, ino;
+    int64_t start, end;
+    Op op;
   };
   struct Worker {
     std::thread thread;
@@ -75,8 +86,16 @@ class Handle {
     std::unique_ptr<Engine> engine;
   };
   void worker_main(Worker* w);
+  std::optional<Error> run_task(Worker* w, const Task& t, int64_t* fail_at);
   void enqueue(size_t worker, Task t);
   void on_request_done(RequestState& r);
+  void check_request(Op op, const char* buf, uint64_t nbytes, const std::string& path, int fd,
+                     int64_t offset) const;
+  void note_fallback(const File& file);
+  std::vector<std::vector<Slice>> plan(Op op, char* buf, uint64_t nbytes, File* file,
+                                       int64_t offset);
+  std::vector<std::shared_ptr<RequestState>> register_inflight(
+      const std::shared_ptr<RequestState>& req, const File& file);
 
   Settings settings_;
   std::string engine_name_;
@@ -88,7 +107,10 @@ class Handle {
 
   std::atomic<size_t> alignment_;
   mutable std::mutex mu_;  // guards outstanding_, notices_, request stats
-  std::condition_variable idle_cv_;
+  // Heap-held so a forked child can leak it (see ~Handle).
+  std::unique_ptr<std::condition_variable> idle_cv_;
+  std::mutex order_mu_;  // guards inflight_; serializes registration + enqueue
+  std::vector<InFlight> inflight_;
   uint64_t outstanding_ = 0;
   uint64_t read_requests_ = 0, write_requests_ = 0, bytes_read_ = 0, bytes_written_ = 0;
   uint64_t failed_ = 0;

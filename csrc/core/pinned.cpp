@@ -14,6 +14,7 @@
 namespace aio {
 
 static std::atomic<uint64_t> g_locked{0};
+static constexpr long kForeverMs = 1000L * 3600 * 24 * 365 * 30;
 static std::atomic<int> g_lock_fault{0};
 
 void PinnedBuffer::set_lock_fault(int err) { g_lock_fault.store(err); }
@@ -26,10 +27,18 @@ static std::string memlock_limit_text() {
   return std::to_string(static_cast<unsigned long long>(rl.rlim_cur)) + " bytes";
 }
 
+// Rounds n up to a multiple of the page size; throws instead of wrapping.
+static size_t page_round(size_t n, const char* what) {
+  const size_t ps = page_size();
+  size_t padded;
+  if (__builtin_add_overflow(n, ps - 1, &padded))
+    throw Error(EOVERFLOW, what, "", 0, n, "size too large: rounding it up to a page overflows");
+  return padded / ps * ps;
+}
+
 PinnedBuffer::PinnedBuffer(size_t nbytes, bool lock) {
   if (nbytes == 0) throw Error(EINVAL, "pinned alloc", "", 0, 0, "size must be positive");
-  const size_t ps = page_size();
-  mapped_ = (nbytes + ps - 1) / ps * ps;
+  mapped_ = page_round(nbytes, "pinned alloc");
   void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw Error(errno, "mmap", "", 0, nbytes, "allocating pinned memory");
   ptr_ = p;
@@ -66,9 +75,13 @@ PinnedPool::PinnedPool(size_t count, size_t slot_bytes, bool lock) : count_(coun
   if (count == 0 || slot_bytes == 0)
     throw Error(EINVAL, "pinned pool", "", 0, 0, "count and slot size must be positive");
   // Each slot starts on a page boundary so every slot is direct-I/O aligned.
-  const size_t ps = page_size();
-  slot_bytes_ = (slot_bytes + ps - 1) / ps * ps;
-  buf_ = std::make_unique<PinnedBuffer>(slot_bytes_ * count, lock);
+  slot_bytes_ = page_round(slot_bytes, "pinned pool");
+  size_t total;
+  if (__builtin_mul_overflow(slot_bytes_, count, &total))
+    throw Error(EOVERFLOW, "pinned pool", "", 0, 0,
+                "count x slot size overflows: " + std::to_string(count) + " x " +
+                    std::to_string(slot_bytes_) + " bytes");
+  buf_ = std::make_unique<PinnedBuffer>(total, lock);
   leased_.assign(count, false);
   for (size_t i = count; i-- > 0;) free_.push_back(i);
 }
@@ -81,7 +94,9 @@ void* PinnedPool::slot(size_t i) const {
 long PinnedPool::acquire(long timeout_ms) {
   std::unique_lock<std::mutex> lk(mu_);
   auto ready = [&] { return !free_.empty(); };
-  if (timeout_ms < 0) {
+  // Beyond ~30 years wait_for's deadline arithmetic overflows and returns at
+  // once; such a timeout means "no timeout".
+  if (timeout_ms < 0 || timeout_ms > kForeverMs) {
     cv_.wait(lk, ready);
   } else if (!cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), ready)) {
     return -1;

@@ -54,7 +54,17 @@ def test_estimate_unpinned_and_cpu_devices():
     assert est.nvme == {}
 
 
-def test_check_against_machine(tmp_path):
+def test_check_against_machine(tmp_path, monkeypatch):
+    # A machine of known size, so the answer does not depend on where the
+    # suite runs (a 128 GiB GPU host holds the "huge" pinned pools below).
+    import collections
+
+    import psutil
+
+    mem = collections.namedtuple("mem", "available total")(8 << 30, 16 << 30)
+    disk = collections.namedtuple("disk", "total used free")(100 << 30, 0, 100 << 30)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem)
+    monkeypatch.setattr(psutil, "disk_usage", lambda path: disk)
     cfg = {
         "zero_optimization": {
             "stage": 3,
@@ -94,3 +104,20 @@ def test_cli_estimate_and_validate(tmp_path, capsys):
     p.write_text(json.dumps({"aio": {"queue_depth": 0}}))
     assert config_main(["validate", str(p)]) == 2
     assert "aio.queue_depth" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,key",
+    [
+        ('"gradient_clipping": NaN', "gradient_clipping"),
+        ('"gradient_clipping": "1.0"', "gradient_clipping"),
+        ('"gradient_accumulation_steps": Infinity', "gradient_accumulation_steps"),
+        ('"optimizer": {"type": "AdamW", "params": {"lr": NaN}}', "optimizer.params"),
+    ],
+)
+def test_cli_validate_checks_training_keys(tmp_path, capsys, extra, key):
+    # validate must refuse what aio.zero.initialize refuses.
+    p = tmp_path / "c.json"
+    p.write_text('{"zero_optimization": {"stage": 3}, ' + extra + "}")
+    assert config_main(["validate", str(p)]) == 2
+    assert key in capsys.readouterr().err

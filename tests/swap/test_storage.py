@@ -1,4 +1,4 @@
-"""Swap storage: per-job/rank folders, aligned preallocated slots, cleanup."""
+"""Swap storage: per-job/rank folders, aligned preallocated extents, cleanup."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from aio.swap import SwapStorage
-from aio.swap.storage import MARKER, ROOT_NAME
+from aio.swap.storage import MARKER, root_name
 
 
 def test_folders_are_namespaced_and_cleaned(tmp_path):
@@ -19,7 +19,7 @@ def test_folders_are_namespaced_and_cleaned(tmp_path):
     assert os.path.basename(a.dir).startswith("job_1-rank0-param-")
     assert "rank3-optimizer" in c.dir
     assert all(os.path.isfile(os.path.join(s.dir, MARKER)) for s in (a, b, c))
-    foreign = tmp_path / ROOT_NAME / "someone-else"
+    foreign = tmp_path / root_name() / "someone-else"
     foreign.mkdir()
     (foreign / "data").write_text("keep me")
     for s in (a, b, c):
@@ -33,11 +33,11 @@ def test_folders_are_namespaced_and_cleaned(tmp_path):
 def test_root_removed_when_empty(tmp_path):
     s = SwapStorage(str(tmp_path), "param")
     s.close()
-    assert not (tmp_path / ROOT_NAME).exists()
+    assert not (tmp_path / root_name()).exists()
     s.close()  # idempotent
 
 
-def test_slots_aligned_and_preallocated(tmp_path):
+def test_extents_aligned_and_preallocated(tmp_path):
     s = SwapStorage(str(tmp_path), "param")
     f = s.file("x.swp")
     offs = [f.allocate(n) for n in (1, 4096, 5000, 123)]
@@ -85,4 +85,4 @@ def test_removed_at_interpreter_exit(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert not os.path.exists(r.stdout.strip())
-    assert not (tmp_path / ROOT_NAME).exists()
+    assert not (tmp_path / root_name()).exists()

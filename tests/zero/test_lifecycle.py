@@ -12,13 +12,12 @@ import pytest
 import aio.zero
 from aio.swap import SwapStateError
 
-from .test_engine import cfg_for, gpt, reference, train_engine  # noqa: F401 - fixture
+from .common import cfg_for, gpt, loss_of, train_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 def _micro(engine, step, micro):
-    from .test_engine import loss_of
 
     engine.backward(loss_of(engine, step, micro))
     engine.step()
@@ -64,7 +63,6 @@ def test_optimizer_write_error_poisons_until_checkpoint_restore(tmp_path, refere
 
 
 def loss_of_step(engine, step, micro):
-    from .test_engine import loss_of
 
     return loss_of(engine, step, micro)
 
@@ -94,7 +92,7 @@ engine = aio.zero.initialize(model, cfg)
 x, y = batch(0, 0, 2, 8, 64)
 loss = torch.nn.functional.cross_entropy(engine(x).flatten(0, 1), y.flatten())
 engine.backward(loss)   # gradient writes in flight, never stepped, never closed
-print("swap", sorted(os.listdir({str(drive)!r} + "/aio-swap")))
+print("swap", sorted(os.listdir({str(drive)!r} + f"/aio-swap-{{os.geteuid()}}")))
 """
     r = subprocess.run(
         [sys.executable, "-c", "import os\n" + code], capture_output=True, text=True, timeout=120

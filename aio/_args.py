@@ -1,0 +1,54 @@
+"""Argument checks shared by the handle: refuse what the core would misread."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Union
+
+from ._buffers import MAX_OFFSET
+
+PathArg = Union[str, bytes, "os.PathLike[str]", int]
+"""A file name (str, bytes, os.PathLike) or an open descriptor (int)."""
+
+
+def check_int(name: str, v: Any, minimum: int = 1, maximum: int = MAX_OFFSET) -> int:
+    """`v` if it is an int (not a bool) in [minimum, maximum]; TypeError,
+    ValueError (too small) or OverflowError (too large) naming `name` otherwise."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    if v > maximum:
+        raise OverflowError(f"{name} must be <= {maximum}, got {v}")
+    return v
+
+
+def check_path(path: Any) -> tuple[bytes, int]:
+    """(encoded path, -1) or (b"", descriptor), refusing what the core would misread."""
+    if isinstance(path, bool):
+        raise TypeError("path must be a str, bytes, os.PathLike or an int descriptor, got bool")
+    if isinstance(path, int):
+        if path < 0:
+            raise ValueError(f"file descriptor must be >= 0, got {path}")
+        if path > 2**31 - 1:
+            raise OverflowError(f"file descriptor must be < 2**31, got {path}")
+        return b"", path
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"path must be a str, bytes, os.PathLike or an int descriptor, got {type(path).__name__}"
+        )
+    # bytes travel as they are (names need not be UTF-8).
+    bpath = os.fsencode(path)
+    if not bpath:
+        raise ValueError("path must not be empty")
+    if b"\0" in bpath:
+        # The core takes a C string: a NUL would silently truncate the name.
+        raise ValueError(f"path must not contain NUL bytes: {path!r}")
+    return bpath, -1
+
+
+def check_bool(name: str, v: Any) -> bool:
+    """`v` if it is a bool; TypeError naming `name` otherwise (no truthiness)."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v

@@ -1,0 +1,306 @@
+"""The training config aio.zero reads: a whole DeepSpeed-format config.
+
+Read: ``aio``, ``zero_optimization`` (the offload blocks, ``sub_group_size``,
+``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``),
+``optimizer`` (``type``/``params``), ``bf16``/``fp16``,
+``gradient_accumulation_steps``, ``gradient_clipping``; DeepSpeed's defaults
+and meanings. Other top-level keys are ignored with one notice. Numbers follow
+the strict rules of :mod:`aio.config.models`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from .load import ConfigError, pick_blocks, read_config_data, validate, warn_use_gds
+from .models import AioConfig, Bool, Int, OffloadConfig, ZeroConfig, strict_float
+
+Float = Annotated[float, BeforeValidator(strict_float)]
+
+# DeepSpeed optimizer names -> torch.optim class names. DeepSpeed's "Adam"
+# decouples weight decay unless adam_w_mode is false (its default is true).
+OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
+# DeepSpeed-only optimizer parameters that torch's classes do not take.
+_DS_ONLY_PARAMS = {"adam_w_mode", "torch_adam", "bias_correction", "fused"}
+# Keys DeepSpeed users routinely have that mean nothing on one process.
+_QUIET_KEYS = {
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "steps_per_print",
+    "wall_clock_breakdown",
+}
+# Communication tuning: meaningful to DeepSpeed across ranks, nothing to do on one process.
+_NOOP_ZERO_KEYS = {
+    "contiguous_gradients",
+    "overlap_comm",
+    "reduce_bucket_size",
+    "reduce_scatter",
+    "allgather_bucket_size",
+    "allgather_partitions",
+    "round_robin_gradients",
+}
+
+
+def _enabled_block(v: Any) -> Any:
+    """A precision block: an object with ``enabled``; a disabled block's other
+    keys are not read (so not checked either)."""
+    if v is None:
+        return v
+    if not isinstance(v, Mapping):
+        raise ValueError(f'must be an object like {{"enabled": true}}, got {type(v).__name__}')
+    return v if v.get("enabled", False) is not False else {"enabled": False}
+
+
+class PrecisionConfig(BaseModel):
+    """``bf16`` / ``bfloat16``: only ``enabled`` is read."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    enabled: Bool = False
+
+
+class Fp16Config(PrecisionConfig):
+    """``fp16``: mixed precision with loss scaling, DeepSpeed's keys and defaults."""
+
+    loss_scale: Float = Field(0.0, ge=0, description="static loss scale; 0: dynamic")
+    initial_scale_power: Int = Field(16, ge=0, description="dynamic scale starts at 2**this")
+    loss_scale_window: Int = Field(1000, ge=1, description="clean steps before the scale doubles")
+    hysteresis: Int = Field(2, ge=1, description="overflows before the scale halves")
+    min_loss_scale: Float = Field(1.0, ge=0, description="the dynamic scale never goes below this")
+
+
+class OptimizerConfig(BaseModel):
+    """``optimizer``: a DeepSpeed optimizer name and its parameters, checked
+    against the torch.optim class they resolve to."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Any = Field(None, validate_default=True)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"must be an object with 'type' and 'params', got {type(data).__name__}")
+        return data
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, v: Any) -> str:
+        if not isinstance(v, str) or v.lower() not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {v!r}; accepted: {', '.join(OPTIMIZERS.values())}")
+        return v
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        # torch lets some NaN/inf through (SGD momentum=NaN) and training would go NaN.
+        if not isinstance(v, Mapping):
+            raise ValueError(f"must be an object, got {type(v).__name__}")
+        out = {k: (tuple(x) if isinstance(x, list) else x) for k, x in v.items()}
+        for k, x in out.items():
+            if any(
+                isinstance(y, float) and not math.isfinite(y) for y in (x if isinstance(x, tuple) else (x,))
+            ):
+                raise ValueError(f"{k}: expected a finite number, got {v[k]!r}")
+        return out
+
+    @property
+    def torch_name(self) -> str:
+        """The torch.optim class name this block means."""
+        name = OPTIMIZERS[str(self.type).lower()]
+        if name == "Adam" and self.params.get("adam_w_mode", True) and self.params.get("weight_decay"):
+            return "AdamW"
+        return name
+
+    @property
+    def torch_params(self) -> dict[str, Any]:
+        """The parameters torch's class takes (DeepSpeed-only ones dropped)."""
+        return {k: v for k, v in self.params.items() if k not in _DS_ONLY_PARAMS}
+
+    @model_validator(mode="after")
+    def _torch_accepts(self) -> OptimizerConfig:
+        _check_torch_optimizer(self.torch_name, self.torch_params)
+        return self
+
+
+def _check_torch_optimizer(name: str, params: dict[str, Any]) -> None:
+    """Construct the optimizer on a probe parameter: a bad name or value is a
+    config error now, not a crash at the first step."""
+    import inspect
+
+    import torch
+
+    cls = getattr(torch.optim, name)
+    accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")]
+    bad = [k for k in params if k not in accepted]
+    if bad:
+        raise ValueError(
+            f"params.{bad[0]}: not a parameter of torch.optim.{name}; accepted: {', '.join(accepted)}"
+        )
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"params: torch.optim.{name} refuses them: {e}") from None
+
+
+class TrainZeroConfig(ZeroConfig):
+    """``zero_optimization`` as aio.zero reads it: :class:`ZeroConfig` plus the
+    stage-3 fetch keys. A single process has nothing to partition across:
+    stages 1-2 would mean the same as 3 here, so they are refused rather than
+    silently reinterpreted."""
+
+    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0, description="elements fetched ahead")
+    stage3_param_persistence_threshold: Int = Field(
+        100_000, ge=0, description="parameters smaller than this stay in memory"
+    )
+
+    @model_validator(mode="after")
+    def _stage_0_or_3(self) -> TrainZeroConfig:
+        if self.stage not in (0, 3):
+            raise ValueError(f"stage: aio.zero runs stage 3 (or 0 without offload); got {self.stage!r}")
+        return self
+
+
+class TrainConfig(BaseModel):
+    """A whole DeepSpeed-format training config, validated (see the module
+    docstring for the keys read); other top-level keys are kept in
+    :attr:`ignored`."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    aio: AioConfig = Field(default_factory=lambda: AioConfig())
+    zero_optimization: TrainZeroConfig = Field(default_factory=lambda: TrainZeroConfig())
+    optimizer: OptimizerConfig | None = None
+    bf16: Annotated[PrecisionConfig | None, BeforeValidator(_enabled_block)] = None
+    bfloat16: Annotated[PrecisionConfig | None, BeforeValidator(_enabled_block)] = None
+    fp16: Annotated[Fp16Config | None, BeforeValidator(_enabled_block)] = None
+    gradient_accumulation_steps: Int = Field(1, ge=1)
+    gradient_clipping: Float = Field(0.0, ge=0, description="max global gradient norm; 0: off")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self._precision() == "both":
+            raise ValueError("fp16.enabled: bf16 and fp16 cannot both be enabled; pick one")
+        o = self.zero_optimization.offload_optimizer
+        if o is not None and o.device == "nvme":
+            need = 1 + int(o.pipeline_read) + int(o.pipeline_write)
+            if o.buffer_count < need:
+                raise ValueError(
+                    f"zero_optimization.offload_optimizer.buffer_count: {o.buffer_count} is too small "
+                    f"for pipeline_read={o.pipeline_read} / pipeline_write={o.pipeline_write}; "
+                    f"need at least {need}"
+                )
+        return self
+
+    def _precision(self) -> str:
+        bf16 = any(b is not None and b.enabled for b in (self.bf16, self.bfloat16))
+        fp16 = self.fp16 is not None and self.fp16.enabled
+        return "both" if bf16 and fp16 else "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+    # -- what aio.zero reads -------------------------------------------------------------
+    @property
+    def offload(self) -> OffloadConfig:
+        """The ``aio`` and ``zero_optimization`` blocks as :func:`load_config` reads them."""
+        return OffloadConfig(aio=self.aio, zero_optimization=self.zero_optimization)
+
+    @property
+    def dtype(self) -> str:
+        """``fp32``, ``bf16`` or ``fp16``."""
+        return self._precision()
+
+    @property
+    def torch_dtype(self) -> Any:
+        """The torch dtype of :attr:`dtype`: ``torch.float32``, ``torch.bfloat16`` or
+        ``torch.float16`` (imports torch)."""
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    @property
+    def loss_scale(self) -> Fp16Config:
+        """fp16 loss scaling (DeepSpeed's defaults when fp16 is off)."""
+        return self.fp16 if self.fp16 is not None and self.fp16.enabled else Fp16Config()
+
+    @property
+    def optimizer_type(self) -> str | None:
+        """The torch.optim class name of the ``optimizer`` block, or None."""
+        return self.optimizer.torch_name if self.optimizer is not None else None
+
+    @property
+    def optimizer_params(self) -> dict[str, Any]:
+        """Keyword arguments for :meth:`optimizer_class` (DeepSpeed-only keys dropped,
+        lists as tuples); empty without an ``optimizer`` block."""
+        return self.optimizer.torch_params if self.optimizer is not None else {}
+
+    def optimizer_class(self) -> Any:
+        """The torch.optim class :attr:`optimizer_type` names (imports torch), or None
+        without an ``optimizer`` block."""
+        import torch
+
+        return getattr(torch.optim, self.optimizer_type) if self.optimizer_type else None
+
+    @property
+    def param_device(self) -> str:
+        """``zero_optimization.offload_param.device``: ``none``, ``cpu`` or ``nvme``."""
+        return self.zero_optimization.param_device()
+
+    @property
+    def optimizer_device(self) -> str:
+        """``zero_optimization.offload_optimizer.device``: ``none``, ``cpu`` or ``nvme``."""
+        return self.zero_optimization.optimizer_device()
+
+    @property
+    def sub_group_size(self) -> int:
+        """``zero_optimization.sub_group_size``: at most this many elements per optimizer sub-group."""
+        return self.zero_optimization.sub_group_size
+
+    @property
+    def prefetch_bucket_size(self) -> int:
+        """``stage3_prefetch_bucket_size``: how many parameter elements the fetcher
+        reads ahead of use (0: no prefetch)."""
+        return self.zero_optimization.stage3_prefetch_bucket_size
+
+    @property
+    def persistence_threshold(self) -> int:
+        """``stage3_param_persistence_threshold``, in elements: parameters smaller than
+        this stay in CPU memory instead of being swapped to the drive."""
+        return self.zero_optimization.stage3_param_persistence_threshold
+
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        """Config keys given but not read (quiet DeepSpeed keys left out)."""
+        top = sorted(k for k in self.model_extra or {} if k not in _QUIET_KEYS)
+        zero = self.zero_optimization.model_extra or {}
+        return tuple(top + sorted(f"zero_optimization.{k}" for k in zero if k not in _NOOP_ZERO_KEYS))
+
+
+_BLOCKS = ("aio", "zero_optimization", "optimizer", "bf16", "bfloat16", "fp16")
+
+
+def load_train_config(source: Any) -> TrainConfig:
+    """Parse and validate a training config (dict, JSON path or JSON text).
+
+    Raises :class:`ConfigError` listing the problems with their key paths.
+    Unknown top-level keys are reported once as a warning and ignored.
+    """
+    if isinstance(source, TrainConfig):
+        return source
+    data, where = read_config_data(source)
+    blocks, problems = pick_blocks(data, ("aio", "zero_optimization"))
+    if problems:
+        raise ConfigError(problems, where)
+    rest = {k: v for k, v in data.items() if k not in _BLOCKS[:2] and not (k in _BLOCKS and v is None)}
+    cfg = validate(TrainConfig, {**rest, **blocks}, where)
+    warn_use_gds(cfg.aio, stacklevel=3)
+    if cfg.ignored:
+        warnings.warn(
+            f"aio.zero ignores these config keys: {', '.join(cfg.ignored)}", UserWarning, stacklevel=3
+        )
+    return cfg

@@ -1,0 +1,122 @@
+"""Checkpoints of an :class:`aio.zero.OffloadTrainer`: parameters, optimizer
+state, step counters and loss scale, written atomically and durably and
+verified whole before anything is restored."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain, write_json_durably
+
+if TYPE_CHECKING:
+    from .trainer import OffloadTrainer
+
+CHECKPOINT_VERSION = 1
+_COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
+
+
+def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: dict | None) -> str:
+    """See :meth:`aio.zero.OffloadTrainer.save_checkpoint`."""
+    if trainer.micro_steps % trainer.gas != 0:
+        raise ValueError(
+            "save_checkpoint() in the middle of gradient accumulation would lose the partial "
+            "gradient; save right after a step() at an accumulation boundary"
+        )
+    tag = tag or f"global_step{trainer.global_steps}"
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"bad checkpoint tag {tag!r}")
+    created = not os.path.isdir(save_dir)
+    os.makedirs(save_dir, exist_ok=True)
+    if created:
+        fsync_dir(os.path.dirname(os.path.abspath(save_dir)))
+    trainer.store.synchronize()
+    path = os.path.join(save_dir, tag)
+    with checkpoint_dir(path) as tmp:
+        save_plain(client_state or {}, os.path.join(tmp, "client_state.pt"), "client_state")
+        trainer.store.export_checkpoint(os.path.join(tmp, "params"))
+        trainer.optimizer.export_checkpoint(os.path.join(tmp, "optimizer"))
+        write_json_durably(os.path.join(tmp, "engine.json"), _meta(trainer))
+    latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
+    with open(latest_tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+    fsync_dir(save_dir)
+    return path
+
+
+def _meta(trainer: OffloadTrainer) -> dict[str, Any]:
+    cls = trainer.optimizer_cls
+    scaler = trainer.scaling.scaler
+    return {
+        "version": CHECKPOINT_VERSION,
+        **{k: getattr(trainer, k) for k in _COUNTERS},
+        "dtype": trainer.cfg.dtype,
+        "optimizer": f"{cls.__module__}.{cls.__qualname__}",
+        "params": _param_shapes(trainer),
+        "scaler": scaler.state_dict() if scaler else None,
+    }
+
+
+def _param_shapes(trainer: OffloadTrainer) -> list[list[Any]]:
+    return [[s.param.aio_name, list(s.param.aio_shape)] for s in trainer.layout.ordered()]
+
+
+def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, dict]:
+    """See :meth:`aio.zero.OffloadTrainer.load_checkpoint`."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(2, "no 'latest' file: pass tag= or save a checkpoint first", latest)
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, tag)
+    require_complete(path)
+    meta = verify_meta(trainer, path)
+    client = load_plain(os.path.join(path, "client_state.pt"))
+    params = trainer.store.verify_checkpoint(os.path.join(path, "params"))
+    opt = trainer.optimizer.verify_checkpoint(os.path.join(path, "optimizer"))
+    # Verified: only I/O errors can fail from here, and the swappers then
+    # refuse to be used or exported until a checkpoint loads.
+    trainer.reset_window()
+    trainer.store.synchronize()
+    trainer.store.apply_checkpoint(os.path.join(path, "params"), params)
+    trainer.optimizer.apply_checkpoint(os.path.join(path, "optimizer"), opt)
+    for k in _COUNTERS:
+        setattr(trainer, k, meta[k])
+    scaler = trainer.scaling.scaler
+    if scaler is not None and meta["scaler"]:
+        scaler.load_state_dict(meta["scaler"])
+    return path, client
+
+
+def verify_meta(trainer: OffloadTrainer, path: str) -> dict[str, Any]:
+    """The checkpoint's ``engine.json``, checked against `trainer`."""
+    with open(os.path.join(path, "engine.json")) as f:
+        meta = json.load(f)
+    if not isinstance(meta, dict) or meta.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"{path}: unsupported aio.zero checkpoint version {meta.get('version')!r}")
+    if meta.get("params") != _param_shapes(trainer):
+        raise ValueError(f"{path}: the checkpoint's parameters (names and shapes) do not match this model")
+    dtype = trainer.cfg.dtype
+    if meta.get("dtype") != dtype:
+        raise ValueError(f"{path}: saved in {meta.get('dtype')}, this trainer trains in {dtype}")
+    if not all(isinstance(meta.get(k), int) for k in _COUNTERS):
+        raise ValueError(f"{path}: engine.json lacks its step counters")
+    sc = meta.get("scaler")
+    scaler = trainer.scaling.scaler
+    if scaler is not None and sc and not (isinstance(sc, dict) and set(scaler.state_dict()) <= set(sc)):
+        raise ValueError(f"{path}: engine.json has a malformed loss-scaler state")
+    return meta
+
+
+def fsync_dir(path: str) -> None:
+    """Make a folder's entries (a new file, a rename) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,151 @@
+"""Gradient buffers: each parameter's gradient is added, in fp32, into its
+sub-group's buffer as soon as autograd has it; a sub-group's buffer is stored
+(written to the drive, or left in memory) when all its gradients are in.
+Gradient accumulation over ``gradient_accumulation_steps`` micro-steps reads a
+stored buffer back and adds to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .optimizer import GradientBuffer, PendingWrite, ZeroOptimizer
+from .placement import SubGroupLayout
+
+
+class GradientAccumulator:
+    """The gradients of one accumulation window (`gas` micro-steps).
+
+    `record_norms`: keep each parameter's gradient norm at the window's last
+    micro-step (for clipping and overflow checks)."""
+
+    def __init__(self, opt: ZeroOptimizer, layout: SubGroupLayout, gas: int, record_norms: bool) -> None:
+        self.opt = opt
+        self.layout = layout
+        self.gas = gas
+        self.record_norms = record_norms
+        self.micro_steps = 0
+        self._open: dict[int, GradientBuffer] = {}  # sub-groups being filled this micro-step
+        self._arrived: dict[int, int] = {}
+        self._touched: set[int] = set()  # sub-groups with a gradient in this micro-step
+        self._flushed: set[int] = set()  # sub-groups written part-way through this micro-step
+        self._pending: list[PendingWrite] = []  # gradient writes in flight
+        self._norms: dict[int, Any] = {}  # place order -> grad norm (accumulation boundary)
+
+    def is_boundary(self) -> bool:
+        """Whether the current micro-step ends the accumulation window."""
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def at_window_start(self) -> bool:
+        """Whether the current micro-step is the first of its accumulation window
+        (sub-group buffers then start from zero instead of the stored gradient)."""
+        return self.micro_steps % self.gas == 0
+
+    @property
+    def has_open(self) -> bool:
+        """Whether a sub-group's gradient buffer is still open (not yet stored) in this micro-step."""
+        return bool(self._open)
+
+    @property
+    def touched(self) -> bool:
+        """Whether any gradient has arrived in the current micro-step."""
+        return bool(self._touched)
+
+    def add(self, param: Any, grad: Any) -> None:
+        """Add `param`'s gradient into its sub-group's buffer."""
+        import torch
+
+        s = self.layout.places[param.aio_id]
+        view = self._buffer(s.group).tensor[s.offset : s.offset + s.numel]
+        flat = grad.reshape(-1)
+        view.add_(flat.to(device="cpu", dtype=torch.float32) if grad.device.type != "cpu" else flat)
+        if self.record_norms and self.is_boundary():
+            self._norms[s.order] = torch.linalg.vector_norm(view)
+        self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
+        if self._arrived[s.group] == len(self.layout.groups[s.group]):
+            self._close(s.group)
+
+    def _buffer(self, gi: int) -> GradientBuffer:
+        if gi in self._open:
+            return self._open[gi]
+        resume = not (self.at_window_start() and gi not in self._flushed)
+        self._touched.add(gi)
+        numel = self.layout.group_numel[gi]
+        while (buf := self.opt.try_open_gradient(gi, numel, resume)) is None:
+            if self._pending:
+                self._pending.pop(0).wait()
+            elif self._open:
+                # Every buffer holds a partly filled sub-group: write the oldest
+                # out; its next gradient reads it back and adds to it.
+                oldest = next(iter(self._open))
+                self._close(oldest)
+                self._flushed.add(oldest)
+            else:
+                buf = self.opt.open_gradient(gi, numel, resume)
+                break
+        self._open[gi] = buf
+        return buf
+
+    def _close(self, gi: int) -> None:
+        pending = self.opt.close_gradient(gi, self._open.pop(gi))
+        if pending is not None:
+            self._pending.append(pending)
+
+    def finish_backward(self) -> None:
+        """Store every open sub-group; at a window's first micro-step, also the
+        sub-groups that got no gradient (they still hold the last window's)."""
+        for gi in list(self._open):
+            self._close(gi)
+        if self.at_window_start():
+            for gi in range(len(self.layout.groups)):
+                if gi not in self._touched:
+                    self._buffer(gi)
+                    self._close(gi)
+        self._arrived.clear()
+        self._flushed.clear()
+
+    def settle_writes(self) -> None:
+        """Wait for every gradient write; every buffer is given back even when one fails."""
+        first: BaseException | None = None
+        while self._pending:
+            try:
+                self._pending.pop(0).wait()
+            except BaseException as e:  # noqa: BLE001 - every lease back first
+                first = first or e
+        if first is not None:
+            raise first
+
+    def boundary_norms(self) -> list[Any]:
+        """The per-parameter gradient norms of the window, in model order."""
+        return [self._norms[k] for k in sorted(self._norms)]
+
+    def end_micro_step(self) -> None:
+        """A micro-step inside the window is over."""
+        self._touched.clear()
+        self.micro_steps += 1
+
+    def end_window(self) -> None:
+        """The window's optimizer step is over (or skipped)."""
+        self._norms.clear()
+        self.end_micro_step()
+
+    def reset(self) -> None:
+        """Drop this window's gradients and give every buffer back; the next
+        backward starts the window again."""
+        for buf in self._open.values():
+            buf.release()
+        self._open.clear()
+        for pending in self._pending:
+            pending.abandon()
+        self._pending.clear()
+        self.opt.discard_gradients()
+        self._arrived.clear()
+        self._flushed.clear()
+        self._touched.clear()
+        self._norms.clear()
+        self.micro_steps -= self.micro_steps % self.gas
+
+    def close(self) -> None:
+        """Wait for the writes in flight and give their buffers back."""
+        for pending in self._pending:
+            pending.abandon()
+        self._pending.clear()

@@ -1,0 +1,163 @@
+"""Parameter placement: every check on the model against the config before
+anything is allocated, and the layout of the trainable parameters in the
+optimizer's sub-groups (model order, each sub-group at most
+``sub_group_size`` elements)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ConfigError, TrainConfig
+from .config import check_drive_paths
+from .params import ParamStore, check_fits
+
+
+class ParamPlace:
+    """Where one parameter lives in the optimizer: its sub-group, its element
+    offset there, and its position in model order."""
+
+    __slots__ = ("param", "group", "offset", "numel", "order")
+
+    def __init__(self, param: Any, group: int, offset: int, numel: int, order: int) -> None:
+        self.param, self.group, self.offset, self.numel, self.order = param, group, offset, numel, order
+
+
+@dataclass
+class Plan:
+    """The checked model: its parameters, the Init store they already belong
+    to (if any), the device, and the trainable ones packed into sub-groups."""
+
+    named: list[tuple[str, Any]]
+    store: ParamStore | None
+    device: Any
+    packed: list[list[Any]]
+
+
+def plan_placement(model: Any, cfg: TrainConfig, device: Any) -> Plan:
+    """Check `model` against `cfg` (raising before any allocation) and pack its
+    trainable parameters into sub-groups."""
+    import torch
+
+    named = _unique_named_params(model)
+    if not named:
+        raise ValueError("the model has no parameters")
+    store = _existing_store(named)
+    if device is None:
+        device = store.device if store is not None else named[0][1].device
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ValueError("no parameter requires grad: nothing to train")
+    sizes = {n: _numel(p) for n, p in named}
+    _check_sub_group_size(cfg.sub_group_size, trainable, sizes)
+    if store is not None:
+        _check_same_store_config(store, cfg)
+    else:
+        for n, _p in named:
+            check_fits(cfg, n, sizes[n])
+    check_drive_paths(cfg)
+    return Plan(named, store, torch.device(device), pack_subgroups(trainable, sizes, cfg.sub_group_size))
+
+
+def _check_sub_group_size(sgs: int, trainable: list[tuple[str, Any]], sizes: dict[str, int]) -> None:
+    name = max(trainable, key=lambda np_: sizes[np_[0]])[0]
+    if sizes[name] > sgs:
+        raise ConfigError(
+            [
+                (
+                    "zero_optimization.sub_group_size",
+                    f"{sgs} elements is smaller than parameter {name!r} ({sizes[name]} "
+                    f"elements); set it to at least {sizes[name]}",
+                )
+            ]
+        )
+
+
+def _check_same_store_config(store: ParamStore, cfg: TrainConfig) -> None:
+    if store.cfg.offload.offload_param != cfg.offload.offload_param or store.dtype != cfg.torch_dtype:
+        raise ConfigError(
+            [
+                (
+                    "zero_optimization.offload_param",
+                    "the model was built under aio.zero.Init with a different offload_param "
+                    "block or dtype than this config; pass the same config to both",
+                )
+            ]
+        )
+
+
+def pack_subgroups(trainable: list[tuple[str, Any]], sizes: dict[str, int], sgs: int) -> list[list[Any]]:
+    """Pack `trainable` (name, param) pairs, in order, into consecutive sub-groups
+    of at most `sgs` elements (sizes from `sizes[name]`): a sub-group is closed
+    when the next parameter would not fit. Returns the parameters per sub-group."""
+    packed: list[list[Any]] = []
+    cur: list[Any] = []
+    cur_n = 0
+    for n, p in trainable:
+        if cur and cur_n + sizes[n] > sgs:
+            packed.append(cur)
+            cur, cur_n = [], 0
+        cur.append(p)
+        cur_n += sizes[n]
+    packed.append(cur)
+    return packed
+
+
+class SubGroupLayout:
+    """The places of the trainable parameters (adopted by the store) in their
+    sub-groups: ``places`` by parameter id, ``groups`` in order, and each
+    sub-group's element count."""
+
+    def __init__(self, packed: list[list[Any]]) -> None:
+        self.places: dict[int, ParamPlace] = {}
+        self.groups: list[list[ParamPlace]] = []
+        self.group_numel: list[int] = []
+        order = 0
+        for gi, members in enumerate(packed):
+            group = []
+            off = 0
+            for p in members:
+                place = ParamPlace(p, gi, off, p.aio_numel, order)
+                order += 1
+                group.append(place)
+                self.places[p.aio_id] = place
+                off += p.aio_numel
+            self.groups.append(group)
+            self.group_numel.append(off)
+
+    def ordered(self) -> list[ParamPlace]:
+        """Every place, in model order."""
+        return sorted(self.places.values(), key=lambda s: s.order)
+
+    def gather_master(self, gi: int, read: Any) -> Any:
+        """Sub-group `gi`'s fp32 master weights, each parameter read by `read(param)`."""
+        import torch
+
+        master = torch.empty(self.group_numel[gi], dtype=torch.float32)
+        for s in self.groups[gi]:
+            master[s.offset : s.offset + s.numel].copy_(read(s.param))
+        return master
+
+
+def _unique_named_params(model: Any) -> list[tuple[str, Any]]:
+    out = []
+    seen: set[int] = set()
+    for n, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((n, p))
+    return out
+
+
+def _numel(p: Any) -> int:
+    return int(getattr(p, "aio_numel", p.numel()))
+
+
+def _existing_store(named: list[tuple[str, Any]]) -> ParamStore | None:
+    stores = {id(s): s for _n, p in named if (s := getattr(p, "_aio_store", None)) is not None}
+    if len(stores) > 1:
+        raise ValueError("the model's parameters belong to more than one aio.zero.Init store")
+    store = next(iter(stores.values()), None)
+    if store is not None and store.closed:
+        raise ValueError("the model's parameters belong to a closed aio.zero trainer or Init")
+    return store

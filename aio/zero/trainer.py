@@ -1,0 +1,382 @@
+"""The offload trainer: a plain PyTorch model trained with its parameters and
+optimizer state on the drive (or in CPU memory).
+
+A coordinator over one module per job: :mod:`.placement` (checks, sub-group
+layout), :mod:`.params` (where parameters live), :mod:`.hooks` (fetching them
+around each module's forward/backward), :mod:`.grads` (gradient buffers),
+:mod:`.scaler` (clipping, loss scaling), :mod:`.optimizer` (the step over
+sub-groups) and :mod:`.checkpoint`.
+
+Per step: forward/backward fetch each module's parameters just before use;
+each parameter's gradient is added, in fp32, into its sub-group's gradient
+buffer as soon as autograd has it and the buffer is stored when the sub-group
+is complete; ``step()`` runs the optimizer sub-group by sub-group, applying
+gradient clipping / loss-scale removal on the way, and writes the updated
+low-precision parameters back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ..config import ConfigError, TrainConfig, load_train_config
+from . import checkpoint
+from .grads import GradientAccumulator
+from .hooks import Fetcher
+from .linear import install_linear, saved_tensor_guard
+from .optimizer import ZeroOptimizer, make_optimizer
+from .params import ParamStore, trim_malloc
+from .placement import Plan, SubGroupLayout, plan_placement
+from .scaler import GradScaling
+
+
+def initialize(model: Any, config: Any, optimizer: Any = None, device: Any = None) -> OffloadTrainer:
+    """Wrap `model` for offloaded training (DeepSpeed's entry point name).
+
+    `config`: a DeepSpeed-format dict or JSON path (see docs/zero.md).
+    `optimizer`: a torch optimizer instance (its class and hyper-parameters
+    are used; it is never stepped itself), a torch optimizer class (with
+    ``optimizer.params`` from the config), or None (``optimizer.type`` from
+    the config). Every config problem is raised before anything is allocated.
+    """
+    return OffloadTrainer(model, config, optimizer=optimizer, device=device)
+
+
+def resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str, Any]]:
+    """The torch optimizer class and hyper-parameters to step with."""
+    import torch
+
+    if optimizer is None:
+        if cfg.optimizer_type is None:
+            raise ConfigError(
+                [("optimizer", "no optimizer: pass optimizer= or set optimizer.type in the config")]
+            )
+        return cfg.optimizer_class(), dict(cfg.optimizer_params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if len(optimizer.param_groups) != 1:
+            raise ValueError(
+                "aio.zero steps the whole model as one parameter group; the optimizer has "
+                f"{len(optimizer.param_groups)} groups (per-group settings are not supported)"
+            )
+        import inspect
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and k in accepted}
+        if cfg.optimizer_type is not None:
+            warnings.warn(
+                "both optimizer= and a config 'optimizer' block given; using optimizer=", stacklevel=3
+            )
+        return type(optimizer), hyper
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer, dict(cfg.optimizer_params)
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer instance or class, got {type(optimizer).__name__}"
+    )
+
+
+class OffloadTrainer:
+    """See :func:`initialize`. DeepSpeed-style loop::
+
+    for batch in data:
+        loss = loss_fn(trainer(batch))
+        trainer.backward(loss)
+        trainer.step()   # steps the optimizer at accumulation boundaries
+    """
+
+    def __init__(self, model: Any, config: Any, optimizer: Any = None, device: Any = None) -> None:
+        self.closed = True  # until fully built: close() must not touch missing parts
+        self.cfg = cfg = load_train_config(config)
+        self.optimizer_cls, self.hyper = resolve_optimizer(cfg, optimizer)
+        self.module = model
+        plan = plan_placement(model, cfg, device)  # every check, before any allocation
+        self.device = plan.device
+        self.store = plan.store if plan.store is not None else ParamStore(cfg, self.device)
+        self.opt: ZeroOptimizer | None = None
+        self.fetcher: Fetcher | None = None
+        self._grad_hooks: list[Any] = []
+        try:
+            self._build(plan)
+        except BaseException:
+            self.closed = False
+            self.close()
+            raise
+        self.closed = False
+        trim_malloc()
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.abandoned_windows = 0
+        self.last_grad_norm: float | None = None
+        self._param_writes: list[Any] = []
+
+    def _build(self, plan: Plan) -> None:
+        """Allocate: parameters into the store, the optimizer's sub-groups with
+        their master weights, the gradient hooks and the fetcher."""
+        cfg = self.cfg
+        for n, p in plan.named:
+            self.store.adopt(p, n)
+        self.opt = opt = make_optimizer(cfg, self.optimizer_cls, self.hyper)
+        self.layout = layout = SubGroupLayout(plan.packed)
+        for gi, numel in enumerate(layout.group_numel):
+            opt.register_subgroup(gi, numel)
+        for gi in range(len(layout.groups)):
+            opt.initialize(gi, layout.gather_master(gi, self.store.read))
+        for s in layout.places.values():
+            self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
+        if self.store.swapper is not None or self.device.type != "cpu":
+            install_linear()
+            self.fetcher = Fetcher(self.store, list(self.module.modules()), cfg.prefetch_bucket_size)
+        self.scaling = GradScaling(cfg)
+        self.grads = GradientAccumulator(
+            opt, layout, cfg.gradient_accumulation_steps, self.scaling.needs_norms
+        )
+
+    @property
+    def gas(self) -> int:
+        """``gradient_accumulation_steps``."""
+        return self.cfg.gradient_accumulation_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-steps completed (step() calls) so far; an abandoned window's are
+        taken back. Settable, for restoring a checkpoint."""
+        return self.grads.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, n: int) -> None:
+        self.grads.micro_steps = n
+
+    @property
+    def scaler(self) -> Any:
+        """The fp16 :class:`aio.zero.scaler.LossScaler`, or None."""
+        return self.scaling.scaler
+
+    @property
+    def optimizer(self) -> ZeroOptimizer:
+        """The optimizer backend (a :class:`aio.zero.optimizer.ZeroOptimizer`)."""
+        if self.opt is None:
+            raise ValueError("this aio.zero trainer was not built")
+        return self.opt
+
+    # -- the loop --------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, its parameters fetched module by module."""
+        self._check_open()
+        if self.fetcher is None:
+            return self.module(*args, **kwargs)
+        self.fetcher.begin_forward()
+        with saved_tensor_guard(self.store.buffer_ptrs, self.fetcher.counters):
+            return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() runs the optimizer."""
+        return self.grads.is_boundary()
+
+    def backward(self, loss: Any) -> Any:
+        """Back-propagate `loss` (scaled by 1/gradient_accumulation_steps, and
+        by the loss scale in fp16); gradients go to the sub-group buffers."""
+        self._check_open()
+        try:
+            self.scaling.scale_loss(loss, self.gas).backward()
+            self._finish_backward()
+        except BaseException:
+            self._abandon_window()
+            raise
+        return loss
+
+    def get_lr(self) -> float:
+        """The learning rate of the next step."""
+        return float(self.optimizer.hyper["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate from the next step on (for a schedule)."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
+            raise ValueError(f"lr must be a number >= 0, got {lr!r}")
+        self.optimizer.set_lr(lr)
+
+    def zero_grad(self) -> None:
+        """Nothing to do: gradients never stay on the parameters (kept for API compatibility)."""
+
+    def _on_grad(self, param: Any) -> None:
+        g = param.grad
+        param.grad = None
+        if self.fetcher is not None:
+            self.fetcher.release_after_backward(param)
+        self.grads.add(param, g)
+
+    def _finish_backward(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.end_backward()
+        self.grads.finish_backward()
+
+    def _settle_writes(self) -> None:
+        self.grads.settle_writes()
+
+    def step(self) -> None:
+        """End of a micro-step: at an accumulation boundary, one optimizer
+        step over every sub-group, then the new parameters are stored."""
+        self._check_open()
+        if self.fetcher is not None:
+            self.fetcher.end_backward()
+        if self.grads.has_open:
+            self._finish_backward()
+        if not self.grads.is_boundary():
+            self.grads.end_micro_step()
+            return
+        try:
+            self.grads.settle_writes()
+        except BaseException:
+            self._abandon_window()
+            raise
+        if not self.grads.touched:
+            raise RuntimeError("step() without a backward() since the last step")
+        scale = self.scaling.for_step(self.grads.boundary_norms())
+        if scale.norm is not None:
+            self.last_grad_norm = scale.norm
+        if scale.skip:
+            self.skipped_steps += 1
+        else:
+            self._optimizer_step(scale.grad_scale)
+        self.grads.end_window()
+
+    def _optimizer_step(self, grad_scale: Any) -> None:
+        self._param_writes = []
+        try:
+            self.optimizer.step(after=self._store_params, grad_scale=grad_scale)
+        finally:
+            self.store.settle(self._param_writes)
+            self._param_writes = []
+        self.global_steps += 1
+
+    def _abandon_window(self) -> None:
+        """A backward or a gradient write failed: drop this accumulation
+        window's gradients (the optimizer state is untouched), give every
+        buffer back and start the window again at the next backward()."""
+        self.reset_window()
+        self.abandoned_windows += 1
+
+    def reset_window(self) -> None:
+        """Drop the gradients of the current accumulation window."""
+        if self.fetcher is not None:
+            self.fetcher.end_backward()
+        self.grads.reset()
+        for s in self.layout.places.values():
+            s.param.grad = None
+
+    def _store_params(self, gi: int, master: Any) -> None:
+        # The previous sub-group's parameter writes had this sub-group's step
+        # to land; wait for them now, so at most two sub-groups of parameter
+        # copies are ever held (not the whole model until the next forward).
+        self.store.settle(self._param_writes)
+        self._param_writes = []
+        for s in self.layout.groups[gi]:
+            self.store.write(s.param, master[s.offset : s.offset + s.numel])
+            self._param_writes.append(s.param)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Write parameters, optimizer state and counters to ``save_dir/tag``
+        (default tag ``global_stepN``), atomically and durably, and point
+        ``save_dir/latest`` at it. Only between optimizer steps (not
+        mid-accumulation). `client_state` must be plain data (dicts, lists,
+        numbers, strings, tensors): loading it can then never run code; a
+        TypeError says so at save time otherwise.
+
+        Every file and folder is fsynced; the checkpoint's ``complete`` marker
+        is written last, and load_checkpoint() refuses a checkpoint without it."""
+        self._check_open()
+        return checkpoint.save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+        """Restore a checkpoint from save_checkpoint() (``latest`` when no tag).
+        Returns (path, client_state). The whole checkpoint is verified --
+        completeness marker, model match, every checksum -- before anything
+        changes: a failed load leaves the trainer exactly as it was."""
+        self._check_open()
+        return checkpoint.load(self, load_dir, tag)
+
+    # -- access and accounting -------------------------------------------------------------
+    def gathered(self, params: Any = None, modify: bool = False) -> Any:
+        """Context manager materialising `params` (default: all) outside
+        forward/backward, e.g. to inspect or export weights."""
+        if params is None:
+            params = list(self.module.parameters())
+        return self.store.gathered(list(params), modify=modify)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's parameters and buffers as CPU tensors, one parameter at a time."""
+        out: dict[str, Any] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            out[name] = self.store.read(p).view(p.aio_shape)
+        for name, b in self.module.named_buffers():
+            out[name] = b.detach().cpu().clone()
+        return out
+
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes held by the parameter store and the optimizer."""
+        opt = self.opt.pinned_bytes() if self.opt is not None else 0
+        return self.store.pinned_bytes() + opt
+
+    def stats(self) -> dict[str, Any]:
+        """Step counters, loss scale, pinned bytes and the parts' own counters."""
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "abandoned_windows": self.abandoned_windows,
+            "loss_scale": self.scaler.scale if self.scaler else None,
+            "pinned_bytes": self.pinned_bytes(),
+            "params": self.store.stats(),
+            "optimizer": self.optimizer.stats(),
+            "fetcher": dict(self.fetcher.counters) if self.fetcher else None,
+        }
+
+    def io_bytes(self) -> int:
+        """Bytes read and written by the parameter and optimizer swappers so far."""
+        total = self.optimizer.io_bytes()
+        if self.store.swapper is not None:
+            c = self.store.swapper.counters
+            total += c["bytes_read"] + c["bytes_written"]
+        return total
+
+    def train(self, mode: bool = True) -> OffloadTrainer:
+        """The model's train(mode); returns the trainer."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> OffloadTrainer:
+        """The model's eval(); returns the trainer."""
+        return self.train(False)
+
+    def parameters(self) -> Any:
+        """The model's parameters (placeholders between uses)."""
+        return self.module.parameters()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this aio.zero trainer is closed")
+
+    def close(self) -> None:
+        """Finish I/O, remove hooks and swap files. Parameters become unusable."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._grad_hooks:
+            h.remove()
+        if self.fetcher is not None:
+            self.fetcher.remove()
+        try:
+            if hasattr(self, "grads"):
+                self.grads.close()
+        finally:
+            if self.opt is not None:
+                self.opt.close()
+            self.store.close()
+
+    def __enter__(self) -> OffloadTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,109 @@
+"""aio.config.train: the training config aio.zero reads, validated by the
+pydantic models of aio.config (one config layer)."""
+
+import pytest
+
+import aio.config
+import aio.zero
+from aio.config import ConfigError, TrainConfig, load_train_config
+
+
+def test_one_config_layer():
+    """aio.zero's training config is aio.config's model, not a second parser."""
+    assert aio.zero.load_train_config is load_train_config
+    assert aio.zero.TrainConfig is TrainConfig is aio.config.TrainConfig
+
+
+def test_deepspeed_defaults():
+    c = load_train_config({})
+    assert (c.dtype, c.optimizer_type, c.gradient_accumulation_steps, c.gradient_clipping) == (
+        "fp32",
+        None,
+        1,
+        0.0,
+    )
+    assert (c.prefetch_bucket_size, c.persistence_threshold, c.sub_group_size) == (50_000_000, 100_000, 10**9)
+    ls = c.loss_scale
+    assert (
+        ls.loss_scale,
+        ls.initial_scale_power,
+        ls.loss_scale_window,
+        ls.hysteresis,
+        ls.min_loss_scale,
+    ) == (
+        0.0,
+        16,
+        1000,
+        2,
+        1.0,
+    )
+
+
+def test_deepspeed_adam_means_adamw_with_weight_decay():
+    c = load_train_config(
+        {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.1, "adam_w_mode": True}}}
+    )
+    assert c.optimizer_type == "AdamW" and c.optimizer_params == {"lr": 1e-3, "weight_decay": 0.1}
+    c = load_train_config({"optimizer": {"type": "adam", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}}})
+    assert c.optimizer_type == "Adam" and c.optimizer_params["betas"] == (0.8, 0.9)
+
+
+def test_disabled_precision_block_is_not_read():
+    c = load_train_config({"fp16": {"enabled": False, "loss_scale": "auto"}, "bf16": {"enabled": True}})
+    assert c.dtype == "bf16"
+
+
+@pytest.mark.parametrize(
+    "cfg,path",
+    [
+        ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "nope": 1}}}, "optimizer.params.nope"),
+        ({"optimizer": {"type": "SGD", "params": {"lr": -1}}}, "optimizer.params"),
+        ({"optimizer": {"type": "Lion"}}, "optimizer.type"),
+        ({"optimizer": "adam"}, "optimizer"),
+        ({"fp16": {"enabled": "auto"}}, "fp16.enabled"),
+        ({"fp16": 3}, "fp16"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "fp16.enabled"),
+        ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
+        ({"zero_optimization": True}, "zero_optimization"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {
+                        "device": "nvme",
+                        "nvme_path": "/x",
+                        "buffer_count": 1,
+                        "pipeline_read": True,
+                    },
+                }
+            },
+            "zero_optimization.offload_optimizer.buffer_count",
+        ),
+    ],
+)
+def test_errors_name_the_key_path(cfg, path):
+    with pytest.raises(ConfigError) as ei:
+        load_train_config(cfg)
+    assert path in [p for p, _ in ei.value.problems], ei.value.problems
+
+
+def test_ignored_keys_one_notice():
+    with pytest.warns(UserWarning, match="ignores these config keys") as rec:
+        c = load_train_config(
+            {"scheduler": {}, "steps_per_print": 1, "zero_optimization": {"overlap_comm": True, "foo": 1}}
+        )
+    assert len(rec) == 1 and c.ignored == ("scheduler", "zero_optimization.foo")
+
+
+def test_read_config_data_is_public(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text('{"gradient_clipping": 1.0}')
+    data, where = aio.config.read_config_data(str(f))
+    assert data == {"gradient_clipping": 1.0} and where == str(f)
+    with pytest.raises(ConfigError, match="JSON object"):
+        aio.config.read_config_data(str(_write(tmp_path / "list.json", "[1]")))
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

@@ -1,0 +1,210 @@
+"""Swap folders on a shared drive: private per-user folders that are
+verified before use, files that never follow a planted symlink, and the
+folders of killed jobs reclaimed by the next job (never a live job's)."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from aio.swap import SwapStorage
+from aio.swap.storage import MARKER, root_name
+
+NOBODY = 65534
+
+
+def test_private_root_is_0700_and_owned(tmp_path):
+    s = SwapStorage(str(tmp_path), "param")
+    st = os.lstat(s.root)
+    assert s.root == str(tmp_path / root_name())
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(st.st_mode) == 0o700
+    assert stat.S_IMODE(os.lstat(s.dir).st_mode) == 0o700
+    s.close()
+
+
+def test_root_open_to_others_is_refused(tmp_path):
+    root = tmp_path / root_name()
+    root.mkdir()
+    os.chmod(root, 0o777)  # e.g. pre-created by someone else for everyone
+    with pytest.raises(PermissionError) as ei:
+        SwapStorage(str(tmp_path), "param")
+    assert ei.value.filename == str(root) and "0777" in str(ei.value)
+    assert os.listdir(root) == []  # never used
+
+
+def test_root_symlink_is_refused(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.symlink(victim, tmp_path / root_name())
+    with pytest.raises(PermissionError) as ei:
+        SwapStorage(str(tmp_path), "param")
+    assert "symbolic link" in str(ei.value)
+    assert os.listdir(victim) == []
+
+
+def test_root_of_another_owner_is_refused(tmp_path, monkeypatch):
+    # We cannot chown as a normal user: pretend to be another uid instead, so
+    # the folder named for that uid exists but belongs to someone else (us).
+    fake = os.geteuid() + 4242
+    root = tmp_path / f"aio-swap-{fake}"
+    root.mkdir(mode=0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: fake)
+    with pytest.raises(PermissionError) as ei:
+        SwapStorage(str(tmp_path), "param")
+    assert f"owned by uid {os.getuid()}" in str(ei.value)
+
+
+def test_planted_symlink_for_swap_file_is_not_followed(tmp_path):
+    s = SwapStorage(str(tmp_path), "param")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, os.path.join(s.dir, "params.swp"))
+    with pytest.raises(FileExistsError):
+        s.file("params.swp").allocate(8192)
+    assert victim.read_text() == "precious"
+    s.close()
+    assert victim.read_text() == "precious" and not os.path.exists(s.dir)
+
+
+def test_io_goes_through_held_folder_descriptor(tmp_path):
+    # Renaming the folder away and planting a symlink in its place must not
+    # redirect the swap file: I/O resolves through the descriptor we hold.
+    from aio.handle import AsyncIOHandle
+
+    s = SwapStorage(str(tmp_path), "param")
+    f = s.file("x.swp")
+    off = f.allocate(4096)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.rename(s.root, tmp_path / "moved")
+    os.symlink(victim, s.root)
+    import torch
+
+    with AsyncIOHandle() as h:
+        h.sync_pwrite(torch.full((1024,), 7, dtype=torch.int32), f.path, off)
+    assert os.listdir(victim) == []
+    assert os.path.getsize(tmp_path / "moved" / os.path.basename(s.dir) / "x.swp") == 4096
+    os.unlink(s.root)
+    os.rename(tmp_path / "moved", s.root)
+    s.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_two_users_share_a_sticky_drive():
+    shared = tempfile.mkdtemp(prefix="aio-shared-")
+    try:
+        os.chmod(shared, 0o1777)
+        mine = SwapStorage(shared, "param")
+        mine.file("a.swp").allocate(4096)
+        pid = os.fork()
+        if pid == 0:  # the other user: no exec needed, aio is already imported
+            code = 1
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                theirs = SwapStorage(shared, "param")
+                theirs.file("a.swp").allocate(4096)
+                code = 0 if os.lstat(theirs.root).st_uid == NOBODY else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert sorted(os.listdir(shared)) == sorted([root_name(), f"aio-swap-{NOBODY}"])
+        mine.close()
+    finally:
+        subprocess.run(["rm", "-rf", shared], check=True)
+
+
+_JOB = textwrap.dedent(
+    """
+    import sys, time
+    from aio.swap import SwapStorage
+    s = SwapStorage(sys.argv[1], "param", job_id=sys.argv[2])
+    s.file("a.swp").allocate(1 << 16)
+    print(s.dir, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _start_job(drive, job):
+    p = subprocess.Popen([sys.executable, "-c", _JOB, str(drive), job], stdout=subprocess.PIPE, text=True)
+    return p, p.stdout.readline().strip()
+
+
+@pytest.mark.timeout(120)
+def test_killed_jobs_folders_reclaimed_live_ones_kept(tmp_path):
+    dead, dead_dir = _start_job(tmp_path, "dead")
+    live, live_dir = _start_job(tmp_path, "live")
+    term, term_dir = _start_job(tmp_path, "term")
+    try:
+        assert os.path.isdir(dead_dir) and os.path.isdir(live_dir) and os.path.isdir(term_dir)
+        dead.send_signal(signal.SIGKILL)
+        term.send_signal(signal.SIGTERM)  # the default action skips exit handlers
+        dead.wait(60)
+        term.wait(60)
+        assert os.path.isdir(dead_dir) and os.path.isdir(term_dir)  # left behind
+        s = SwapStorage(str(tmp_path), "param")
+        assert not os.path.exists(dead_dir) and not os.path.exists(term_dir)
+        assert sorted(s.reclaimed) == sorted(os.path.basename(d) for d in (dead_dir, term_dir))
+        assert os.path.isfile(os.path.join(live_dir, "a.swp"))  # a live job's is kept
+        s.close()
+    finally:
+        live.kill()
+        live.wait(60)
+        dead.kill()
+        term.kill()
+
+
+def _fake_job_folder(root, name, **owner):
+    d = os.path.join(root, name)
+    os.mkdir(d, 0o700)
+    with open(os.path.join(d, MARKER), "w") as f:
+        json.dump(owner, f)
+    with open(os.path.join(d, "a.swp"), "w") as f:
+        f.write("x")
+    return d
+
+
+def test_reclaim_spares_other_hosts_reused_pids_and_unknown_markers(tmp_path):
+    s = SwapStorage(str(tmp_path), "param")
+    with open(os.path.join(s.dir, MARKER)) as f:
+        me = json.load(f)
+    s.close()
+    root = str(tmp_path / root_name())
+    os.mkdir(root, 0o700)
+    # pid 1 is alive here; a marker naming it with another start time is a
+    # reused pid (dead owner), with its real start time it is a live owner.
+    with open("/proc/1/stat") as f:
+        start1 = f.read().rsplit(")", 1)[1].split()[19]
+    reused = _fake_job_folder(root, "reused", **{**me, "pid": 1, "start": "1"})
+    alive = _fake_job_folder(root, "alive", **{**me, "pid": 1, "start": start1})
+    other = _fake_job_folder(root, "other-host", **{**me, "host": me["host"] + "-x", "pid": 2**22 + 1})
+    junk = _fake_job_folder(root, "no-marker")
+    os.unlink(os.path.join(junk, MARKER))
+    os.symlink("/etc/hostname", os.path.join(junk, MARKER))  # a symlinked marker is not read
+    s = SwapStorage(str(tmp_path), "param")
+    assert s.reclaimed == ["reused"] and not os.path.exists(reused)
+    assert all(os.path.exists(os.path.join(d, "a.swp")) for d in (alive, other, junk))
+    s.close()
+
+
+def test_forked_child_does_not_remove_parents_folder(tmp_path):
+    s = SwapStorage(str(tmp_path), "param")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            s.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.isdir(s.dir)
+    s.close()
+    assert not os.path.exists(s.dir)

@@ -1,0 +1,265 @@
+"""The command-line tools on a shared machine and in careless hands: scratch
+files that a planted symlink cannot redirect, a buffer that still works when
+mlock is refused, one-line errors with exit status 2 for bad invocations, and
+Ctrl-C / SIGTERM that exit 130 with the scratch files removed."""
+
+import errno
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aio import _C, _cli, pinned
+from aio import quickcheck as qc
+from aio import sweep as sw
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_SWEEP = [
+    "--io-size",
+    "1M",
+    "--block-sizes",
+    "256K",
+    "--queue-depths",
+    "2",
+    "--threads",
+    "1",
+    "--single-submit",
+    "false",
+    "--overlap-events",
+    "true",
+    "--repeats",
+    "1",
+    "--no-fio",
+]
+PRECIOUS = b"precious data that must survive\n" * 64
+
+
+def _plant(d, victim):
+    """Symlinks at every scratch name the tools used to derive from the pid."""
+    pid = os.getpid()
+    names = [f"aio-check-{pid}.bin", f"aio-sweep-{pid}.bin", f".aio-sweep-probe-{pid}"]
+    for n in names:
+        os.symlink(victim, os.path.join(d, n))
+    return names
+
+
+@pytest.fixture
+def victim(tmp_path):
+    v = tmp_path / "victim"
+    v.write_bytes(PRECIOUS)
+    return v
+
+
+# -- F4: scratch files are never opened through a planted name ---------------------
+
+
+def test_check_does_not_follow_planted_symlink(tmp_path, victim, capsys):
+    d = tmp_path / "shared"
+    d.mkdir()
+    names = _plant(d, victim)
+    assert qc.main(["--size", "4M", "--repeat", "1", "--dir", str(d)]) == 0
+    assert victim.read_bytes() == PRECIOUS
+    assert sorted(os.listdir(d)) == sorted(names)  # our scratch file is gone, links untouched
+
+
+def test_sweep_does_not_follow_planted_symlink(tmp_path, victim, capsys):
+    d = tmp_path / "shared"
+    d.mkdir()
+    names = _plant(d, victim)
+    assert sw.main([str(d), *TINY_SWEEP]) == 0
+    assert victim.read_bytes() == PRECIOUS
+    assert sorted(os.listdir(d)) == sorted(names)
+
+
+def test_scratch_file_is_private_and_exclusive(tmp_path):
+    fd, path, _ = _cli.open_scratch(str(tmp_path), "aio-check-")
+    try:
+        st = os.fstat(fd)
+        assert st.st_mode & 0o777 == 0o600
+        assert os.path.samefile(path, f"/proc/self/fd/{fd}")
+        assert not os.path.islink(path)
+    finally:
+        _cli.remove_scratch(fd, path)
+    assert not os.path.exists(path)
+
+
+# -- F21: mlock refused -> unlocked page-aligned buffer, said so -------------------
+
+
+@pytest.fixture
+def mlock_refused(monkeypatch):
+    # The core path (not torch's CUDA allocator) is the one that mlocks.
+    monkeypatch.setattr(pinned, "_cuda_available", lambda: False)
+    _C.set_lock_fault(errno.EPERM)
+    yield
+    _C.set_lock_fault(0)
+
+
+def test_check_runs_unlocked_when_mlock_refused(tmp_path, mlock_refused, capsys):
+    assert qc.main(["--size", "4M", "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "could not lock" in out and "NOT locked" in out and "GB/s" in out
+    assert os.listdir(tmp_path) == []
+
+
+def test_sweep_runs_unlocked_when_mlock_refused(tmp_path, mlock_refused, capsys):
+    assert sw.main([str(tmp_path), *TINY_SWEEP]) == 0
+    out = capsys.readouterr().out
+    assert "could not lock" in out and "NOT locked" in out and '"aio"' in out
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("err", [errno.ENOMEM, errno.EAGAIN])
+def test_scratch_buffer_falls_back(mlock_refused, err):
+    _C.set_lock_fault(err)
+    notes = []
+    buf, locked = _cli.scratch_buffer(1 << 20, notes.append)
+    assert not locked and buf.numel() == 1 << 20 and buf.data_ptr() % 4096 == 0
+    assert len(notes) == 1 and "could not lock" in notes[0]
+
+
+# -- F21: bad invocations: one line on stderr, exit 2, no traceback -----------------
+
+
+def _bad_invocations(tmp):
+    missing = os.path.join(tmp, "missing")
+    afile = os.path.join(tmp, "afile")
+    good = os.path.join(tmp, "good.json")
+    badjson = os.path.join(tmp, "bad.json")
+    binary = os.path.join(tmp, "binary.json")
+    c, s, g, t = "aio.quickcheck", "aio.sweep", "aio.config", "aio.train"
+    return [
+        (c, ["--size", "infG"]),
+        (c, ["--size", "nanM"]),
+        (c, ["--size", "1e400G"]),
+        (c, ["--size=-4M"]),
+        (c, ["--size", "1000T", "--dir", tmp]),
+        (c, ["--block-size", "0"]),
+        (c, ["--block-size", "4T"]),
+        (c, ["--queue-depth", "0"]),
+        (c, ["--queue-depth", "many"]),
+        (c, ["--threads", "0"]),
+        (c, ["--threads", "100000"]),
+        (c, ["--repeat", "-1"]),
+        (c, ["--dir", missing]),
+        (c, ["--dir", afile]),
+        (s, [tmp, "--io-size", "infM"]),
+        (s, [tmp, "--io-size", "1000T"]),
+        (s, [tmp, "--json", os.path.join(missing, "t.json")]),
+        (s, [tmp, "--plot", tmp]),
+        (s, [missing]),
+        (s, [afile]),
+        (s, [tmp, "--budget-seconds", "nan"]),
+        (s, [tmp, "--budget-seconds", "-1"]),
+        (s, [tmp, "--top", "0"]),
+        (s, [tmp, "--repeats", "-1"]),
+        (s, [tmp, "--block-sizes", "0"]),
+        (s, [tmp, "--block-sizes", "infM"]),
+        (s, [tmp, "--queue-depths", "0"]),
+        (s, [tmp, "--threads", "0"]),
+        (g, ["validate", tmp]),
+        (g, ["validate", missing]),
+        (g, ["validate", binary]),
+        (g, ["validate", badjson]),
+        (g, ["estimate", badjson, "--params", "7e9"]),
+        (g, ["estimate", good, "--params", "nan"]),
+        (g, ["estimate", good, "--params", "-1"]),
+        (g, ["estimate", good, "--params", "7e9", "--optimizer-states", "-1"]),
+        (g, ["estimate", good, "--params", "7e9", "--dtype", "fp7"]),
+        (g, []),
+        (t, ["--config", missing]),
+        (t, ["--config", tmp]),
+        (t, ["--config", badjson]),
+        (t, ["--lr", "nan"]),
+        (t, ["--clip", "-1"]),
+        (t, ["--steps", "0"]),
+        (t, ["--layers", "x"]),
+        (t, ["--sub-group-size", "inf"]),
+        (t, ["--json", os.path.join(missing, "r.json")]),
+        (t, ["--nvme-path", afile]),
+    ]
+
+
+_IDS = [f"{m.split('.')[-1]}:{' '.join(a)}".replace("/", "_") for m, a in _bad_invocations("T")]
+
+
+@pytest.mark.parametrize("case", range(len(_IDS)), ids=_IDS)
+def test_bad_invocation_one_line_exit_2(tmp_path, case):
+    tmp = str(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "good.json").write_text('{"aio": {"block_size": 1048576}}')
+    (tmp_path / "bad.json").write_text('{"aio": {"block_size": 4096,}}')
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
+    module, args = _bad_invocations(tmp)[case]
+    before = sorted(os.listdir(tmp))
+    r = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, AIO_TRAIN_DIR=tmp),
+    )
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = r.stderr.strip().splitlines()
+    prog = {"aio.quickcheck": "aio-check", "aio.sweep": "aio-sweep", "aio.config": "aio-config"}
+    assert len(lines) == 1 and lines[0].startswith(prog.get(module, "aio-train")), r.stderr
+    assert "error:" in lines[0]
+    assert sorted(os.listdir(tmp)) == before  # nothing left behind
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory")
+@pytest.mark.parametrize("module", ["aio.quickcheck", "aio.sweep"])
+def test_unwritable_dir(tmp_path, module):
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o500)
+    args = ["--dir", str(d)] if module == "aio.quickcheck" else [str(d), *TINY_SWEEP]
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not writable" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- Ctrl-C / SIGTERM: exit 130, short message, scratch files removed ---------------
+
+
+def _wait_for(pattern, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if glob.glob(pattern):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    out, err = proc.communicate()
+    pytest.fail(f"no scratch file appeared: rc={proc.returncode} {out} {err}")
+
+
+@pytest.mark.parametrize(
+    "module,args,scratch,sig",
+    [
+        ("aio.quickcheck", ["--size", "4M", "--repeat", "1000000"], "aio-check-*", signal.SIGINT),
+        ("aio.quickcheck", ["--size", "4M", "--repeat", "1000000"], "aio-check-*", signal.SIGTERM),
+        ("aio.sweep", ["--repeats", "1000", "--io-size", "1M", "--no-fio"], "aio-sweep-*", signal.SIGINT),
+    ],
+)
+def test_interrupt_exits_130_and_cleans_up(tmp_path, module, args, scratch, sig):
+    d = str(tmp_path)
+    args = ["--dir", d, *args] if module == "aio.quickcheck" else [d, *args]
+    p = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    _wait_for(os.path.join(d, scratch), p)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (out, err)
+    assert "interrupted" in err and "Traceback" not in err
+    assert os.listdir(d) == []

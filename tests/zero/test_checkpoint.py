@@ -1,0 +1,255 @@
+"""aio.zero.checkpoint: resume exactly where training stopped, refuse what
+does not match; and checkpoints that can be trusted: loading never runs code
+from the files (weights_only), a failed load changes nothing, and a checkpoint
+counts as written only once every file and folder is on the drive and its
+``complete`` marker is there."""
+
+import json
+import os
+import zlib
+
+import pytest
+import torch
+
+import aio.zero
+from aio.swap import OptimizerSwapper
+from aio.train import build_gpt
+
+from .common import H, L, S, V, W, cfg_for, gpt, loss_of, train_engine
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+class _Evil:
+    """Unpickling this creates the file `path`: stands for any code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _crc(path):
+    with open(path, "rb") as f:
+        return zlib.crc32(f.read())
+
+
+def _replace(path, obj):
+    """What an attacker who can write the checkpoint does: swap in a file
+    and fix up the size listed in every enclosing ``complete`` marker."""
+    torch.save(obj, path)
+    d = os.path.dirname(path)
+    while os.path.exists(os.path.join(d, "latest")) is False and d != "/":
+        marker = os.path.join(d, "complete")
+        if os.path.exists(marker):
+            with open(marker) as f:
+                m = json.load(f)
+            m["files"] = {rel: os.path.getsize(os.path.join(d, rel)) for rel in m["files"]}
+            m["crc32"] = {rel: _crc(os.path.join(d, rel)) for rel in m.get("crc32", {})}
+            with open(marker, "w") as f:
+                json.dump(m, f)
+        d = os.path.dirname(d)
+
+
+@pytest.mark.parametrize(
+    "param,opt,victim",
+    [
+        ("nvme", "nvme", "client_state.pt"),
+        ("nvme", "nvme", "optimizer/scalars.pt"),
+        ("cpu", "cpu", "optimizer/optimizer.pt"),
+        ("cpu", "cpu", "params/params.pt"),
+    ],
+)
+def test_tampered_pickle_does_not_run(tmp_path, param, opt, victim):
+    ckpt = tmp_path / "ckpt"
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", param, opt)) as engine:
+        train_engine(engine, 1)
+        path = engine.save_checkpoint(str(ckpt))
+        ran = tmp_path / "code-ran"
+        _replace(os.path.join(path, victim), {"x": _Evil(str(ran))})
+        with pytest.raises(ValueError, match="refusing to load"):
+            engine.load_checkpoint(str(ckpt))
+        assert not ran.exists()
+
+
+def test_client_state_must_be_plain_data(tmp_path):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu")) as engine:
+        train_engine(engine, 1)
+        with pytest.raises(TypeError, match="client_state"):
+            engine.save_checkpoint(str(tmp_path / "c"), client_state={"x": _Evil("/nonexistent")})
+        assert not (tmp_path / "c" / "global_step1").exists()
+        ok = {"epoch": 3, "lr": [1e-3, 2e-3], "rng": torch.arange(4), "name": "run", "n": None}
+        engine.save_checkpoint(str(tmp_path / "c"), client_state=ok)
+        _, client = engine.load_checkpoint(str(tmp_path / "c"))
+    assert client.keys() == ok.keys() and torch.equal(client["rng"], ok["rng"])
+
+
+def _files(top):
+    out = {}
+    for d, _, fs in os.walk(top):
+        for f in fs:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), top)] = fh.read()
+    return out
+
+
+def _damage_last_file(path, opt):
+    if opt == "nvme":
+        last = max(
+            (f for f in os.listdir(os.path.join(path, "optimizer")) if f.startswith("subgroup_")),
+            key=lambda f: int(f[len("subgroup_") : -len(".bin")]),
+        )
+        with open(os.path.join(path, "optimizer", last), "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0xFF]))  # same size: only its checksum can tell
+        return OSError, "checksum"
+    with open(os.path.join(path, "optimizer", "optimizer.pt"), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    return ValueError, "optimizer.pt has"
+
+
+@pytest.mark.parametrize("param,opt", [("nvme", "nvme"), ("cpu", "cpu")])
+def test_failed_load_leaves_state_intact(tmp_path, param, opt):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "drive", param, opt)) as engine:
+        train_engine(engine, 2)
+        a = engine.save_checkpoint(str(tmp_path / "a"))
+        train_engine(engine, 2, start=2)
+        engine.save_checkpoint(str(tmp_path / "b"))  # state B, for comparison
+        exc, what = _damage_last_file(a, opt)
+        with pytest.raises(exc, match=what):
+            engine.load_checkpoint(str(tmp_path / "a"))
+        assert engine.global_steps == 4
+        engine.save_checkpoint(str(tmp_path / "c"), tag="global_step4")
+        assert _files(tmp_path / "c") == _files(tmp_path / "b")  # exactly B, nothing of A
+        more = train_engine(engine, 1, start=4)
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "drive2", param, opt)) as engine:
+        engine.load_checkpoint(str(tmp_path / "b"))
+        assert train_engine(engine, 1, start=4) == more
+
+
+@pytest.mark.parametrize("victim", ["params/params.pt", "optimizer/optimizer.pt", "engine.json"])
+def test_flipped_byte_in_plain_file_is_refused(tmp_path, victim):
+    # Same size, one bit of a weight changed: only a checksum notices.
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "drive", "cpu", "cpu")) as engine:
+        train_engine(engine, 1)
+        path = engine.save_checkpoint(str(tmp_path / "c"))
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        target = os.path.join(path, victim)
+        data = bytearray(open(target, "rb").read())
+        data[len(data) // 2] ^= 0x40
+        open(target, "wb").write(bytes(data))
+        with pytest.raises(ValueError, match="checksum"):
+            engine.load_checkpoint(str(tmp_path / "c"))
+        after = engine.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_checkpoint_without_marker_is_refused(tmp_path):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "drive")) as engine:
+        train_engine(engine, 1)
+        path = engine.save_checkpoint(str(tmp_path / "c"))
+        os.unlink(os.path.join(path, "complete"))
+        with pytest.raises(ValueError, match="not a complete checkpoint"):
+            engine.load_checkpoint(str(tmp_path / "c"))
+        os.unlink(os.path.join(path, "optimizer", "complete"))
+        with pytest.raises(ValueError, match="not a complete checkpoint"):
+            engine.opt.import_checkpoint(os.path.join(path, "optimizer"))
+
+
+def test_every_file_and_folder_is_fsynced_marker_last(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        return real(fd)
+
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "drive")) as engine:
+        train_engine(engine, 1)
+        monkeypatch.setattr(os, "fsync", spy)
+        path = engine.save_checkpoint(str(tmp_path / "save" / "c"))
+        monkeypatch.undo()
+
+    def key(p):
+        st = os.lstat(p)
+        return (st.st_dev, st.st_ino)
+
+    need = {key(tmp_path / "save"), key(tmp_path / "save" / "c")}  # the new folders' parents
+    for d, dirs, fs in os.walk(path):
+        need |= {key(os.path.join(d, n)) for n in dirs + fs}
+    need.add(key(path))
+    need.add(key(os.path.join(tmp_path, "save", "c", "latest")))
+    missing = [k for k in need if k not in synced]
+    assert not missing, f"{len(missing)} of {len(need)} files/folders never fsynced"
+    marker = synced.index(key(os.path.join(path, "complete")))
+    data = [key(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs if f != "complete"]
+    assert all(synced.index(k) < marker for k in data)  # the marker is written last
+
+
+def test_swapper_import_failure_keeps_state(tmp_path):
+    sizes = [5000, 7000, 3000]
+    g = torch.Generator().manual_seed(0)
+
+    def step(s):
+        for i, n in enumerate(sizes):
+            s.write_gradient(i, torch.randn(n, generator=g), async_op=False)
+        s.step()
+
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-2}, buffer_count=2) as s:
+        for i, n in enumerate(sizes):
+            s.register_subgroup(i, n)
+            s.initialize(i, torch.randn(n, generator=g))
+        step(s)
+        s.export_checkpoint(str(tmp_path / "a"))
+        step(s)
+        step(s)
+        s.export_checkpoint(str(tmp_path / "b"))
+        before = [s.read_master(i) for i in range(len(sizes))]
+        last = tmp_path / "a" / f"subgroup_{len(sizes) - 1}.bin"
+        data = bytearray(last.read_bytes())
+        data[10] ^= 1
+        last.write_bytes(bytes(data))
+        with pytest.raises(OSError, match="checksum"):
+            s.import_checkpoint(str(tmp_path / "a"))
+        assert all(torch.equal(s.read_master(i), t) for i, t in enumerate(before))
+        assert s.steps == 3 and s.broken is None
+        s.export_checkpoint(str(tmp_path / "c"))
+    assert _files(tmp_path / "c") == _files(tmp_path / "b")
+
+
+@pytest.mark.parametrize("param,opt", [("nvme", "nvme"), ("cpu", "cpu")])
+def test_checkpoint_resume_matches_uninterrupted(tmp_path, reference, param, opt):
+    ckpt = tmp_path / "ckpt"
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", param, opt)) as engine:
+        first = train_engine(engine, 10)
+        path = engine.save_checkpoint(str(ckpt), client_state={"epoch": 3})
+    assert os.path.basename(path) == "global_step10"
+    assert (ckpt / "latest").read_text() == "global_step10"
+    # A fresh model with different initial weights: everything must come from the checkpoint.
+    torch.manual_seed(123)
+    model = build_gpt(V, W, L, H, S)
+    with aio.zero.initialize(model, cfg_for(tmp_path / "b", param, opt)) as engine:
+        _, client = engine.load_checkpoint(str(ckpt))
+        assert client == {"epoch": 3} and engine.global_steps == 10
+        second = train_engine(engine, 10, start=10)
+    assert first + second == reference
+
+
+def test_checkpoint_refuses_mid_accumulation_and_mismatched_model(tmp_path):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a")) as engine:
+        engine.backward(loss_of(engine, 0, 0))
+        engine.step()  # micro-step 1 of 2
+        with pytest.raises(ValueError, match="accumulation"):
+            engine.save_checkpoint(str(tmp_path / "c"))
+        engine.backward(loss_of(engine, 0, 1))
+        engine.step()
+        engine.save_checkpoint(str(tmp_path / "c"))
+    torch.manual_seed(0)
+    other = build_gpt(V, W, L + 1, H, S)
+    with aio.zero.initialize(other, cfg_for(tmp_path / "b")) as engine:
+        with pytest.raises(ValueError, match="do not match"):
+            engine.load_checkpoint(str(tmp_path / "c"))
