@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -38,23 +39,24 @@ class CliParser(argparse.ArgumentParser):
 def run_cli(prog: str, body: Callable[[], int], on_interrupt: str = "") -> int:
     """Run a CLI body: CliError and OSError become one line on stderr and exit
     status 2, Ctrl-C (and SIGTERM) exit 130; cleanup runs in the body's
-    ``finally`` blocks before we get here."""
-    try:
-        with _sigterm_as_interrupt():
+    ``finally`` blocks before we get here. After an interrupt both signals
+    stay ignored in this process: it is meant to exit 130 now."""
+    with _sigterm_as_interrupt():
+        try:
             return body()
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted{'; ' + on_interrupt if on_interrupt else ''}", file=sys.stderr)
-        return 130
-    except CliError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"{prog}: error: {_describe_os_error(e)}", file=sys.stderr)
-        return 2
-    except (ValueError, OverflowError) as e:  # a config, or settings the I/O core refuses
-        text = e.one_line() if hasattr(e, "one_line") else " ".join(str(e).split())
-        print(f"{prog}: error: {text}", file=sys.stderr)
-        return 2
+        except KeyboardInterrupt:
+            print(f"\n{prog}: interrupted{'; ' + on_interrupt if on_interrupt else ''}", file=sys.stderr)
+            return 130
+        except CliError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"{prog}: error: {_describe_os_error(e)}", file=sys.stderr)
+            return 2
+        except (ValueError, OverflowError) as e:  # a config, or settings the I/O core refuses
+            text = e.one_line() if hasattr(e, "one_line") else " ".join(str(e).split())
+            print(f"{prog}: error: {text}", file=sys.stderr)
+            return 2
 
 
 def _describe_os_error(e: OSError) -> str:
@@ -64,13 +66,23 @@ def _describe_os_error(e: OSError) -> str:
 
 
 _deferred_interrupt = False
+_interrupted = False
+_interrupted_at = 0.0
+# After the one KeyboardInterrupt of a run, repeats are ignored this long: the
+# CLI is unwinding to exit 130. Later ones (a caller that embeds main() and
+# goes on) raise again.
+_REPEAT_GRACE_S = 5.0
 
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """Ctrl-C and SIGTERM raise KeyboardInterrupt so cleanup runs (main thread only)."""
-    global _deferred_interrupt
-    _deferred_interrupt = False
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt so cleanup runs (main thread
+    only). After one was raised both signals are ignored from here on: the
+    CLI exits 130 next, and a repeated Ctrl-C reaching the old handler (or the
+    default action the interpreter restores while it shuts down) would make
+    the process die of SIGINT instead."""
+    global _deferred_interrupt, _interrupted
+    _deferred_interrupt = _interrupted = False
     try:
         old = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: leave signals alone
@@ -80,7 +92,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         for sig, h in old.items():
-            signal.signal(sig, h)
+            signal.signal(sig, signal.SIG_IGN if _interrupted else h)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -88,13 +100,21 @@ def _on_signal(signum: int, frame: Any) -> None:
     # weakref callback) is printed as "Exception ignored" and lost; remember
     # the signal instead, and check_interrupt() raises it at the next step.
     global _deferred_interrupt
+    if _interrupted and time.monotonic() - _interrupted_at < _REPEAT_GRACE_S:
+        return  # one KeyboardInterrupt per run: the CLI is already unwinding
     f = frame
     while f is not None:
         if f.f_code.co_name == "__del__" or f.f_code.co_filename == weakref.__file__:
             _deferred_interrupt = True
             return
         f = f.f_back
+    _mark_interrupted()
     raise KeyboardInterrupt
+
+
+def _mark_interrupted() -> None:
+    global _interrupted, _interrupted_at
+    _interrupted, _interrupted_at = True, time.monotonic()
 
 
 def check_interrupt() -> None:
@@ -102,6 +122,7 @@ def check_interrupt() -> None:
     global _deferred_interrupt
     if _deferred_interrupt:
         _deferred_interrupt = False
+        _mark_interrupted()
         raise KeyboardInterrupt
 
 

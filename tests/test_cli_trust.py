@@ -263,3 +263,27 @@ def test_interrupt_exits_130_and_cleans_up(tmp_path, module, args, scratch, sig)
     assert p.returncode == 130, (out, err)
     assert "interrupted" in err and "Traceback" not in err
     assert os.listdir(d) == []
+
+
+def test_repeated_interrupt_still_exits_130(tmp_path):
+    # A second Ctrl-C while the first one unwinds (or a signal still pending
+    # when the CLI's handler used to be taken down) must not escape as a bare
+    # KeyboardInterrupt: the interpreter would kill itself with SIGINT (-2).
+    d = str(tmp_path)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "aio.quickcheck", "--dir", d, "--size", "4M", "--repeat", "1000000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    _wait_for(os.path.join(d, "aio-check-*"), p)
+    for _ in range(20):
+        if p.poll() is not None:
+            break
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.005)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (out, err)
+    assert err.count("interrupted") == 1 and "Traceback" not in err
+    assert os.listdir(d) == []
