@@ -74,3 +74,30 @@ def engines() -> list[str]: ...
 def locked_bytes() -> int: ...
 def set_lock_fault(errno: int) -> None: ...
 def page_size() -> int: ...
+
+# One fused Adam/AdamW step over numel float32 elements at these addresses
+# (csrc/core/cpu_adam.h; aio.optim.adam_update checks the tensors). step >= 1,
+# lr/eps/weight_decay >= 0, betas in [0, 1), all finite, threads in [1, 1024],
+# numel >= 0, else ValueError. lowp_kind: 'none', 'bfloat16' or 'float16'
+# (lowp_ptr given exactly when not 'none'). sqrt_fn: address of a vector
+# square root with MKL vmsSqrt's signature (0: the correctly rounded one).
+def adam_update(
+    param_ptr: int,
+    grad_ptr: int,
+    exp_avg_ptr: int,
+    exp_avg_sq_ptr: int,
+    numel: int,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_scale: float | None = None,
+    lowp_ptr: int = 0,
+    lowp_kind: str = "none",
+    threads: int = 1,
+    sqrt_fn: int = 0,
+    sqrt_mode: int = 0,
+) -> None: ...

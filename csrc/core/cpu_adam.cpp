@@ -89,7 +89,8 @@ AIO_ALWAYS_INLINE uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(f != f ? 0xFFFFu : r);
 }
 
-// IEEE half, round to nearest even, NaN -> sign | 0x7E00. Written with
+// IEEE half, round to nearest even; a NaN stays a NaN with its sign and the
+// top of its payload, quiet (as F16C's vcvtps2ph, which torch uses). Written with
 // selects only, so the loop vectorizes.
 AIO_ALWAYS_INLINE uint16_t to_f16(float f) {
   const uint32_t u = bits_of(f);
@@ -103,16 +104,19 @@ AIO_ALWAYS_INLINE uint16_t to_f16(float f) {
   const uint32_t norm = ((a + 0xFFFu + ((a >> 13) & 1u)) >> 13) - 0x1C000u;
   uint32_t h = a < 0x38800000u ? sub : norm;
   h = a >= 0x477FF000u ? 0x7C00u : h;  // rounds to 65536 or more: infinity
-  h = a > 0x7F800000u ? 0x7E00u : h;   // NaN
+  h = a > 0x7F800000u ? 0x7E00u | ((a >> 13) & 0x3FFu) : h;  // NaN
   return static_cast<uint16_t>(sign | h);
 }
 
 // Pass one: gradient (scaled, L2), both moments; v also goes to `sq`.
-template <bool kL2, bool kSmall>
+// kFixed: a whole block, a trip count known at compile time, which GCC
+// vectorizes even at -O2 (no epilogue needed); 0: the chunk's last n.
+template <bool kL2, bool kSmall, size_t kFixed>
 AIO_ALWAYS_INLINE void moments(const Scalars& s, const float* __restrict grad,
                                const float* __restrict param, float* __restrict m,
                                float* __restrict v, float* __restrict sq, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
+  const size_t count = kFixed ? kFixed : n;
+  for (size_t i = 0; i < count; ++i) {
     float g = grad[i] * s.scale;
     if (kL2) g = std::fma(s.wd, param[i], g);  // add(param, alpha=wd)
     const float mi = m[i];
@@ -125,12 +129,13 @@ AIO_ALWAYS_INLINE void moments(const Scalars& s, const float* __restrict grad,
 }
 
 // Pass two: denominator, parameter update, low-precision copy.
-template <LowpKind kLowp, bool kRootGiven>
+template <LowpKind kLowp, bool kRootGiven, size_t kFixed>
 AIO_ALWAYS_INLINE void apply(const Scalars& s, const float* __restrict root,
                              const float* __restrict m, float* __restrict p,
                              void* __restrict lowp, size_t n) {
   uint16_t* __restrict out = static_cast<uint16_t*>(lowp);
-  for (size_t i = 0; i < n; ++i) {
+  const size_t count = kFixed ? kFixed : n;
+  for (size_t i = 0; i < count; ++i) {
     const float r = kRootGiven ? root[i] : std::sqrt(root[i]);
     const float denom = r / s.bc2_sqrt + s.eps;
     float pi = p[i] * s.decay;
@@ -141,22 +146,31 @@ AIO_ALWAYS_INLINE void apply(const Scalars& s, const float* __restrict root,
   }
 }
 
+// One block of n elements starting at i (n == kFixed when kFixed != 0).
+template <bool kL2, bool kSmall, LowpKind kLowp, size_t kFixed>
+AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
+                                 size_t i, size_t n, float* __restrict sq,
+                                 float* __restrict root) {
+  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq,
+                               n);
+  uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
+  if (vs.fn) {
+    vs.fn(static_cast<int32_t>(n), sq, root, vs.mode);
+    apply<kLowp, true, kFixed>(s, root, b.exp_avg + i, b.param + i, lowp, n);
+  } else {
+    apply<kLowp, false, kFixed>(s, sq, b.exp_avg + i, b.param + i, lowp, n);
+  }
+}
+
 template <bool kL2, bool kSmall, LowpKind kLowp>
 AIO_ALWAYS_INLINE void run_range(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
                                  size_t begin, size_t end) {
   alignas(64) float sq[kBlock];
   alignas(64) float root[kBlock];
-  for (size_t i = begin; i < end; i += kBlock) {
-    const size_t n = std::min(kBlock, end - i);
-    moments<kL2, kSmall>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);
-    uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
-    if (vs.fn) {
-      vs.fn(static_cast<int32_t>(n), sq, root, vs.mode);
-      apply<kLowp, true>(s, root, b.exp_avg + i, b.param + i, lowp, n);
-    } else {
-      apply<kLowp, false>(s, sq, b.exp_avg + i, b.param + i, lowp, n);
-    }
-  }
+  size_t i = begin;
+  for (; end - i >= kBlock; i += kBlock)
+    run_block<kL2, kSmall, kLowp, kBlock>(s, b, vs, i, kBlock, sq, root);
+  if (i < end) run_block<kL2, kSmall, kLowp, 0>(s, b, vs, i, end - i, sq, root);
 }
 
 using RangeFn = void (*)(const Scalars&, const AdamBuffers&, const VectorSqrt&, size_t, size_t);

@@ -35,7 +35,8 @@ struct VectorSqrt {
 
 // Optional low-precision copy of the updated parameter, written in the same
 // pass: bfloat16 or IEEE half, rounded to nearest even like torch's
-// .to(dtype) (NaN -> 0xFFFF for bfloat16, sign|0x7E00 for half).
+// .to(dtype) (NaN -> 0xFFFF for bfloat16; for half a quiet NaN keeping the
+// sign and the top 10 payload bits).
 enum class LowpKind { None, BFloat16, Float16 };
 
 struct AdamBuffers {
