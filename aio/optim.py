@@ -12,11 +12,12 @@ results are equal bit for bit to ``torch.optim.Adam``/``AdamW`` with
 :func:`fast_cpu_optimizer` swaps them in for torch's classes where that is
 exact.
 
-One thing is borrowed from torch at run time: on x86 torch's ``sqrt`` is
-MKL's ``vmsSqrt``, which is not always the correctly rounded square root, so
-the kernel calls the same function (found in torch's own library). A
-self-check against torch decides once per process which square root
-reproduces torch on this machine.
+One thing depends on the machine: on x86 torch's ``sqrt`` is MKL's
+``vmsSqrt``, which is not always the correctly rounded square root. The
+kernel can compute MKL's SSE algorithm in-line (what MKL runs on AMD CPUs),
+call MKL's function itself (found in torch's own library), or use the
+correctly rounded root; a self-check against torch picks, once per process,
+the first of these that reproduces torch on this machine.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def adam_update(
     ptrs = [t.data_ptr() for t in (param, grad, exp_avg, exp_avg_sq)]
     if n > 0 and len(set(ptrs)) != 4:
         raise ValueError("param, grad, exp_avg and exp_avg_sq must be four different tensors")
-    sqrt_fn, sqrt_mode = _vector_sqrt()
+    sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt()
     _C.adam_update(
         *ptrs,
         n,
@@ -144,6 +145,7 @@ def adam_update(
         lowp_ptr=lowp_ptr,
         lowp_kind=lowp_kind,
         threads=_threads(threads),
+        sqrt_kind=sqrt_kind,
         sqrt_fn=sqrt_fn,
         sqrt_mode=sqrt_mode,
     )
@@ -162,14 +164,22 @@ def _mkl_sqrt_address() -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
-def _matches_torch(sqrt: tuple[int, int]) -> bool:
+# (kind, function address, mode) as _C.adam_update takes them.
+_Sqrt = tuple[str, int, int]
+
+
+def _matches_torch(sqrt: _Sqrt) -> bool:
     """Whether the kernel with this square root reproduces torch's Adam and
-    AdamW here, on values spread over many magnitudes."""
+    AdamW here, on values spread over many magnitudes (zeros and subnormal
+    second moments included)."""
     g = torch.Generator().manual_seed(1234)
     n = 4099
     for decoupled in (False, True):
         p0 = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
-        grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4) for _ in range(3)]
+        grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8) for _ in range(3)]
+        for grad in grads:
+            grad[:64] = 0.0
+            grad[64:128] *= 1e-22
         ref = p0.clone().requires_grad_(True)
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         opt = cls([ref], lr=1e-2, weight_decay=0.01, foreach=False)
@@ -179,34 +189,36 @@ def _matches_torch(sqrt: tuple[int, int]) -> bool:
             opt.step()
             hyper = dict(step=float(step), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
             ptrs = (p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr())
-            _C.adam_update(*ptrs, n, **hyper, decoupled=decoupled, sqrt_fn=sqrt[0], sqrt_mode=sqrt[1])
+            _C.adam_update(*ptrs, n, **hyper, decoupled=decoupled, sqrt_kind=sqrt[0], sqrt_fn=sqrt[1],
+                           sqrt_mode=sqrt[2])  # fmt: skip
         if not torch.equal(ref.detach(), p):
             return False
     return True
 
 
 @functools.lru_cache(maxsize=1)
-def _choose_sqrt() -> tuple[int, int, bool]:
-    """(sqrt function address, mode, bit-exact): the square root that
-    reproduces torch here, tried in order MKL's, then the correctly rounded."""
+def _choose_sqrt() -> tuple[_Sqrt, bool]:
+    """(square root, bit-exact): the first that reproduces torch here of MKL's
+    SSE algorithm in-line (x86 CPUs MKL runs its SSE kernel on), MKL's
+    function itself, the correctly rounded one."""
     mkl = _mkl_sqrt_address()
-    candidates = ([(mkl, _VML_MODE)] if mkl else []) + [(0, 0)]
+    candidates: list[_Sqrt] = [("mkl_sse", mkl, _VML_MODE), ("external", mkl, _VML_MODE)] if mkl else []
+    candidates.append(("exact", 0, 0))
     for cand in candidates:
         if _matches_torch(cand):
-            return cand[0], cand[1], True
-    # Neither reproduces torch: still a correct Adam, to within an ulp.
-    return candidates[0][0], candidates[0][1], False
+            return cand, True
+    # None reproduces torch: still a correct Adam, to within an ulp.
+    return candidates[-2 if mkl else -1], False
 
 
-def _vector_sqrt() -> tuple[int, int]:
-    fn, mode, _ = _choose_sqrt()
-    return fn, mode
+def _vector_sqrt() -> _Sqrt:
+    return _choose_sqrt()[0]
 
 
 def is_bit_exact() -> bool:
     """Whether :func:`adam_update` reproduces torch's Adam bit for bit on this
     machine (checked once per process against torch itself)."""
-    return _choose_sqrt()[2]
+    return _choose_sqrt()[1]
 
 
 # Options of torch's Adam this implementation does not have, with the value

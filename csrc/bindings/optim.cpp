@@ -32,6 +32,19 @@ float* fptr(const char* name, uintptr_t p, int64_t numel) {
   return reinterpret_cast<float*>(p);
 }
 
+aio::SqrtKind sqrt_kind(const std::string& k, uintptr_t fn) {
+  if (k == "exact") return aio::SqrtKind::CorrectlyRounded;
+  aio::SqrtKind kind;
+  if (k == "external")
+    kind = aio::SqrtKind::External;
+  else if (k == "mkl_sse")
+    kind = aio::SqrtKind::MklSse;
+  else
+    throw py::value_error("sqrt_kind must be 'exact', 'external' or 'mkl_sse', got '" + k + "'");
+  if (fn == 0) throw py::value_error("sqrt_kind '" + k + "' needs sqrt_fn");
+  return kind;
+}
+
 aio::LowpKind lowp_kind(const std::string& k) {
   if (k == "none") return aio::LowpKind::None;
   if (k == "bfloat16") return aio::LowpKind::BFloat16;
@@ -42,7 +55,8 @@ aio::LowpKind lowp_kind(const std::string& k) {
 void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
                  int64_t numel, double step, double lr, double beta1, double beta2, double eps,
                  double weight_decay, bool decoupled, py::object grad_scale, uintptr_t lowp,
-                 const std::string& kind, int64_t threads, uintptr_t sqrt_fn, int64_t sqrt_mode) {
+                 const std::string& kind, int64_t threads, const std::string& sqrt,
+                 uintptr_t sqrt_fn, int64_t sqrt_mode) {
   const double inf = INFINITY;
   if (numel < 0) throw py::value_error("numel must be at least 0, got " + std::to_string(numel));
   if (threads < 1 || threads > 1024)
@@ -69,6 +83,7 @@ void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t e
   if (h.has_grad_scale)
     h.grad_scale = checked("grad_scale", grad_scale.cast<double>(), -inf, inf, false);
   aio::VectorSqrt vs;
+  vs.kind = sqrt_kind(sqrt, sqrt_fn);
   vs.fn = reinterpret_cast<void (*)(int32_t, const float*, float*, int64_t)>(sqrt_fn);
   vs.mode = sqrt_mode;
   py::gil_scoped_release nogil;
@@ -84,5 +99,5 @@ void bind_optim(py::module_& m) {
         py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled"), py::arg("grad_scale") = py::none(),
         py::arg("lowp_ptr") = 0, py::arg("lowp_kind") = "none", py::arg("threads") = 1,
-        py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0);
+        py::arg("sqrt_kind") = "exact", py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0);
 }

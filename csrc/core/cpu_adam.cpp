@@ -31,6 +31,7 @@
 // copy runs everywhere else (and there std::fma may be a library call).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define AIO_ADAM_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace aio {
@@ -146,31 +147,113 @@ AIO_ALWAYS_INLINE void apply(const Scalars& s, const float* __restrict root,
   }
 }
 
+#ifdef AIO_ADAM_AVX2
+// MKL's SSE sqrt kernel, lane by lane (SqrtKind::MklSse); n a multiple of 4.
+// Lanes outside [smallest normal, 0x7F7FF000] are the ones MKL hands to its
+// rare-case code: zeros give themselves, any other makes the result true.
+// Plain SSE2 (every x86-64 has it), no FMA: the same roundings as MKL.
+AIO_ALWAYS_INLINE bool mkl_sse_sqrt_128(const float* in, float* out, size_t n) {
+  const __m128 half = _mm_set1_ps(0.5f);
+  const __m128i bias = _mm_set1_epi32(0x7F800000);
+  const __m128i limit = _mm_set1_epi32(static_cast<int>(0xFEFFF000u));
+  const __m128i abs_mask = _mm_set1_epi32(0x7FFFFFFF);
+  __m128i rare = _mm_setzero_si128();
+  for (size_t i = 0; i < n; i += 4) {
+    const __m128 x = _mm_loadu_ps(in + i);
+    const __m128 y = _mm_rsqrt_ps(x);
+    const __m128 s = _mm_mul_ps(x, y);
+    const __m128 h = _mm_mul_ps(y, half);
+    const __m128 e = _mm_sub_ps(half, _mm_mul_ps(s, h));
+    const __m128 s1 = _mm_add_ps(_mm_mul_ps(s, e), s);
+    const __m128 h1 = _mm_add_ps(_mm_mul_ps(h, e), h);
+    const __m128 r = _mm_sub_ps(x, _mm_mul_ps(s1, s1));
+    const __m128 root = _mm_add_ps(_mm_mul_ps(r, h1), s1);
+    const __m128i bits = _mm_castps_si128(x);
+    const __m128i special = _mm_cmpgt_epi32(_mm_add_epi32(bits, bias), limit);
+    const __m128i zero = _mm_cmpeq_epi32(_mm_and_si128(bits, abs_mask), _mm_setzero_si128());
+    rare = _mm_or_si128(rare, _mm_andnot_si128(zero, special));
+    const __m128 sp = _mm_castsi128_ps(special);
+    _mm_storeu_ps(out + i, _mm_or_ps(_mm_andnot_ps(sp, root), _mm_and_ps(sp, x)));
+  }
+  return _mm_movemask_epi8(rare) != 0;
+}
+
+// The same, eight lanes at a time; n a multiple of 8. Not inlined (a call
+// per block): GCC inlines a target("avx2") function only into another.
+__attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float* out,
+                                                          size_t n) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256i bias = _mm256_set1_epi32(0x7F800000);
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(0xFEFFF000u));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i rare = _mm256_setzero_si256();
+  for (size_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    const __m256 y = _mm256_rsqrt_ps(x);
+    const __m256 s = _mm256_mul_ps(x, y);
+    const __m256 h = _mm256_mul_ps(y, half);
+    const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+    const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
+    const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, e), h);
+    const __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
+    const __m256 root = _mm256_add_ps(_mm256_mul_ps(r, h1), s1);
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i special = _mm256_cmpgt_epi32(_mm256_add_epi32(bits, bias), limit);
+    const __m256i zero =
+        _mm256_cmpeq_epi32(_mm256_and_si256(bits, abs_mask), _mm256_setzero_si256());
+    rare = _mm256_or_si256(rare, _mm256_andnot_si256(zero, special));
+    _mm256_storeu_ps(out + i, _mm256_blendv_ps(root, x, _mm256_castsi256_ps(special)));
+  }
+  return !_mm256_testz_si256(rare, rare);
+}
+#endif
+
+// Square roots of sq[0, n) into root, as vs says (the CorrectlyRounded kind
+// is done in apply()). sq has room for a whole block: a short tail is padded
+// with ones so the vector loop needs no remainder.
+template <bool kAvx2>
+AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* __restrict root,
+                             size_t n) {
+#ifdef AIO_ADAM_AVX2
+  if (vs.kind == SqrtKind::MklSse) {
+    const size_t padded = (n + 7) / 8 * 8;
+    for (size_t i = n; i < padded; ++i) sq[i] = 1.0f;
+    bool rare;
+    if constexpr (kAvx2)
+      rare = mkl_sse_sqrt_256(sq, root, padded);
+    else
+      rare = mkl_sse_sqrt_128(sq, root, padded);
+    if (!rare) return;
+  }
+#endif
+  vs.fn(static_cast<int32_t>(n), sq, root, vs.mode);
+}
+
 // One block of n elements starting at i (n == kFixed when kFixed != 0).
-template <bool kL2, bool kSmall, LowpKind kLowp, size_t kFixed>
+template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2, size_t kFixed>
 AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
                                  size_t i, size_t n, float* __restrict sq,
                                  float* __restrict root) {
   moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq,
                                n);
   uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
-  if (vs.fn) {
-    vs.fn(static_cast<int32_t>(n), sq, root, vs.mode);
+  if (vs.kind != SqrtKind::CorrectlyRounded) {
+    roots<kAvx2>(vs, sq, root, n);
     apply<kLowp, true, kFixed>(s, root, b.exp_avg + i, b.param + i, lowp, n);
   } else {
     apply<kLowp, false, kFixed>(s, sq, b.exp_avg + i, b.param + i, lowp, n);
   }
 }
 
-template <bool kL2, bool kSmall, LowpKind kLowp>
+template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2>
 AIO_ALWAYS_INLINE void run_range(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
                                  size_t begin, size_t end) {
   alignas(64) float sq[kBlock];
   alignas(64) float root[kBlock];
   size_t i = begin;
   for (; end - i >= kBlock; i += kBlock)
-    run_block<kL2, kSmall, kLowp, kBlock>(s, b, vs, i, kBlock, sq, root);
-  if (i < end) run_block<kL2, kSmall, kLowp, 0>(s, b, vs, i, end - i, sq, root);
+    run_block<kL2, kSmall, kLowp, kAvx2, kBlock>(s, b, vs, i, kBlock, sq, root);
+  if (i < end) run_block<kL2, kSmall, kLowp, kAvx2, 0>(s, b, vs, i, end - i, sq, root);
 }
 
 using RangeFn = void (*)(const Scalars&, const AdamBuffers&, const VectorSqrt&, size_t, size_t);
@@ -178,7 +261,7 @@ using RangeFn = void (*)(const Scalars&, const AdamBuffers&, const VectorSqrt&, 
 template <bool kL2, bool kSmall, LowpKind kLowp>
 void range_portable(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs, size_t begin,
                     size_t end) {
-  run_range<kL2, kSmall, kLowp>(s, b, vs, begin, end);
+  run_range<kL2, kSmall, kLowp, false>(s, b, vs, begin, end);
 }
 
 #ifdef AIO_ADAM_AVX2
@@ -186,7 +269,7 @@ template <bool kL2, bool kSmall, LowpKind kLowp>
 __attribute__((target("avx2,fma"))) void range_avx2(const Scalars& s, const AdamBuffers& b,
                                                     const VectorSqrt& vs, size_t begin,
                                                     size_t end) {
-  run_range<kL2, kSmall, kLowp>(s, b, vs, begin, end);
+  run_range<kL2, kSmall, kLowp, true>(s, b, vs, begin, end);
 }
 
 bool cpu_has_avx2_fma() {
@@ -292,9 +375,20 @@ WorkerPool& pool() {
 
 }  // namespace
 
+bool mkl_sse_supported() {
+#ifdef AIO_ADAM_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
-                 const VectorSqrt& vsqrt) {
+                 const VectorSqrt& vsqrt_in) {
   if (buf.numel == 0) return;
+  VectorSqrt vsqrt = vsqrt_in;
+  if (vsqrt.fn == nullptr || (vsqrt.kind == SqrtKind::MklSse && !mkl_sse_supported()))
+    vsqrt.kind = vsqrt.fn ? SqrtKind::External : SqrtKind::CorrectlyRounded;
   const Scalars s = make_scalars(hp);
   AdamBuffers b = buf;
   if (b.lowp == nullptr) b.lowp_kind = LowpKind::None;

@@ -23,15 +23,29 @@
 
 namespace aio {
 
-// A vector square root with MKL VML's calling convention (vmsSqrt: count,
-// input, output, mode). torch's sqrt on x86 is MKL's, which is not always the
-// correctly rounded one; passing the same function makes the results equal.
-// Without one (fn == nullptr) the correctly rounded sqrt is used, which is
-// what torch builds without MKL compute.
+// The square root torch's sqrt computes. On x86 that is MKL's vmsSqrt, which
+// is not always the correctly rounded one, so the result must come from the
+// same algorithm:
+//   CorrectlyRounded  IEEE sqrt (torch builds without MKL; aarch64).
+//   External          fn (MKL VML's signature: count, input, output, mode).
+//   MklSse            the algorithm of MKL's SSE kernel (what MKL runs on
+//                     CPUs it gives no AVX path, e.g. AMD), in-line: one
+//                     rsqrtps estimate, one Newton step for the root and its
+//                     half-reciprocal, one correction, no FMA. Zeros give
+//                     themselves; a block holding any other input MKL treats
+//                     apart (subnormal, negative, huge, inf, NaN) is passed to
+//                     fn. x86-64 only (mkl_sse_supported()); fn required.
+// Python picks the kind that reproduces torch on the machine (aio/optim.py).
+enum class SqrtKind { CorrectlyRounded, External, MklSse };
+
 struct VectorSqrt {
+  SqrtKind kind = SqrtKind::CorrectlyRounded;
   void (*fn)(int32_t n, const float* in, float* out, int64_t mode) = nullptr;
   int64_t mode = 0;
 };
+
+// Whether SqrtKind::MklSse can run here (x86-64 builds).
+bool mkl_sse_supported();
 
 // Optional low-precision copy of the updated parameter, written in the same
 // pass: bfloat16 or IEEE half, rounded to nearest even like torch's
@@ -66,6 +80,8 @@ struct AdamHyper {
 // calling thread; otherwise contiguous chunks run on the calling thread plus
 // threads - 1 pool workers. Concurrent calls are serialized on the pool.
 // The result does not depend on the thread count. Buffers must not overlap.
+// External and MklSse need vsqrt.fn (without one they fall back to
+// CorrectlyRounded).
 void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
                  const VectorSqrt& vsqrt = VectorSqrt());
 
