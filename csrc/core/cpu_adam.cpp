@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -39,8 +40,11 @@ namespace {
 
 // Elements per block: six 4 KiB streams (four arrays, two scratch) fit in L1.
 constexpr size_t kBlock = 1024;
-// Chunk boundaries fall on whole cache lines (16 floats).
-constexpr size_t kChunkAlign = 16;
+// Work is handed out in chunks of this many elements (whole blocks, 1 MiB
+// per array), taken from a shared counter: on a shared machine a thread
+// whose core is busy elsewhere takes fewer, instead of every call waiting
+// for the slowest fixed share.
+constexpr size_t kChunk = 256 * kBlock;
 
 // The per-element constants, each rounded to float once as ATen does.
 struct Scalars {
@@ -400,12 +404,15 @@ void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
     fn(s, b, vsqrt, 0, n);
     return;
   }
-  size_t chunk = (n + parts - 1) / parts;
-  chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-  pool().run(parts, [&](unsigned part) {
-    const size_t begin = std::min(n, part * chunk);
-    const size_t end = std::min(n, begin + chunk);
-    if (begin < end) fn(s, b, vsqrt, begin, end);
+  // Small inputs still split in two or more: at least one chunk per part.
+  const size_t chunk = std::min(kChunk, (n / parts + kBlock - 1) / kBlock * kBlock);
+  std::atomic<size_t> next{0};
+  pool().run(parts, [&](unsigned) {
+    for (;;) {
+      const size_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (begin >= n) return;
+      fn(s, b, vsqrt, begin, std::min(n, begin + chunk));
+    }
   });
 }
 
