@@ -27,7 +27,16 @@ ext = Pybind11Extension(
     depends=sorted(glob("csrc/core/*.h")) + [VERSION_SCRIPT],
     cxx_std=17,
     # Pybind11Extension already passes -fvisibility=hidden.
-    extra_compile_args=["-O2", *WARNINGS, "-fvisibility-inlines-hidden"],
+    # -ffp-contract=off: the CPU Adam kernel (csrc/core/cpu_adam.cpp) must round
+    # exactly like torch, so no multiply-add may be fused that the source does
+    # not fuse itself; -fno-math-errno lets its sqrt loop vectorize.
+    extra_compile_args=[
+        "-O2",
+        *WARNINGS,
+        "-fvisibility-inlines-hidden",
+        "-ffp-contract=off",
+        "-fno-math-errno",
+    ],
     # Threads only; kernel AIO is reached through syscall(), so no -laio.
     extra_link_args=[
         "-pthread",

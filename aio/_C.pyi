@@ -74,3 +74,33 @@ def engines() -> list[str]: ...
 def locked_bytes() -> int: ...
 def set_lock_fault(errno: int) -> None: ...
 def page_size() -> int: ...
+
+# One fused Adam/AdamW step over numel float32 elements at these addresses
+# (csrc/core/cpu_adam.h; aio.optim.adam_update checks the tensors). step >= 1,
+# lr/eps/weight_decay >= 0, betas in [0, 1), all finite, threads in [1, 1024],
+# numel >= 0, else ValueError. lowp_kind: 'none', 'bfloat16' or 'float16'
+# (lowp_ptr given exactly when not 'none'). sqrt_kind: 'exact' (correctly
+# rounded), 'external' (sqrt_fn: address of a vector square root with MKL
+# vmsSqrt's signature, sqrt_mode its mode) or 'mkl_sse' (MKL's SSE algorithm
+# in-line, sqrt_fn for its rare inputs); see SqrtKind in cpu_adam.h.
+def adam_update(
+    param_ptr: int,
+    grad_ptr: int,
+    exp_avg_ptr: int,
+    exp_avg_sq_ptr: int,
+    numel: int,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_scale: float | None = None,
+    lowp_ptr: int = 0,
+    lowp_kind: str = "none",
+    threads: int = 1,
+    sqrt_kind: str = "exact",
+    sqrt_fn: int = 0,
+    sqrt_mode: int = 0,
+) -> None: ...

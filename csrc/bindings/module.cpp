@@ -22,6 +22,8 @@
 namespace py = pybind11;
 using aio::Op;
 
+void bind_optim(py::module_& m);  // optim.cpp
+
 namespace {
 
 [[noreturn]] void raise_overflow(const std::string& msg) {
@@ -339,4 +341,5 @@ PYBIND11_MODULE(_C, m) {
   bind_handle(m);
   bind_pinned(m);
   bind_functions(m);
+  bind_optim(m);
 }

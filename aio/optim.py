@@ -1,0 +1,427 @@
+"""A fast CPU Adam/AdamW step, bit-identical to torch's.
+
+torch's single-tensor Adam makes about eight passes over memory per step
+(lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_); :func:`adam_update` does
+the same arithmetic in one fused, vectorized, multi-threaded pass in the C++
+core (csrc/core/cpu_adam.cpp), rounding exactly where torch rounds, so the
+results are equal bit for bit to ``torch.optim.Adam``/``AdamW`` with
+``foreach=False, fused=False`` (torch's default on CPU).
+
+:class:`CPUAdam` and :class:`CPUAdamW` are drop-in optimizers built on it
+(same hyper-parameters, same state and state_dict as torch's), and
+:func:`fast_cpu_optimizer` swaps them in for torch's classes where that is
+exact.
+
+One thing depends on the machine: on x86 torch's ``sqrt`` is MKL's
+``vmsSqrt``, which is not always the correctly rounded square root. The
+kernel can compute MKL's SSE algorithm in-line (what MKL runs on AMD CPUs),
+call MKL's function itself (found in torch's own library), or use the
+correctly rounded root; a self-check against torch picks, once per process,
+the first of these that reproduces torch on this machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import _C
+
+__all__ = ["CPUAdam", "CPUAdamW", "adam_update", "fast_cpu_optimizer"]
+
+# MKL VML mode torch passes (ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF |
+# VML_ERRMODE_IGNORE.
+_VML_MODE = 0x2 | 0x140000 | 0x100
+
+_LOWP_KINDS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _check_fp32(name: str, t: Any, numel: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{name} must be a CPU tensor, got device {t.device}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if t.is_sparse:
+        raise TypeError(f"{name} must be dense, got a sparse tensor")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+
+
+def _check_lowp(lowp_out: Any, numel: int) -> tuple[int, str]:
+    if lowp_out is None:
+        return 0, "none"
+    if not isinstance(lowp_out, torch.Tensor):
+        raise TypeError(f"lowp_out must be a torch.Tensor or None, got {type(lowp_out).__name__}")
+    if lowp_out.device.type != "cpu" or lowp_out.dtype not in _LOWP_KINDS:
+        raise TypeError(
+            f"lowp_out must be a CPU bfloat16 or float16 tensor, got {lowp_out.dtype} on {lowp_out.device}"
+        )
+    if not lowp_out.is_contiguous():
+        raise ValueError("lowp_out must be contiguous")
+    if lowp_out.numel() != numel:
+        raise ValueError(f"lowp_out has {lowp_out.numel()} elements, param has {numel}")
+    return lowp_out.data_ptr(), _LOWP_KINDS[lowp_out.dtype]
+
+
+def _number(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _threads(threads: Any) -> int:
+    if threads is None:
+        return max(1, torch.get_num_threads())
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    return threads
+
+
+def adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_scale: float | None = None,
+    lowp_out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> None:
+    """One Adam (``decoupled=False``, L2 weight decay) or AdamW step, in place.
+
+    Equal bit for bit to torch's single-tensor Adam given the same ``step``
+    (the count after this step's increment, >= 1). ``grad`` is only read;
+    ``grad_scale`` multiplies it first, rounding as ``grad.mul_(grad_scale)``
+    would. ``lowp_out`` (bfloat16 or float16, same numel) receives
+    ``param.to(lowp_out.dtype)`` of the updated parameter in the same pass.
+    ``threads`` defaults to ``torch.get_num_threads()``; below 64K elements
+    the calling thread does all the work.
+
+    All tensors must be contiguous float32 CPU tensors of one size
+    (TypeError for the wrong kind, ValueError for the wrong shape or layout);
+    hyper-parameters out of range (e.g. beta1 outside [0, 1)) are ValueError.
+    """
+    _check_fp32("param", param, None)
+    n = param.numel()
+    _check_fp32("grad", grad, n)
+    _check_fp32("exp_avg", exp_avg, n)
+    _check_fp32("exp_avg_sq", exp_avg_sq, n)
+    if grad_scale is not None:
+        grad_scale = _number("grad_scale", grad_scale)
+    lowp_ptr, lowp_kind = _check_lowp(lowp_out, n)
+    ptrs = [t.data_ptr() for t in (param, grad, exp_avg, exp_avg_sq)]
+    if n > 0 and len(set(ptrs)) != 4:
+        raise ValueError("param, grad, exp_avg and exp_avg_sq must be four different tensors")
+    sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt()
+    _C.adam_update(
+        *ptrs,
+        n,
+        step=_number("step", step),
+        lr=_number("lr", lr),
+        beta1=_number("beta1", beta1),
+        beta2=_number("beta2", beta2),
+        eps=_number("eps", eps),
+        weight_decay=_number("weight_decay", weight_decay),
+        decoupled=bool(decoupled),
+        grad_scale=grad_scale,
+        lowp_ptr=lowp_ptr,
+        lowp_kind=lowp_kind,
+        threads=_threads(threads),
+        sqrt_kind=sqrt_kind,
+        sqrt_fn=sqrt_fn,
+        sqrt_mode=sqrt_mode,
+    )
+
+
+def _mkl_sqrt_address() -> int:
+    """Address of MKL's vmsSqrt inside torch's CPU library, 0 if absent."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not torch.backends.mkl.is_available() or not os.path.exists(path):
+        return 0
+    try:
+        lib = ctypes.CDLL(path)  # already loaded by torch: this only finds it
+        fn = lib.vmsSqrt
+    except (OSError, AttributeError):
+        return 0
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+# (kind, function address, mode) as _C.adam_update takes them.
+_Sqrt = tuple[str, int, int]
+
+
+def _matches_torch(sqrt: _Sqrt) -> bool:
+    """Whether the kernel with this square root reproduces torch's Adam and
+    AdamW here, on values spread over many magnitudes (zeros and subnormal
+    second moments included)."""
+    g = torch.Generator().manual_seed(1234)
+    n = 4099
+    for decoupled in (False, True):
+        p0 = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
+        grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8) for _ in range(3)]
+        for grad in grads:
+            grad[:64] = 0.0
+            grad[64:128] *= 1e-22
+        ref = p0.clone().requires_grad_(True)
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        opt = cls([ref], lr=1e-2, weight_decay=0.01, foreach=False)
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        for step, grad in enumerate(grads, start=1):
+            ref.grad = grad.clone()
+            opt.step()
+            hyper = dict(step=float(step), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+            ptrs = (p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr())
+            _C.adam_update(*ptrs, n, **hyper, decoupled=decoupled, sqrt_kind=sqrt[0], sqrt_fn=sqrt[1],
+                           sqrt_mode=sqrt[2])  # fmt: skip
+        if not torch.equal(ref.detach(), p):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _choose_sqrt() -> tuple[_Sqrt, bool]:
+    """(square root, bit-exact): the first that reproduces torch here of MKL's
+    SSE algorithm in-line (x86 CPUs MKL runs its SSE kernel on), MKL's
+    function itself, the correctly rounded one."""
+    mkl = _mkl_sqrt_address()
+    candidates: list[_Sqrt] = [("mkl_sse", mkl, _VML_MODE), ("external", mkl, _VML_MODE)] if mkl else []
+    candidates.append(("exact", 0, 0))
+    for cand in candidates:
+        if _matches_torch(cand):
+            return cand, True
+    # None reproduces torch: still a correct Adam, to within an ulp.
+    return candidates[-2 if mkl else -1], False
+
+
+def _vector_sqrt() -> _Sqrt:
+    return _choose_sqrt()[0]
+
+
+def is_bit_exact() -> bool:
+    """Whether :func:`adam_update` reproduces torch's Adam bit for bit on this
+    machine (checked once per process against torch itself)."""
+    return _choose_sqrt()[1]
+
+
+# Options of torch's Adam this implementation does not have, with the value
+# that means "off".
+_UNSUPPORTED_OFF: dict[str, Any] = {
+    "amsgrad": False,
+    "maximize": False,
+    "capturable": False,
+    "differentiable": False,
+}
+
+
+def _unsupported(hyper: dict[str, Any]) -> str | None:
+    """Why these hyper-parameters need torch's own Adam, or None."""
+    for key, off in _UNSUPPORTED_OFF.items():
+        if hyper.get(key, off):
+            return f"{key}=True"
+    for key in ("foreach", "fused"):
+        if hyper.get(key):
+            return f"{key}=True"
+    if isinstance(hyper.get("lr"), torch.Tensor):
+        return "a Tensor lr"
+    betas = hyper.get("betas", (0.9, 0.999))
+    if any(isinstance(b, torch.Tensor) for b in betas):
+        return "Tensor betas"
+    return None
+
+
+def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """``torch.optim.Adam`` for float32 CPU parameters, one fused pass per
+    parameter (:func:`adam_update`).
+
+    Same constructor, state (``step`` as a float32 0-dim tensor,
+    ``exp_avg``, ``exp_avg_sq``) and state_dict as torch's, so either can load
+    the other's; results are bit-identical to torch's default CPU Adam
+    (``foreach=False, fused=False``). ``amsgrad``, ``maximize``,
+    ``capturable``, ``differentiable``, ``foreach=True``, ``fused=True`` and
+    Tensor lr/betas are refused with ValueError; CUDA, non-float32 and sparse
+    parameters or gradients with TypeError. ``threads`` (not part of the
+    state) defaults to ``torch.get_num_threads()``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        threads: int | None = None,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }
+        self._check_options(defaults)
+        self.threads = _threads(threads) if threads is not None else None
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            self._check_options(group)
+            for p in group["params"]:
+                _check_param(p)
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        why = _unsupported(group)
+        if why is not None:
+            raise ValueError(f"{type(self).__name__} does not support {why}; use torch.optim.Adam/AdamW")
+        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One optimizer step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._check_options(group)  # a group may have been edited or loaded
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_param(p, p.grad, group)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        _check_param(p)
+        if grad.is_sparse:
+            raise TypeError("CPUAdam does not support sparse gradients")
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step_t = state["step"]
+        step_t += 1  # in float32, as torch counts
+        beta1, beta2 = group["betas"]
+        adam_update(
+            p,
+            grad.contiguous(),
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            step=step_t.item(),
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled=group["decoupled_weight_decay"],
+            threads=self.threads,
+        )
+
+
+def _check_param(p: Any) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"params must be tensors, got {type(p).__name__}")
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        raise TypeError(
+            f"CPUAdam/CPUAdamW take float32 CPU parameters, got {p.dtype} on {p.device}; "
+            "use torch.optim.Adam/AdamW"
+        )
+
+
+class CPUAdamW(CPUAdam):
+    """``torch.optim.AdamW`` for float32 CPU parameters: :class:`CPUAdam`
+    with decoupled weight decay (default 1e-2), bit-identical to torch's."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        threads: int | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=True,
+            threads=threads,
+        )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
+
+def fast_cpu_optimizer(optimizer_cls: Any, hyper: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(CPUAdam or CPUAdamW, hyper)`` in place of ``torch.optim.Adam`` or
+    ``AdamW`` when the hyper-parameters are ones the fused kernel supports and
+    it reproduces torch bit for bit on this machine; otherwise the inputs
+    unchanged. The caller must only use the result for float32 CPU
+    parameters (the classes refuse others with TypeError)."""
+    fast = {torch.optim.Adam: CPUAdam, torch.optim.AdamW: CPUAdamW}.get(optimizer_cls)
+    if fast is None or _unsupported(hyper) is not None or not is_bit_exact():
+        return optimizer_cls, hyper
+    if fast is CPUAdamW and "decoupled_weight_decay" in hyper:
+        return optimizer_cls, hyper  # torch's AdamW would reject it too
+    return fast, dict(hyper)

@@ -1,0 +1,103 @@
+// aio._C.adam_update: the fused CPU Adam/AdamW pass (csrc/core/cpu_adam.h).
+// Python (aio/optim.py) checks the tensors (fp32, CPU, contiguous, sizes);
+// this layer checks the numbers, releases the GIL and calls the core.
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "../core/cpu_adam.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::string num(double v) { return std::string(py::repr(py::float_(v))); }
+
+// A finite number in [lo, hi] (hi_open: strictly below hi), else ValueError
+// naming the argument. NaN fails every comparison and so is refused too.
+double checked(const char* name, double v, double lo, double hi, bool hi_open) {
+  const bool ok = std::isfinite(v) && v >= lo && (hi_open ? v < hi : v <= hi);
+  if (!ok) {
+    std::string range = "in [" + num(lo) + ", " + num(hi) + (hi_open ? ")" : "]");
+    if (std::isinf(hi)) range = std::isinf(lo) ? "finite" : "finite and at least " + num(lo);
+    throw py::value_error(std::string(name) + " must be " + range + ", got " + num(v));
+  }
+  return v;
+}
+
+float* fptr(const char* name, uintptr_t p, int64_t numel) {
+  if (p == 0 && numel > 0) throw py::value_error(std::string(name) + " must not be null");
+  return reinterpret_cast<float*>(p);
+}
+
+aio::SqrtKind sqrt_kind(const std::string& k, uintptr_t fn) {
+  if (k == "exact") return aio::SqrtKind::CorrectlyRounded;
+  aio::SqrtKind kind;
+  if (k == "external")
+    kind = aio::SqrtKind::External;
+  else if (k == "mkl_sse")
+    kind = aio::SqrtKind::MklSse;
+  else
+    throw py::value_error("sqrt_kind must be 'exact', 'external' or 'mkl_sse', got '" + k + "'");
+  if (fn == 0) throw py::value_error("sqrt_kind '" + k + "' needs sqrt_fn");
+  return kind;
+}
+
+aio::LowpKind lowp_kind(const std::string& k) {
+  if (k == "none") return aio::LowpKind::None;
+  if (k == "bfloat16") return aio::LowpKind::BFloat16;
+  if (k == "float16") return aio::LowpKind::Float16;
+  throw py::value_error("lowp_kind must be 'none', 'bfloat16' or 'float16', got '" + k + "'");
+}
+
+void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+                 int64_t numel, double step, double lr, double beta1, double beta2, double eps,
+                 double weight_decay, bool decoupled, py::object grad_scale, uintptr_t lowp,
+                 const std::string& kind, int64_t threads, const std::string& sqrt,
+                 uintptr_t sqrt_fn, int64_t sqrt_mode) {
+  const double inf = INFINITY;
+  if (numel < 0) throw py::value_error("numel must be at least 0, got " + std::to_string(numel));
+  if (threads < 1 || threads > 1024)
+    throw py::value_error("threads must be in [1, 1024], got " + std::to_string(threads));
+  aio::AdamBuffers b;
+  b.param = fptr("param", param, numel);
+  b.grad = fptr("grad", grad, numel);
+  b.exp_avg = fptr("exp_avg", exp_avg, numel);
+  b.exp_avg_sq = fptr("exp_avg_sq", exp_avg_sq, numel);
+  b.lowp_kind = lowp_kind(kind);
+  if ((b.lowp_kind == aio::LowpKind::None) != (lowp == 0))
+    throw py::value_error("lowp_ptr must be given exactly when lowp_kind is not 'none'");
+  b.lowp = reinterpret_cast<void*>(lowp);
+  b.numel = static_cast<size_t>(numel);
+  aio::AdamHyper h;
+  h.step = checked("step", step, 1, inf, false);
+  h.lr = checked("lr", lr, 0, inf, false);
+  h.beta1 = checked("beta1", beta1, 0, 1, true);
+  h.beta2 = checked("beta2", beta2, 0, 1, true);
+  h.eps = checked("eps", eps, 0, inf, false);
+  h.weight_decay = checked("weight_decay", weight_decay, 0, inf, false);
+  h.decoupled = decoupled;
+  h.has_grad_scale = !grad_scale.is_none();
+  if (h.has_grad_scale)
+    h.grad_scale = checked("grad_scale", grad_scale.cast<double>(), -inf, inf, false);
+  aio::VectorSqrt vs;
+  vs.kind = sqrt_kind(sqrt, sqrt_fn);
+  vs.fn = reinterpret_cast<void (*)(int32_t, const float*, float*, int64_t)>(sqrt_fn);
+  vs.mode = sqrt_mode;
+  py::gil_scoped_release nogil;
+  aio::adam_update(b, h, static_cast<unsigned>(threads), vs);
+}
+
+}  // namespace
+
+// Registered from module.cpp.
+void bind_optim(py::module_& m) {
+  m.def("adam_update", &adam_update, py::arg("param_ptr"), py::arg("grad_ptr"),
+        py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"), py::arg("numel"),
+        py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("decoupled"), py::arg("grad_scale") = py::none(),
+        py::arg("lowp_ptr") = 0, py::arg("lowp_kind") = "none", py::arg("threads") = 1,
+        py::arg("sqrt_kind") = "exact", py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0);
+}

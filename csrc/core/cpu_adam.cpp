@@ -1,0 +1,419 @@
+// The fused Adam/AdamW pass (cpu_adam.h). Each chunk is walked in blocks
+// small enough for L1: pass one reads the gradient and moments and writes the
+// moments, the square root runs on the block, pass two writes the parameter
+// (and its low-precision copy). The loops are plain C++ that the compiler
+// vectorizes; std::fma is spelled out exactly where torch's kernels fuse, and
+// nowhere else (the build turns contraction off).
+#include "cpu_adam.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+#if defined(__GNUC__)
+#define AIO_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define AIO_ALWAYS_INLINE inline
+#endif
+
+// x86-64: an AVX2+FMA copy of the loops, picked at run time; the portable
+// copy runs everywhere else (and there std::fma may be a library call).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define AIO_ADAM_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace aio {
+namespace {
+
+// Elements per block: six 4 KiB streams (four arrays, two scratch) fit in L1.
+constexpr size_t kBlock = 1024;
+// Work is handed out in chunks of this many elements (whole blocks, 1 MiB
+// per array), taken from a shared counter: on a shared machine a thread
+// whose core is busy elsewhere takes fewer, instead of every call waiting
+// for the slowest fixed share.
+constexpr size_t kChunk = 256 * kBlock;
+
+// The per-element constants, each rounded to float once as ATen does.
+struct Scalars {
+  float scale, wd, w, w_minus_1, b2, c2, bc2_sqrt, eps, decay, neg_step_size;
+  bool l2, small_weight;
+};
+
+Scalars make_scalars(const AdamHyper& hp) {
+  Scalars s{};
+  // torch computes these in Python doubles; std::pow is the same libm pow.
+  const double bias_correction1 = 1.0 - std::pow(hp.beta1, hp.step);
+  const double bias_correction2 = 1.0 - std::pow(hp.beta2, hp.step);
+  const double step_size = hp.lr / bias_correction1;
+  s.neg_step_size = static_cast<float>(-step_size);
+  s.bc2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  s.scale = hp.has_grad_scale ? static_cast<float>(hp.grad_scale) : 1.0f;
+  s.l2 = hp.weight_decay != 0 && !hp.decoupled;
+  s.wd = static_cast<float>(hp.weight_decay);
+  s.decay = (hp.weight_decay != 0 && hp.decoupled)
+                ? static_cast<float>(1.0 - hp.lr * hp.weight_decay)
+                : 1.0f;
+  s.w = static_cast<float>(1.0 - hp.beta1);
+  s.w_minus_1 = s.w - 1.0f;
+  s.small_weight = std::fabs(s.w) < 0.5f;  // ATen's lerp switches formula here
+  s.b2 = static_cast<float>(hp.beta2);
+  s.c2 = static_cast<float>(1.0 - hp.beta2);
+  s.eps = static_cast<float>(hp.eps);
+  return s;
+}
+
+AIO_ALWAYS_INLINE uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+AIO_ALWAYS_INLINE float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even; every NaN becomes 0xFFFF as in ATen's vector path.
+AIO_ALWAYS_INLINE uint16_t to_bf16(float f) {
+  const uint32_t u = bits_of(f);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(f != f ? 0xFFFFu : r);
+}
+
+// IEEE half, round to nearest even; a NaN stays a NaN with its sign and the
+// top of its payload, quiet (as F16C's vcvtps2ph, which torch uses). Written with
+// selects only, so the loop vectorizes.
+AIO_ALWAYS_INLINE uint16_t to_f16(float f) {
+  const uint32_t u = bits_of(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  // Below 2^-14 the half is subnormal: adding 0.5 rounds |f| to a multiple
+  // of 2^-24 (the half's subnormal step), which lands in the low mantissa.
+  const uint32_t sub = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+  // Normal: round the mantissa to 10 bits, then rebias the exponent
+  // (127 -> 15); a carry out of the mantissa correctly bumps the exponent.
+  const uint32_t norm = ((a + 0xFFFu + ((a >> 13) & 1u)) >> 13) - 0x1C000u;
+  uint32_t h = a < 0x38800000u ? sub : norm;
+  h = a >= 0x477FF000u ? 0x7C00u : h;  // rounds to 65536 or more: infinity
+  h = a > 0x7F800000u ? 0x7E00u | ((a >> 13) & 0x3FFu) : h;  // NaN
+  return static_cast<uint16_t>(sign | h);
+}
+
+// Pass one: gradient (scaled, L2), both moments; v also goes to `sq`.
+// kFixed: a whole block, a trip count known at compile time, which GCC
+// vectorizes even at -O2 (no epilogue needed); 0: the chunk's last n.
+template <bool kL2, bool kSmall, size_t kFixed>
+AIO_ALWAYS_INLINE void moments(const Scalars& s, const float* __restrict grad,
+                               const float* __restrict param, float* __restrict m,
+                               float* __restrict v, float* __restrict sq, size_t n) {
+  const size_t count = kFixed ? kFixed : n;
+  for (size_t i = 0; i < count; ++i) {
+    float g = grad[i] * s.scale;
+    if (kL2) g = std::fma(s.wd, param[i], g);  // add(param, alpha=wd)
+    const float mi = m[i];
+    const float diff = g - mi;
+    m[i] = kSmall ? std::fma(s.w, diff, mi) : std::fma(s.w_minus_1, diff, g);  // lerp_
+    const float vi = std::fma(s.c2 * g, g, v[i] * s.b2);  // mul_(b2).addcmul_
+    v[i] = vi;
+    sq[i] = vi;
+  }
+}
+
+// Pass two: denominator, parameter update, low-precision copy.
+template <LowpKind kLowp, bool kRootGiven, size_t kFixed>
+AIO_ALWAYS_INLINE void apply(const Scalars& s, const float* __restrict root,
+                             const float* __restrict m, float* __restrict p,
+                             void* __restrict lowp, size_t n) {
+  uint16_t* __restrict out = static_cast<uint16_t*>(lowp);
+  const size_t count = kFixed ? kFixed : n;
+  for (size_t i = 0; i < count; ++i) {
+    const float r = kRootGiven ? root[i] : std::sqrt(root[i]);
+    const float denom = r / s.bc2_sqrt + s.eps;
+    float pi = p[i] * s.decay;
+    pi = pi + (s.neg_step_size * m[i]) / denom;  // addcdiv_
+    p[i] = pi;
+    if (kLowp == LowpKind::BFloat16) out[i] = to_bf16(pi);
+    if (kLowp == LowpKind::Float16) out[i] = to_f16(pi);
+  }
+}
+
+#ifdef AIO_ADAM_AVX2
+// MKL's SSE sqrt kernel, lane by lane (SqrtKind::MklSse); n a multiple of 4.
+// Lanes outside [smallest normal, 0x7F7FF000] are the ones MKL hands to its
+// rare-case code: zeros give themselves, any other makes the result true.
+// Plain SSE2 (every x86-64 has it), no FMA: the same roundings as MKL.
+AIO_ALWAYS_INLINE bool mkl_sse_sqrt_128(const float* in, float* out, size_t n) {
+  const __m128 half = _mm_set1_ps(0.5f);
+  const __m128i bias = _mm_set1_epi32(0x7F800000);
+  const __m128i limit = _mm_set1_epi32(static_cast<int>(0xFEFFF000u));
+  const __m128i abs_mask = _mm_set1_epi32(0x7FFFFFFF);
+  __m128i rare = _mm_setzero_si128();
+  for (size_t i = 0; i < n; i += 4) {
+    const __m128 x = _mm_loadu_ps(in + i);
+    const __m128 y = _mm_rsqrt_ps(x);
+    const __m128 s = _mm_mul_ps(x, y);
+    const __m128 h = _mm_mul_ps(y, half);
+    const __m128 e = _mm_sub_ps(half, _mm_mul_ps(s, h));
+    const __m128 s1 = _mm_add_ps(_mm_mul_ps(s, e), s);
+    const __m128 h1 = _mm_add_ps(_mm_mul_ps(h, e), h);
+    const __m128 r = _mm_sub_ps(x, _mm_mul_ps(s1, s1));
+    const __m128 root = _mm_add_ps(_mm_mul_ps(r, h1), s1);
+    const __m128i bits = _mm_castps_si128(x);
+    const __m128i special = _mm_cmpgt_epi32(_mm_add_epi32(bits, bias), limit);
+    const __m128i zero = _mm_cmpeq_epi32(_mm_and_si128(bits, abs_mask), _mm_setzero_si128());
+    rare = _mm_or_si128(rare, _mm_andnot_si128(zero, special));
+    const __m128 sp = _mm_castsi128_ps(special);
+    _mm_storeu_ps(out + i, _mm_or_ps(_mm_andnot_ps(sp, root), _mm_and_ps(sp, x)));
+  }
+  return _mm_movemask_epi8(rare) != 0;
+}
+
+// The same, eight lanes at a time; n a multiple of 8. Not inlined (a call
+// per block): GCC inlines a target("avx2") function only into another.
+__attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float* out,
+                                                          size_t n) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256i bias = _mm256_set1_epi32(0x7F800000);
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(0xFEFFF000u));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i rare = _mm256_setzero_si256();
+  for (size_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    const __m256 y = _mm256_rsqrt_ps(x);
+    const __m256 s = _mm256_mul_ps(x, y);
+    const __m256 h = _mm256_mul_ps(y, half);
+    const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+    const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
+    const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, e), h);
+    const __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
+    const __m256 root = _mm256_add_ps(_mm256_mul_ps(r, h1), s1);
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i special = _mm256_cmpgt_epi32(_mm256_add_epi32(bits, bias), limit);
+    const __m256i zero =
+        _mm256_cmpeq_epi32(_mm256_and_si256(bits, abs_mask), _mm256_setzero_si256());
+    rare = _mm256_or_si256(rare, _mm256_andnot_si256(zero, special));
+    _mm256_storeu_ps(out + i, _mm256_blendv_ps(root, x, _mm256_castsi256_ps(special)));
+  }
+  return !_mm256_testz_si256(rare, rare);
+}
+#endif
+
+// Square roots of sq[0, n) into root, as vs says (the CorrectlyRounded kind
+// is done in apply()). sq has room for a whole block: a short tail is padded
+// with ones so the vector loop needs no remainder.
+template <bool kAvx2>
+AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* __restrict root,
+                             size_t n) {
+#ifdef AIO_ADAM_AVX2
+  if (vs.kind == SqrtKind::MklSse) {
+    const size_t padded = (n + 7) / 8 * 8;
+    for (size_t i = n; i < padded; ++i) sq[i] = 1.0f;
+    bool rare;
+    if constexpr (kAvx2)
+      rare = mkl_sse_sqrt_256(sq, root, padded);
+    else
+      rare = mkl_sse_sqrt_128(sq, root, padded);
+    if (!rare) return;
+  }
+#endif
+  vs.fn(static_cast<int32_t>(n), sq, root, vs.mode);
+}
+
+// One block of n elements starting at i (n == kFixed when kFixed != 0).
+template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2, size_t kFixed>
+AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
+                                 size_t i, size_t n, float* __restrict sq,
+                                 float* __restrict root) {
+  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq,
+                               n);
+  uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
+  if (vs.kind != SqrtKind::CorrectlyRounded) {
+    roots<kAvx2>(vs, sq, root, n);
+    apply<kLowp, true, kFixed>(s, root, b.exp_avg + i, b.param + i, lowp, n);
+  } else {
+    apply<kLowp, false, kFixed>(s, sq, b.exp_avg + i, b.param + i, lowp, n);
+  }
+}
+
+template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2>
+AIO_ALWAYS_INLINE void run_range(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
+                                 size_t begin, size_t end) {
+  alignas(64) float sq[kBlock];
+  alignas(64) float root[kBlock];
+  size_t i = begin;
+  for (; end - i >= kBlock; i += kBlock)
+    run_block<kL2, kSmall, kLowp, kAvx2, kBlock>(s, b, vs, i, kBlock, sq, root);
+  if (i < end) run_block<kL2, kSmall, kLowp, kAvx2, 0>(s, b, vs, i, end - i, sq, root);
+}
+
+using RangeFn = void (*)(const Scalars&, const AdamBuffers&, const VectorSqrt&, size_t, size_t);
+
+template <bool kL2, bool kSmall, LowpKind kLowp>
+void range_portable(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs, size_t begin,
+                    size_t end) {
+  run_range<kL2, kSmall, kLowp, false>(s, b, vs, begin, end);
+}
+
+#ifdef AIO_ADAM_AVX2
+template <bool kL2, bool kSmall, LowpKind kLowp>
+__attribute__((target("avx2,fma"))) void range_avx2(const Scalars& s, const AdamBuffers& b,
+                                                    const VectorSqrt& vs, size_t begin,
+                                                    size_t end) {
+  run_range<kL2, kSmall, kLowp, true>(s, b, vs, begin, end);
+}
+
+bool cpu_has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+template <bool kL2, bool kSmall, LowpKind kLowp>
+RangeFn pick_isa() {
+#ifdef AIO_ADAM_AVX2
+  if (cpu_has_avx2_fma()) return &range_avx2<kL2, kSmall, kLowp>;
+#endif
+  return &range_portable<kL2, kSmall, kLowp>;
+}
+
+template <bool kL2, bool kSmall>
+RangeFn pick_lowp(LowpKind k) {
+  switch (k) {
+    case LowpKind::BFloat16:
+      return pick_isa<kL2, kSmall, LowpKind::BFloat16>();
+    case LowpKind::Float16:
+      return pick_isa<kL2, kSmall, LowpKind::Float16>();
+    case LowpKind::None:
+      break;
+  }
+  return pick_isa<kL2, kSmall, LowpKind::None>();
+}
+
+RangeFn pick(const Scalars& s, LowpKind k) {
+  if (s.l2) return s.small_weight ? pick_lowp<true, true>(k) : pick_lowp<true, false>(k);
+  return s.small_weight ? pick_lowp<false, true>(k) : pick_lowp<false, false>(k);
+}
+
+// A few workers that sleep on a condition variable between jobs (no
+// spinning: they share the cores with the I/O threads). One job at a time;
+// the caller runs part 0 itself.
+class WorkerPool {
+ public:
+  void run(unsigned parts, const std::function<void(unsigned)>& fn) {
+    std::lock_guard<std::mutex> job(job_mu_);
+    grow(parts - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      fn_ = &fn;
+      parts_ = parts;
+      pending_ = parts - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lk(mu_);
+    done_.wait(lk, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void grow(unsigned workers) {
+    while (threads_.size() < workers) {
+      const unsigned id = static_cast<unsigned>(threads_.size()) + 1;
+      threads_.emplace_back([this, id] { work(id); });
+    }
+  }
+
+  void work(unsigned id) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      wake_.wait(lk, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (id >= parts_) continue;
+      const std::function<void(unsigned)>* fn = fn_;
+      lk.unlock();
+      (*fn)(id);
+      lk.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex job_mu_;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  const std::function<void(unsigned)>* fn_ = nullptr;
+  unsigned parts_ = 0;
+  unsigned pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// The process's pool. Never destroyed: its workers sleep until exit. A
+// forked child has none of the parent's threads, so it starts its own.
+WorkerPool& pool() {
+  static std::mutex mu;
+  static WorkerPool* p = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lk(mu);
+  if (!p || owner != getpid()) {
+    p = new WorkerPool();
+    owner = getpid();
+  }
+  return *p;
+}
+
+}  // namespace
+
+bool mkl_sse_supported() {
+#ifdef AIO_ADAM_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
+                 const VectorSqrt& vsqrt_in) {
+  if (buf.numel == 0) return;
+  VectorSqrt vsqrt = vsqrt_in;
+  if (vsqrt.fn == nullptr || (vsqrt.kind == SqrtKind::MklSse && !mkl_sse_supported()))
+    vsqrt.kind = vsqrt.fn ? SqrtKind::External : SqrtKind::CorrectlyRounded;
+  const Scalars s = make_scalars(hp);
+  AdamBuffers b = buf;
+  if (b.lowp == nullptr) b.lowp_kind = LowpKind::None;
+  const RangeFn fn = pick(s, b.lowp_kind);
+  const size_t n = b.numel;
+  const size_t most = std::max<size_t>(1, n / (kAdamSerialBelow / 2));
+  const unsigned parts = static_cast<unsigned>(std::min<size_t>(std::max(threads, 1u), most));
+  if (parts <= 1 || n < kAdamSerialBelow) {
+    fn(s, b, vsqrt, 0, n);
+    return;
+  }
+  // Small inputs still split in two or more: at least one chunk per part.
+  const size_t chunk = std::min(kChunk, (n / parts + kBlock - 1) / kBlock * kBlock);
+  std::atomic<size_t> next{0};
+  pool().run(parts, [&](unsigned) {
+    for (;;) {
+      const size_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (begin >= n) return;
+      fn(s, b, vsqrt, begin, std::min(n, begin + chunk));
+    }
+  });
+}
+
+}  // namespace aio

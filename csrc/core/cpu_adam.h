@@ -1,0 +1,91 @@
+// One fused pass of the Adam/AdamW update over fp32 CPU buffers, bit-identical
+// to torch's single-tensor Adam (torch.optim.Adam/AdamW with foreach=False,
+// fused=False) when given the same vector square root as torch uses.
+//
+// torch runs a chain of full passes over memory (lerp_, mul_, addcmul_, sqrt,
+// div, add_, addcdiv_); here each element is read once and written once, in
+// cache-sized blocks, vectorized, over a small persistent thread pool. Every
+// rounding step is the one torch's CPU kernels perform, in the same order:
+//   g  = grad * grad_scale                      (only with a grad scale)
+//   g  = fma(weight_decay, param, g)            (Adam: L2, torch add(alpha))
+//   m  = fma(w, g - m, m) if w < 0.5 else fma(w - 1, g - m, g), w = 1 - beta1
+//   v  = fma((1 - beta2) * g, g, v * beta2)     (mul_ then addcmul_)
+//   d  = sqrt(v) / sqrt(bias_correction2) + eps
+//   p  = p * (1 - lr * weight_decay)            (AdamW: decoupled)
+//   p  = p + (-step_size * m) / d               (addcdiv_)
+// with every scalar computed in double as torch's Python code does, then
+// rounded to float as ATen does. Files compiled from this need
+// -ffp-contract=off: a fused multiply-add torch does not do changes results.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace aio {
+
+// The square root torch's sqrt computes. On x86 that is MKL's vmsSqrt, which
+// is not always the correctly rounded one, so the result must come from the
+// same algorithm:
+//   CorrectlyRounded  IEEE sqrt (torch builds without MKL; aarch64).
+//   External          fn (MKL VML's signature: count, input, output, mode).
+//   MklSse            the algorithm of MKL's SSE kernel (what MKL runs on
+//                     CPUs it gives no AVX path, e.g. AMD), in-line: one
+//                     rsqrtps estimate, one Newton step for the root and its
+//                     half-reciprocal, one correction, no FMA. Zeros give
+//                     themselves; a block holding any other input MKL treats
+//                     apart (subnormal, negative, huge, inf, NaN) is passed to
+//                     fn. x86-64 only (mkl_sse_supported()); fn required.
+// Python picks the kind that reproduces torch on the machine (aio/optim.py).
+enum class SqrtKind { CorrectlyRounded, External, MklSse };
+
+struct VectorSqrt {
+  SqrtKind kind = SqrtKind::CorrectlyRounded;
+  void (*fn)(int32_t n, const float* in, float* out, int64_t mode) = nullptr;
+  int64_t mode = 0;
+};
+
+// Whether SqrtKind::MklSse can run here (x86-64 builds).
+bool mkl_sse_supported();
+
+// Optional low-precision copy of the updated parameter, written in the same
+// pass: bfloat16 or IEEE half, rounded to nearest even like torch's
+// .to(dtype) (NaN -> 0xFFFF for bfloat16; for half a quiet NaN keeping the
+// sign and the top 10 payload bits).
+enum class LowpKind { None, BFloat16, Float16 };
+
+struct AdamBuffers {
+  float* param = nullptr;
+  const float* grad = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  void* lowp = nullptr;  // numel elements of lowp_kind, or nullptr
+  LowpKind lowp_kind = LowpKind::None;
+  size_t numel = 0;
+};
+
+struct AdamHyper {
+  double step = 1;  // the step count after this update's increment (>= 1)
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
+  bool decoupled = false;   // AdamW's decay of the parameter, else L2 on the gradient
+  bool has_grad_scale = false;
+  double grad_scale = 1;    // multiplies the gradient first (as grad.mul_(scale))
+};
+
+// Updates param, exp_avg and exp_avg_sq in place (and writes lowp). grad is
+// only read. threads <= 1, or fewer than about 64K elements, runs on the
+// calling thread; otherwise contiguous chunks run on the calling thread plus
+// threads - 1 pool workers. Concurrent calls are serialized on the pool.
+// The result does not depend on the thread count. Buffers must not overlap.
+// External and MklSse need vsqrt.fn (without one they fall back to
+// CorrectlyRounded).
+void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
+                 const VectorSqrt& vsqrt = VectorSqrt());
+
+// Elements below which adam_update never uses the pool.
+constexpr size_t kAdamSerialBelow = size_t{1} << 16;
+
+}  // namespace aio

@@ -1,0 +1,206 @@
+// Unit tests of csrc/core/cpu_adam.cpp without torch: the fused pass against
+// a one-element-at-a-time reference written from torch's op sequence, the
+// thread count and block boundaries not changing any bit, the bf16/fp16
+// copies on known encodings. Equality with torch itself is tested from
+// Python (tests/test_optim.py).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "cpu_adam.h"
+
+namespace {
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct State {
+  std::vector<float> p, g, m, v;
+  explicit State(size_t n, unsigned seed) : p(n), g(n), m(n), v(n) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (size_t i = 0; i < n; ++i) {
+      p[i] = normal(rng);
+      g[i] = normal(rng) * std::exp(normal(rng) * 3);
+    }
+  }
+  aio::AdamBuffers buffers() {
+    aio::AdamBuffers b;
+    b.param = p.data();
+    b.grad = g.data();
+    b.exp_avg = m.data();
+    b.exp_avg_sq = v.data();
+    b.numel = p.size();
+    return b;
+  }
+};
+
+// torch's _single_tensor_adam for one element, op by op (correctly rounded
+// sqrt), with the fused multiply-adds ATen's CPU kernels use.
+void reference_step(State& st, size_t i, const aio::AdamHyper& h) {
+  float g = st.g[i];
+  if (h.has_grad_scale) g = g * static_cast<float>(h.grad_scale);
+  float p = st.p[i];
+  if (h.weight_decay != 0 && !h.decoupled) g = std::fma(static_cast<float>(h.weight_decay), p, g);
+  if (h.weight_decay != 0 && h.decoupled) p = p * static_cast<float>(1.0 - h.lr * h.weight_decay);
+  const float w = static_cast<float>(1.0 - h.beta1);
+  const float m = st.m[i];
+  st.m[i] = w < 0.5f ? std::fma(w, g - m, m) : std::fma(w - 1.0f, g - m, g);
+  const float v = st.v[i] * static_cast<float>(h.beta2);
+  st.v[i] = std::fma(static_cast<float>(1.0 - h.beta2) * g, g, v);
+  const double bc1 = 1.0 - std::pow(h.beta1, h.step);
+  const double bc2 = 1.0 - std::pow(h.beta2, h.step);
+  const float denom = std::sqrt(st.v[i]) / static_cast<float>(std::pow(bc2, 0.5)) +
+                      static_cast<float>(h.eps);
+  st.p[i] = p + (static_cast<float>(-(h.lr / bc1)) * st.m[i]) / denom;
+}
+
+bool same(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+void check_against_reference(size_t n, aio::AdamHyper h, unsigned threads) {
+  State ours(n, 7), ref(n, 7);
+  for (int step = 1; step <= 5; ++step) {
+    h.step = step;
+    aio::adam_update(ours.buffers(), h, threads);
+    for (size_t i = 0; i < n; ++i) reference_step(ref, i, h);
+  }
+  CHECK(same(ours.p, ref.p));
+  CHECK(same(ours.m, ref.m));
+  CHECK(same(ours.v, ref.v));
+}
+
+}  // namespace
+
+TEST(adam_matches_reference_adam_and_adamw) {
+  for (size_t n : {size_t{1}, size_t{7}, size_t{1023}, size_t{1025}, size_t{70001}}) {
+    for (bool decoupled : {false, true}) {
+      aio::AdamHyper h;
+      h.lr = 1e-2;
+      h.weight_decay = 0.01;
+      h.decoupled = decoupled;
+      check_against_reference(n, h, 2);
+    }
+  }
+}
+
+TEST(adam_matches_reference_large_weight_and_grad_scale) {
+  aio::AdamHyper h;
+  h.beta1 = 0.3;  // lerp weight 0.7: ATen's other lerp formula
+  h.beta2 = 0.9;
+  h.has_grad_scale = true;
+  h.grad_scale = 1.0 / 3;
+  check_against_reference(5000, h, 1);
+}
+
+TEST(adam_thread_count_changes_nothing) {
+  const size_t n = (size_t{1} << 18) + 13;
+  aio::AdamHyper h;
+  h.weight_decay = 0.01;
+  h.decoupled = true;
+  State one(n, 3);
+  aio::adam_update(one.buffers(), h, 1);
+  for (unsigned threads : {2u, 3u, 8u}) {
+    State many(n, 3);
+    aio::adam_update(many.buffers(), h, threads);
+    CHECK(same(one.p, many.p));
+    CHECK(same(one.m, many.m));
+    CHECK(same(one.v, many.v));
+  }
+}
+
+TEST(adam_lowp_copies_known_encodings) {
+  // value, bf16, fp16 (round to nearest even; NaN rules as torch).
+  struct Case {
+    uint32_t in;
+    uint16_t bf16, fp16;
+  };
+  const Case cases[] = {
+      {0x3F800000, 0x3F80, 0x3C00},  // 1.0
+      {0x3F808000, 0x3F80, 0x3C04},  // bf16 tie -> even (down)
+      {0x3F818000, 0x3F82, 0x3C0C},  // bf16 tie -> even (up)
+      {0xC0490FDB, 0xC049, 0xC248},  // -pi
+      {0x477FE000, 0x4780, 0x7BFF},  // 65504: largest half
+      {0x477FF000, 0x4780, 0x7C00},  // half tie to 65536: infinity
+      {0x33000001, 0x3300, 0x0001},  // just above half of the smallest subnormal
+      {0x33000000, 0x3300, 0x0000},  // exactly half: ties to zero
+      {0x387FC000, 0x3880, 0x03FF},  // largest half subnormal
+      {0x7F800000, 0x7F80, 0x7C00},  // inf
+      {0xFFC00000, 0xFFFF, 0xFE00},  // -NaN
+      {0x7FD648B2, 0xFFFF, 0x7EB2},  // NaN with payload
+  };
+  const size_t n = sizeof(cases) / sizeof(cases[0]);
+  for (aio::LowpKind kind : {aio::LowpKind::BFloat16, aio::LowpKind::Float16}) {
+    State st(n, 1);
+    for (size_t i = 0; i < n; ++i) {
+      st.p[i] = from_bits(cases[i].in);
+      st.g[i] = 0;
+    }
+    std::vector<uint16_t> out(n, 0x1234);
+    aio::AdamBuffers b = st.buffers();
+    b.lowp = out.data();
+    b.lowp_kind = kind;
+    aio::AdamHyper h;
+    h.lr = 0;  // the parameter stays as it is (NaNs stay NaN)
+    aio::adam_update(b, h, 1);
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t want = kind == aio::LowpKind::BFloat16 ? cases[i].bf16 : cases[i].fp16;
+      CHECK_EQ(bits(st.p[i]), cases[i].in);
+      CHECK_EQ(out[i], want);
+    }
+  }
+}
+
+namespace {
+
+size_t g_sqrt_calls = 0;
+
+void counting_sqrt(int32_t n, const float* in, float* out, int64_t) {
+  ++g_sqrt_calls;
+  for (int32_t i = 0; i < n; ++i) out[i] = std::sqrt(in[i]);
+}
+
+}  // namespace
+
+// MklSse computes normal inputs in-line (within an ulp of the exact root) and
+// zeros as themselves, and hands a block to fn only when it holds an input
+// MKL treats apart (here a subnormal second moment).
+TEST(adam_mkl_sse_uses_fn_only_for_rare_inputs) {
+  if (!aio::mkl_sse_supported()) SKIP("MklSse is x86-64 only");
+  const size_t n = 3000;  // three blocks
+  State ours(n, 9), ref(n, 9);
+  for (size_t i = 0; i < n; ++i) ours.g[i] = ref.g[i] = 1.0f + static_cast<float>(i % 7);
+  ours.g[5] = ref.g[5] = 0.0f;
+  aio::VectorSqrt vs;
+  vs.kind = aio::SqrtKind::MklSse;
+  vs.fn = &counting_sqrt;
+  aio::AdamHyper h;
+  g_sqrt_calls = 0;
+  aio::adam_update(ours.buffers(), h, 1, vs);
+  CHECK_EQ(g_sqrt_calls, size_t{0});
+  for (size_t i = 0; i < n; ++i) reference_step(ref, i, h);
+  CHECK(same(ours.m, ref.m));
+  CHECK(same(ours.v, ref.v));
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t ulps = static_cast<int64_t>(bits(ours.p[i])) - bits(ref.p[i]);
+    CHECK(ulps >= -2 && ulps <= 2);
+  }
+  ours.v[2500] = 1e-41f;  // stays subnormal (zero gradient): the third block goes to fn
+  ours.g[2500] = 0.0f;
+  h.step = 2;
+  aio::adam_update(ours.buffers(), h, 1, vs);
+  CHECK_EQ(g_sqrt_calls, size_t{1});
+}

@@ -1,0 +1,284 @@
+"""aio.optim: the fused CPU Adam/AdamW kernel against torch's single-tensor
+Adam/AdamW (foreach=False), compared with torch.equal (bit for bit), plus the
+drop-in optimizers, their state_dicts and the options they refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aio import optim
+from aio.optim import CPUAdam, CPUAdamW, adam_update, fast_cpu_optimizer
+
+pytestmark = pytest.mark.skipif(not optim.is_bit_exact(), reason="kernel does not reproduce torch here")
+
+SIZES = [1, 7, 63, 64 * 1024 + 3, 1024 * 1024 + 5]
+
+
+def _data(n: int, seed: int, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    # Values over many magnitudes, so every rounding step is exercised.
+    p0 = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3) for _ in range(steps)]
+    return p0, grads
+
+
+def _torch_run(p0, grads, *, decoupled, grad_scale=None, **hyper):
+    p = p0.clone().requires_grad_(True)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls([p], foreach=False, **hyper)
+    for grad in grads:
+        p.grad = grad.clone()
+        if grad_scale is not None:
+            p.grad.mul_(grad_scale)
+        opt.step()
+    st = opt.state[p]
+    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+
+
+def _kernel_run(p0, grads, *, decoupled, lr, betas, weight_decay, eps=1e-8, **kw):
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    for step, grad in enumerate(grads, start=1):
+        hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        adam_update(p, grad, m, v, step=step, decoupled=decoupled, **hyper, **kw)
+    return p, m, v
+
+
+def _assert_same(a, b):
+    for x, y, name in zip(a, b, ("param", "exp_avg", "exp_avg_sq"), strict=True):
+        assert torch.equal(x, y), f"{name}: {(x != y).sum().item()} of {x.numel()} differ"
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_equal_to_torch(n, decoupled, weight_decay):
+    steps = 20 if n < 1_000_000 else 5
+    p0, grads = _data(n, n, steps)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=weight_decay)
+    want = _torch_run(p0, grads, decoupled=decoupled, **hyper)
+    _assert_same(_kernel_run(p0, grads, decoupled=decoupled, threads=2, **hyper), want)
+
+
+# beta1 >= 0.5 takes ATen lerp's other formula (weight 1 - beta1 < 0.5).
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.9), (0.5, 0.5), (0.0, 0.0), (0.99, 0.9999)])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_betas(betas, decoupled):
+    p0, grads = _data(64 * 1024 + 3, 3, 20)
+    hyper = dict(lr=3e-3, betas=betas, weight_decay=0.01, eps=1e-6)
+    want = _torch_run(p0, grads, decoupled=decoupled, **hyper)
+    _assert_same(_kernel_run(p0, grads, decoupled=decoupled, **hyper), want)
+
+
+@pytest.mark.parametrize("grad_scale", [0.5, 1 / 3, 65536.0])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_grad_scale_rounds_like_mul(grad_scale, decoupled):
+    p0, grads = _data(1000, 4, 20)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    want = _torch_run(p0, grads, decoupled=decoupled, grad_scale=grad_scale, **hyper)
+    got = _kernel_run(p0, grads, decoupled=decoupled, grad_scale=grad_scale, **hyper)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_do_not_change_results(threads):
+    p0, grads = _data(1024 * 1024 + 5, 5, 3)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    want = _torch_run(p0, grads, decoupled=True, **hyper)
+    _assert_same(_kernel_run(p0, grads, decoupled=True, threads=threads, **hyper), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [7, 64 * 1024 + 3])
+def test_lowp_copy_equals_to_dtype(dtype, n):
+    p0, grads = _data(n, 6, 2)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=dtype)
+    for step, grad in enumerate(grads, start=1):
+        adam_update(p, grad, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.0, decoupled=True, lowp_out=out, threads=2)  # fmt: skip
+        assert torch.equal(out.view(torch.int16), p.to(dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lowp_rounding_edges(dtype):
+    """Ties, subnormals, overflow to inf, infinities and NaNs (with sign and
+    payload) round like torch's .to(dtype). With lr=0 the update leaves each
+    parameter as it was (signalling NaNs come out quiet), so these exact
+    values reach the conversion."""
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor(
+        [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFE000, 0x477FF000,
+         0x477FEFFF, 0x477FE000, 0x38800000, 0x387FFFFF, 0x33000000, 0x33000001, 0x3F808000,
+         0x3F818000, 0x00000001, 0x80000000, 0],
+        dtype=torch.int64,
+    ).to(torch.int32)  # fmt: skip
+    p = torch.cat([bits, special]).view(torch.float32).clone()
+    ref = p.clone()
+    grad, m, v = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    out = torch.empty(p.numel(), dtype=dtype)
+    adam_update(p, grad, m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0, decoupled=True, lowp_out=out)  # fmt: skip
+    same = p.view(torch.int32) == ref.view(torch.int32)
+    assert torch.equal(same, ~ref.isnan() | same)  # only NaNs may change (quieted)
+    want = p.to(dtype).view(torch.int16)
+    assert torch.equal(out.view(torch.int16), want), (out.view(torch.int16) != want).sum()
+
+
+@pytest.mark.parametrize("cls,torch_cls", [(CPUAdam, torch.optim.Adam), (CPUAdamW, torch.optim.AdamW)])
+def test_optimizer_equal_to_torch(cls, torch_cls):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.ReLU(), torch.nn.Linear(65, 3))
+    twin = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    ours = cls(model.parameters(), lr=1e-2, weight_decay=0.01)
+    theirs = torch_cls(twin, lr=1e-2, weight_decay=0.01, foreach=False)
+    for _ in range(20):
+        x = torch.randn(16, 33)
+        for opt in (ours, theirs):
+            opt.zero_grad()
+        model(x).square().mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        for t, grad in zip(twin, grads, strict=True):
+            t.grad = grad.clone()
+        ours.step()
+        theirs.step()
+    for p, t in zip(model.parameters(), twin, strict=True):
+        assert torch.equal(p, t)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            a, b = ours.state[p][key], theirs.state[t][key]
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("cls,torch_cls", [(CPUAdam, torch.optim.Adam), (CPUAdamW, torch.optim.AdamW)])
+def test_state_dict_round_trip_with_torch(cls, torch_cls):
+    p0, grads = _data(1000, 8, 6)
+    a = p0.clone().requires_grad_(True)
+    b = p0.clone().requires_grad_(True)
+    ref = p0.clone().requires_grad_(True)
+    theirs = torch_cls([a], lr=1e-3, foreach=False)
+    ref_opt = torch_cls([ref], lr=1e-3, foreach=False)
+    for grad in grads[:3]:
+        a.grad, ref.grad = grad.clone(), grad.clone()
+        theirs.step()
+        ref_opt.step()
+    # torch -> ours, step on; then ours -> torch, step on.
+    ours = cls([b], lr=1e-3)
+    with torch.no_grad():
+        b.copy_(a)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.param_groups[0].keys() == ref_opt.param_groups[0].keys()
+    for grad in grads[3:5]:
+        b.grad, ref.grad = grad.clone(), grad.clone()
+        ours.step()
+        ref_opt.step()
+    back = torch_cls([a], lr=1e-3, foreach=False)
+    with torch.no_grad():
+        a.copy_(b)
+    back.load_state_dict(ours.state_dict())
+    a.grad, ref.grad = grads[5].clone(), grads[5].clone()
+    back.step()
+    ref_opt.step()
+    assert torch.equal(a, ref)
+    assert torch.equal(back.state[a]["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"])
+    assert back.state[a]["step"].dtype == torch.float32
+
+
+def test_state_spec_matches_torch():
+    from aio.swap.optimizer import discover_state_spec
+
+    for cls, torch_cls in ((CPUAdam, torch.optim.Adam), (CPUAdamW, torch.optim.AdamW)):
+        assert discover_state_spec(cls, lr=1e-3) == discover_state_spec(torch_cls, lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"amsgrad": True}, {"maximize": True}, {"capturable": True}, {"differentiable": True},
+           {"foreach": True}, {"fused": True}, {"lr": torch.tensor(1e-3)}, {"lr": -1.0},
+           {"betas": (1.0, 0.999)}, {"betas": (0.9, -0.1)}, {"eps": -1.0}, {"weight_decay": -0.1}],
+)  # fmt: skip
+@pytest.mark.parametrize("cls", [CPUAdam, CPUAdamW])
+def test_refused_options(cls, kw):
+    with pytest.raises(ValueError):
+        cls([torch.zeros(3, requires_grad=True)], **kw)
+
+
+@pytest.mark.parametrize("param", [torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.bfloat16)])
+def test_refused_params(param):
+    with pytest.raises(TypeError, match="float32 CPU"):
+        CPUAdam([param.requires_grad_(True)])
+
+
+def test_group_edited_after_construction_is_checked():
+    p = torch.zeros(3, requires_grad=True)
+    opt = CPUAdam([p])
+    opt.param_groups[0]["amsgrad"] = True
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+
+
+def test_sparse_grad_refused():
+    p = torch.zeros(3, requires_grad=True)
+    opt = CPUAdam([p])
+    p.grad = torch.ones(3).to_sparse()
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()
+
+
+def _args(n=4):
+    return [torch.zeros(n) for _ in range(4)]
+
+
+HYPER = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False)
+
+
+@pytest.mark.parametrize(
+    "i,bad,exc",
+    [(0, torch.zeros(4, dtype=torch.float64), TypeError), (1, torch.zeros(4, dtype=torch.float16), TypeError),
+     (2, torch.zeros(5), ValueError), (3, torch.zeros(8)[::2], ValueError), (1, [0.0] * 4, TypeError)],
+)  # fmt: skip
+def test_update_refuses_bad_tensors(i, bad, exc):
+    args = _args()
+    args[i] = bad
+    with pytest.raises(exc):
+        adam_update(*args, **HYPER)
+
+
+def test_update_refuses_aliases_and_bad_lowp():
+    p, g, m, v = _args()
+    with pytest.raises(ValueError, match="different"):
+        adam_update(p, g, m, m, **HYPER)
+    with pytest.raises(TypeError, match="lowp_out"):
+        adam_update(p, g, m, v, lowp_out=torch.zeros(4), **HYPER)
+    with pytest.raises(ValueError, match="lowp_out"):
+        adam_update(p, g, m, v, lowp_out=torch.zeros(5, dtype=torch.bfloat16), **HYPER)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("step", 0), ("step", float("nan")), ("lr", -1.0), ("lr", float("inf")), ("beta1", 1.0),
+     ("beta2", -0.5), ("eps", -1e-8), ("weight_decay", float("nan"))],
+)  # fmt: skip
+def test_update_refuses_bad_hyper(key, value):
+    with pytest.raises(ValueError, match=key):
+        adam_update(*_args(), **{**HYPER, key: value})
+
+
+@pytest.mark.parametrize("threads,exc", [(0, ValueError), (1.5, TypeError)])
+def test_update_refuses_bad_threads(threads, exc):
+    with pytest.raises(exc, match="threads"):
+        adam_update(*_args(), **HYPER, threads=threads)
+
+
+def test_empty_tensors_are_a_no_op():
+    adam_update(*[torch.zeros(0) for _ in range(4)], **HYPER)
+
+
+def test_fast_cpu_optimizer():
+    hyper = {"lr": 1e-3, "weight_decay": 0.01}
+    assert fast_cpu_optimizer(torch.optim.Adam, hyper) == (CPUAdam, hyper)
+    assert fast_cpu_optimizer(torch.optim.AdamW, hyper) == (CPUAdamW, hyper)
+    for other in ({"amsgrad": True}, {"fused": True}, {"foreach": True}, {"lr": torch.tensor(0.1)}):
+        assert fast_cpu_optimizer(torch.optim.AdamW, other) == (torch.optim.AdamW, other)
+    assert fast_cpu_optimizer(torch.optim.SGD, hyper) == (torch.optim.SGD, hyper)
+    assert fast_cpu_optimizer(torch.optim.AdamW, {"decoupled_weight_decay": True})[0] is torch.optim.AdamW
