@@ -40,12 +40,40 @@ def check_fits(cfg: Any, name: str, numel: int) -> None:
         )
 
 
-def trim_malloc() -> None:
-    """Give free heap memory back to the OS (after building a model).
+_M_MMAP_THRESHOLD = -3
+BUILD_MMAP_THRESHOLD = 1 << 20
+TRAIN_MMAP_THRESHOLD = 8 << 20
+_mmap_threshold: int | None = None
 
-    glibc's default, adaptive mmap threshold is kept on purpose: a fixed low
-    threshold made every large temporary of a step a fresh mapping, faulted
-    in page by page (hundreds of thousands of minor faults per step)."""
+
+def set_mmap_threshold(nbytes: int) -> None:
+    """Fix glibc's mmap threshold: blocks of `nbytes` or more get their own
+    mapping, returned to the OS on free (process-wide; a no-op without glibc).
+
+    glibc's own threshold rises with every large block freed, up to 32 MiB;
+    blocks under it come from the heap and stay in the process when freed.
+    Streaming a model through memory (building it, adopting it) then leaves
+    RSS growing with the model: while building, :data:`BUILD_MMAP_THRESHOLD`
+    (1 MiB) keeps every parameter-sized tensor in its own mapping. In
+    training, the same setting makes every large temporary of a step a fresh
+    mapping, faulted in page by page (minor faults and system time each
+    step): :data:`TRAIN_MMAP_THRESHOLD` (8 MiB) lets the heap recycle the
+    step's temporaries up to that size while keeping peak RSS close to the
+    1 MiB figure (a fully adaptive threshold more than doubled it)."""
+    global _mmap_threshold
+    if _mmap_threshold == nbytes:
+        return
+    _mmap_threshold = nbytes
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def trim_malloc() -> None:
+    """Give free heap memory back to the OS (after building a model)."""
     try:
         import ctypes
 
@@ -76,6 +104,7 @@ class ParamStore:
         self.on_drive = cfg.param_device == "nvme"
         self.swapper: ParamSwapper | None = None
         if self.on_drive:
+            set_mmap_threshold(BUILD_MMAP_THRESHOLD)
             p = cfg.offload.offload_param
             self.swapper = ParamSwapper(
                 str(p.nvme_path),
@@ -161,6 +190,12 @@ class ParamStore:
         return [p.aio_id for p in params if self.swapper.parts[p.aio_id].state != State.RESIDENT]
 
     # -- use ---------------------------------------------------------------------------
+    def begin_training(self) -> None:
+        """A training pass starts: with parameters on the drive, the build-time
+        malloc bound is relaxed (see set_mmap_threshold)."""
+        if self.on_drive:
+            set_mmap_threshold(TRAIN_MMAP_THRESHOLD)
+
     def acquire(self, params: list[Any]) -> None:
         """Materialise `params` (reads them from the drive if needed)."""
         self._check_open()

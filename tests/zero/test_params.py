@@ -142,3 +142,12 @@ def test_an_optimizer_step_copies_each_parameter_once(tmp_path, param_device, dt
         train_engine(engine, 1, gas=1, start=1)
         param_bytes = sum(p().aio_numel * p().element_size() for p in store.params.values())
         assert store.stats()["write_copy_bytes"] - before == param_bytes
+
+
+def test_malloc_bound_while_building_relaxed_for_training(tmp_path):
+    from aio.zero import params as params_mod
+
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path)) as engine:
+        assert params_mod._mmap_threshold == params_mod.BUILD_MMAP_THRESHOLD
+        train_engine(engine, 1)
+        assert params_mod._mmap_threshold == params_mod.TRAIN_MMAP_THRESHOLD
