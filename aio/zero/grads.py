@@ -2,14 +2,38 @@
 sub-group's buffer as soon as autograd has it; a sub-group's buffer is stored
 (written to the drive, or left in memory) when all its gradients are in.
 Gradient accumulation over ``gradient_accumulation_steps`` micro-steps reads a
-stored buffer back and adds to it."""
+stored buffer back and adds to it.
+
+Gradients computed on a GPU come down without stopping the host: each one
+(in chunks of at most the staging size) is queued for a copy into pinned
+staging on a side stream, and added into its buffer later -- by a following
+gradient's hook once a few copies are queued, or at the end of backward --
+so backward keeps running while earlier gradients travel. Gradients are
+still added one by one in arrival order, so the sums are exactly those of
+blocking copies. On the CPU nothing is copied and each gradient is added at
+once."""
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+from typing import Any, NamedTuple
 
 from .optimizer import GradientBuffer, PendingWrite, ZeroOptimizer
 from .placement import SubGroupLayout
+from .streams import DeviceCopies, HostCopies, Ticket, copies_for
+
+IN_FLIGHT = 2  # gradient copies left running when a hook returns
+
+
+class _Arriving(NamedTuple):
+    """Elements [start, stop) of a parameter's gradient on their way to the host."""
+
+    param: Any
+    start: int
+    stop: int
+    host: Any  # where they land (the gradient itself on the CPU)
+    ticket: Ticket
+    src: Any  # the device gradient, kept alive until the copy is done
 
 
 class GradientAccumulator:
@@ -30,6 +54,8 @@ class GradientAccumulator:
         self._flushed: set[int] = set()  # sub-groups written part-way through this micro-step
         self._pending: list[PendingWrite] = []  # gradient writes in flight
         self._norms: dict[int, Any] = {}  # place order -> grad norm (accumulation boundary)
+        self._copies: HostCopies | DeviceCopies | None = None  # chosen by the first gradient's device
+        self._arriving: collections.deque[_Arriving] = collections.deque()
 
     def is_boundary(self) -> bool:
         """Whether the current micro-step ends the accumulation window."""
@@ -42,8 +68,9 @@ class GradientAccumulator:
 
     @property
     def has_open(self) -> bool:
-        """Whether a sub-group's gradient buffer is still open (not yet stored) in this micro-step."""
-        return bool(self._open)
+        """Whether a sub-group's gradient buffer is still open (not yet stored), or a
+        gradient still on its way, in this micro-step."""
+        return bool(self._open) or bool(self._arriving)
 
     @property
     def touched(self) -> bool:
@@ -51,18 +78,66 @@ class GradientAccumulator:
         return bool(self._touched)
 
     def add(self, param: Any, grad: Any) -> None:
-        """Add `param`'s gradient into its sub-group's buffer."""
+        """Add `param`'s gradient into its sub-group's buffer (on a GPU: start
+        its copy down; it is added by a later call or finish_backward())."""
+        flat = grad.detach().reshape(-1)
+        if self._copies is None:
+            self._copies = copies_for(flat.device)
+        copies = self._copies
+        n = flat.numel()
+        chunk = max(1, copies.max_download_bytes // max(flat.element_size(), 1))
+        for start in range(0, max(n, 1), chunk):
+            stop = min(n, start + chunk)
+            while (got := copies.download(flat[start:stop])) is None:
+                if not self._arriving:
+                    raise RuntimeError("gradient staging is full with no copy in flight")
+                self._land_oldest()
+            self._arriving.append(_Arriving(param, start, stop, got[0], got[1], flat))
+        self._land(keep=IN_FLIGHT)
+
+    def _land(self, keep: int) -> None:
+        """Add the arrived gradients, oldest first: every finished copy, and
+        older ones (waiting for them) until at most `keep` are in flight."""
+        while self._arriving and (len(self._arriving) > keep or self._arriving[0].ticket.done()):
+            self._land_oldest()
+
+    def _land_oldest(self) -> None:
         import torch
 
-        s = self.layout.places[param.aio_id]
-        view = self._buffer(s.group).tensor[s.offset : s.offset + s.numel]
-        flat = grad.reshape(-1)
-        view.add_(flat.to(device="cpu", dtype=torch.float32) if grad.device.type != "cpu" else flat)
+        a = self._arriving.popleft()
+        try:
+            a.ticket.wait()
+            s = self.layout.places[a.param.aio_id]
+            buf = self._buffer(s.group).tensor
+            buf[s.offset + a.start : s.offset + a.stop].add_(a.host)
+        finally:
+            self._recycle()
+        if a.stop < s.numel:
+            return
         if self.record_norms and self.is_boundary():
-            self._norms[s.order] = torch.linalg.vector_norm(view)
+            self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
         self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
         if self._arrived[s.group] == len(self.layout.groups[s.group]):
             self._close(s.group)
+
+    def _drop_arriving(self) -> None:
+        """Forget the gradients on their way (after their copies finished: the
+        staging is reused and the device gradients freed after this)."""
+        while self._arriving:
+            self._arriving.popleft().ticket.wait()
+            self._recycle()
+
+    def _recycle(self) -> None:
+        if self._copies is not None:
+            self._copies.recycle()
+
+    def pinned_bytes(self) -> int:
+        """Pinned staging held for gradient copies (0 on the CPU)."""
+        return 0 if self._copies is None else self._copies.pinned_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        """Copy counters (``d2h_copies``, ``d2h_bytes``; empty on the CPU)."""
+        return dict(getattr(self._copies, "counters", {}))
 
     def _buffer(self, gi: int) -> GradientBuffer:
         if gi in self._open:
@@ -91,8 +166,10 @@ class GradientAccumulator:
             self._pending.append(pending)
 
     def finish_backward(self) -> None:
-        """Store every open sub-group; at a window's first micro-step, also the
-        sub-groups that got no gradient (they still hold the last window's)."""
+        """Add the gradients still on their way, then store every open
+        sub-group; at a window's first micro-step, also the sub-groups that got
+        no gradient (they still hold the last window's)."""
+        self._land(keep=0)
         for gi in list(self._open):
             self._close(gi)
         if self.at_window_start():
@@ -131,6 +208,7 @@ class GradientAccumulator:
     def reset(self) -> None:
         """Drop this window's gradients and give every buffer back; the next
         backward starts the window again."""
+        self._drop_arriving()
         for buf in self._open.values():
             buf.release()
         self._open.clear()
@@ -145,7 +223,8 @@ class GradientAccumulator:
         self.micro_steps -= self.micro_steps % self.gas
 
     def close(self) -> None:
-        """Wait for the writes in flight and give their buffers back."""
+        """Wait for the copies and writes in flight and give their buffers back."""
+        self._drop_arriving()
         for pending in self._pending:
             pending.abandon()
         self._pending.clear()

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..swap import ParamSwapper, PoolExhaustedError, State, SwapStateError
+from .streams import DeviceCopies, HostCopies, Ticket, copies_for
 
 
 def check_fits(cfg: Any, name: str, numel: int) -> None:
@@ -40,28 +41,33 @@ def check_fits(cfg: Any, name: str, numel: int) -> None:
 
 
 _M_MMAP_THRESHOLD = -3
-_malloc_bounded = False
+BUILD_MMAP_THRESHOLD = 1 << 20
+TRAIN_MMAP_THRESHOLD = 8 << 20
+_mmap_threshold: int | None = None
 
 
-def bound_malloc() -> None:
-    """Make glibc return large freed blocks to the OS.
+def set_mmap_threshold(nbytes: int) -> None:
+    """Fix glibc's mmap threshold: blocks of `nbytes` or more get their own
+    mapping, returned to the OS on free (process-wide; a no-op without glibc).
 
-    glibc raises its mmap threshold each time a large mmapped block is freed
-    (up to 32 MiB), after which parameter-sized tensors come from the heap and
-    their memory stays in the process when freed: building or streaming a
-    model through memory would then leave RSS growing with model size. A fixed
-    1 MiB threshold keeps every tensor of 1 MiB or more in its own mapping,
-    returned on free. Process-wide; a no-op where mallopt is unavailable.
-    """
-    global _malloc_bounded
-    if _malloc_bounded:
+    glibc's own threshold rises with every large block freed, up to 32 MiB;
+    blocks under it come from the heap and stay in the process when freed.
+    Streaming a model through memory (building it, adopting it) then leaves
+    RSS growing with the model: while building, :data:`BUILD_MMAP_THRESHOLD`
+    (1 MiB) keeps every parameter-sized tensor in its own mapping. In
+    training, the same setting makes every large temporary of a step a fresh
+    mapping, faulted in page by page (minor faults and system time each
+    step): :data:`TRAIN_MMAP_THRESHOLD` (8 MiB) lets the heap recycle the
+    step's temporaries up to that size while keeping peak RSS close to the
+    1 MiB figure (a fully adaptive threshold more than doubled it)."""
+    global _mmap_threshold
+    if _mmap_threshold == nbytes:
         return
-    _malloc_bounded = True
+    _mmap_threshold = nbytes
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes)
     except (OSError, AttributeError):  # not glibc
         pass
 
@@ -98,7 +104,7 @@ class ParamStore:
         self.on_drive = cfg.param_device == "nvme"
         self.swapper: ParamSwapper | None = None
         if self.on_drive:
-            bound_malloc()
+            set_mmap_threshold(BUILD_MMAP_THRESHOLD)
             p = cfg.offload.offload_param
             self.swapper = ParamSwapper(
                 str(p.nvme_path),
@@ -116,6 +122,15 @@ class ParamStore:
         self.speculative: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.next_part_id = 0
         self.buffer_ptrs: set[int] = set()  # storages of swap buffers (see linear.py)
+        self.copies: HostCopies | DeviceCopies = copies_for(self.device)
+        # part_id -> the upload still reading that part's host memory: the
+        # memory is not overwritten or handed back before the ticket is done.
+        self.uploading: dict[int, Ticket] = {}
+        # part_id -> ticket: dropped partitions whose buffer goes back to the
+        # pool once their upload is done (checked without blocking until a
+        # buffer is needed).
+        self.deferred: dict[int, Ticket] = {}
+        self.counters = {"write_copy_bytes": 0, "writes": 0}
         self.closed = False
 
     # -- adoption ------------------------------------------------------------------------
@@ -175,15 +190,23 @@ class ParamStore:
         return [p.aio_id for p in params if self.swapper.parts[p.aio_id].state != State.RESIDENT]
 
     # -- use ---------------------------------------------------------------------------
+    def begin_training(self) -> None:
+        """A training pass starts: with parameters on the drive, the build-time
+        malloc bound is relaxed (see set_mmap_threshold)."""
+        if self.on_drive:
+            set_mmap_threshold(TRAIN_MMAP_THRESHOLD)
+
     def acquire(self, params: list[Any]) -> None:
         """Materialise `params` (reads them from the drive if needed)."""
         self._check_open()
+        self._reap(block=False)
         todo = []
         for p in params:
             part_id = p.aio_id
             self.refs[part_id] += 1
             if self.refs[part_id] == 1:
                 self.speculative.pop(part_id, None)
+                self.deferred.pop(part_id, None)  # in use again: keep its buffer
                 if not self._stays_materialised(part_id):
                     todo.append(p)
         if not todo:
@@ -207,25 +230,49 @@ class ParamStore:
                 raise
         else:
             tensors = [self.resident[p.aio_id] for p in todo]
-        for p, t in zip(todo, tensors, strict=True):
-            self._materialise(p, t)
+        self._materialise_all(todo, tensors)
+
+    def _materialise_all(self, params: list[Any], hosts: list[Any]) -> None:
+        """Point `params` at their values: on a CPU model the host tensors
+        themselves; on a device, copies queued on the side stream (large
+        parameters one by one, the small ones of this call in one transfer)."""
+        if self.device.type == "cpu":
+            for p, host in zip(params, hosts, strict=True):
+                if self.swapper is not None:
+                    self.buffer_ptrs.add(host.untyped_storage().data_ptr())
+                p.data = host.view(p.aio_shape)
+            return
+        small = [i for i, h in enumerate(hosts) if h.nbytes <= self.copies.small_bytes]
+        groups = [[i] for i, h in enumerate(hosts) if h.nbytes > self.copies.small_bytes]
+        if small:
+            groups.append(small)
+        for group in groups:
+            devs, ticket = self.copies.upload([hosts[i] for i in group])
+            for i, dev in zip(group, devs, strict=True):
+                p = params[i]
+                self.uploading[p.aio_id] = ticket
+                p.data = dev.view(p.aio_shape)
 
     def _materialise(self, p: Any, host: Any) -> None:
-        if self.device.type == "cpu":
-            if self.swapper is not None:
-                self.buffer_ptrs.add(host.untyped_storage().data_ptr())
-            p.data = host.view(p.aio_shape)
-        else:
-            # The pinned host copy goes up on a side stream; the compute
-            # stream waits for it, so the host buffer is free to reuse after.
-            import torch
+        self._materialise_all([p], [host])
 
-            stream = _side_stream(self.device)
-            with torch.cuda.stream(stream):
-                dev = host.view(p.aio_shape).to(self.device, non_blocking=True)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            stream.synchronize()
-            p.data = dev
+    def _host_settled(self, part_id: int) -> None:
+        """Wait for the upload still reading `part_id`'s host memory, if any."""
+        ticket = self.uploading.pop(part_id, None)
+        if ticket is not None:
+            ticket.wait()
+
+    def _reap(self, block: bool) -> None:
+        """Hand back the buffers of dropped partitions whose upload is done
+        (with `block`, of all of them, waiting as needed)."""
+        if not self.deferred or self.swapper is None:
+            return
+        done = [part_id for part_id, t in self.deferred.items() if block or t.done()]
+        for part_id in done:
+            self.deferred.pop(part_id).wait()
+            self.uploading.pop(part_id, None)
+        if done:
+            self.swapper.release(done)
 
     def drop(self, params: list[Any], keep: set[int] | None = None) -> None:
         """Undo acquire(); parameters no longer in use go back to placeholders.
@@ -244,7 +291,10 @@ class ParamStore:
                 if self.swapper is not None:
                     if keep is not None and part_id in keep:
                         self.speculative[part_id] = None
+                    elif (ticket := self.uploading.get(part_id)) is not None and not ticket.done():
+                        self.deferred[part_id] = ticket  # still being copied up
                     else:
+                        self.uploading.pop(part_id, None)
                         release.append(part_id)
         if release and self.swapper is not None:
             self.swapper.release(release)
@@ -253,6 +303,7 @@ class ParamStore:
         """Start reading partitions needed soon, keeping `limit` buffers free."""
         if self.swapper is None or not part_ids:
             return
+        self._reap(block=False)
         room = self.swapper.pool.available() - limit
         want = [part_id for part_id in part_ids if self.swapper.parts[part_id].state == State.ON_DRIVE][
             : max(room, 0)
@@ -265,8 +316,14 @@ class ParamStore:
 
     def _make_room(self, need: int) -> None:
         assert self.swapper is not None
+        while self.swapper.pool.available() < need and self.deferred:
+            part_id = next(iter(self.deferred))  # the oldest upload: done first
+            self.deferred.pop(part_id).wait()
+            self.uploading.pop(part_id, None)
+            self.swapper.release([part_id])
         while self.swapper.pool.available() < need and self.speculative:
             part_id, _ = self.speculative.popitem(last=False)
+            self._host_settled(part_id)
             self.swapper.release([part_id])
         if self.swapper.pool.available() < need:
             in_use = sum(1 for part_id in self.refs if self.swapper.parts[part_id].lease is not None)
@@ -307,11 +364,24 @@ class ParamStore:
         """Store new values (flat, any float dtype; converted). The caller may
         reuse `flat` right away: an asynchronous write goes from a copy."""
         part_id = param.aio_id
+        self._host_settled(part_id)  # an upload may still read the old values
+        self.counters["writes"] += 1
+        self.counters["write_copy_bytes"] += self._host(part_id).nbytes if self.swapper is None else 0
         if self.swapper is None:
             self.resident[part_id].copy_(flat)
         else:
-            # The write outlives this call when async: it must own its source.
-            src = flat.to(self.dtype, copy=async_op)
+            part = self.swapper.parts[part_id]
+            if part.state != State.RESIDENT and part.lease is not None:
+                self.swapper.wait([part_id])  # its buffer may still be read into or written from
+            if part.state == State.RESIDENT or (part.lease is not None and not part.releasing):
+                # One (converting) copy straight into the swapper's memory; the
+                # swapper then writes from there and copying onto itself is free.
+                part.tensor.copy_(flat)
+                src = part.tensor
+            else:
+                # An asynchronous write outlives this call: it must own its source.
+                src = flat.to(self.dtype, copy=async_op)
+            self.counters["write_copy_bytes"] += part.nbytes if src is not flat else 0
             self.swapper.write(part_id, src, async_op=async_op)
         if self.refs.get(part_id, 0) > 0 and not self._stays_materialised(part_id):
             # In use right now (e.g. inside gathered()): refresh the live copy too.
@@ -323,7 +393,11 @@ class ParamStore:
             self.swapper.wait([p.aio_id for p in params])
 
     def synchronize(self) -> None:
-        """Wait for every parameter read and write in flight; raises the first failure."""
+        """Wait for every parameter read, write and upload in flight; raises the first failure."""
+        for part_id in list(self.uploading):
+            self._host_settled(part_id)
+        self._reap(block=True)
+        self.copies.synchronize()
         if self.swapper is not None:
             self.swapper.synchronize()
 
@@ -372,6 +446,7 @@ class ParamStore:
 
     def apply_checkpoint(self, directory: str, verified: Any) -> None:
         """Load a checkpoint verify_checkpoint() accepted."""
+        self.synchronize()  # no upload may read what is overwritten now
         if self.swapper is not None:
             self.swapper.apply_checkpoint(directory, verified)
         else:
@@ -392,11 +467,13 @@ class ParamStore:
 
     def stats(self) -> dict[str, Any]:
         """The swapper's stats(), or in memory ``partitions`` and ``resident_bytes``."""
+        copies = dict(self.counters, **getattr(self.copies, "counters", {}))
         if self.swapper is not None:
-            return self.swapper.stats()
+            return dict(self.swapper.stats(), **copies)
         return {
             "partitions": len(self.resident),
             "resident_bytes": sum(t.nbytes for t in self.resident.values()),
+            **copies,
         }
 
     def _check_open(self) -> None:
@@ -409,19 +486,14 @@ class ParamStore:
         if self.closed:
             return
         self.closed = True
-        if self.swapper is not None:
-            self.swapper.close()
-
-
-_streams: dict[Any, Any] = {}
-
-
-def _side_stream(device: Any) -> Any:
-    import torch
-
-    if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device)
-    return _streams[device]
+        try:
+            for part_id in list(self.uploading):
+                self._host_settled(part_id)
+            self.deferred.clear()
+            self.copies.synchronize()
+        finally:
+            if self.swapper is not None:
+                self.swapper.close()
 
 
 def module_params(module: Any) -> list[Any]:

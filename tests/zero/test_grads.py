@@ -62,3 +62,90 @@ def test_accumulator_with_one_buffer_flushes_and_reads_back(tmp_path, device):
         assert got[1].tolist() == [-21.0] * 4
     finally:
         opt.close()
+
+
+def _accumulate(copies, grads_per_micro, record_norms=True, after_add=lambda acc: None):
+    """Run a GradientAccumulator (SGD, lr 1, two sub-groups, gas 2) over the given
+    gradients with `copies` as its copy implementation; returns the stepped
+    master weights (minus the gradient sums) and the boundary norms."""
+    from aio.config import load_train_config
+    from aio.zero.grads import GradientAccumulator
+    from aio.zero.optimizer import make_optimizer
+    from aio.zero.placement import SubGroupLayout
+
+    cfg = load_train_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    opt = make_optimizer(cfg, torch.optim.SGD, {"lr": 1.0})
+    params = [_P(0, 300), _P(1, 2), _P(2, 77), _P(3, 0)]
+    layout = SubGroupLayout([params[:2], params[2:]])
+    try:
+        for gi, n in enumerate(layout.group_numel):
+            opt.register_subgroup(gi, n)
+            opt.initialize(gi, torch.zeros(n))
+        acc = GradientAccumulator(opt, layout, gas=2, record_norms=record_norms)
+        if copies is not None:
+            acc._copies = copies
+        for micro, grads in enumerate(grads_per_micro):
+            for p, g in zip(params, grads, strict=True):
+                acc.add(p, g())
+                after_add(acc)
+            acc.finish_backward()
+            if micro == 0:
+                acc.end_micro_step()
+        acc.settle_writes()
+        norms = [n.item() for n in acc.boundary_norms()]
+        got = {}
+        opt.step(after=lambda i, m: got.setdefault(i, m.clone()))
+        return got, norms, acc
+    finally:
+        opt.close()
+
+
+def test_gradients_from_a_device_land_later_with_the_same_sums():
+    """With (fake) device copies, chunked through a small staging ring: no hook
+    waits for the copy it just started, and the sums and norms are bit-identical
+    to adding on the host at once. The fake runs the copy stream first, so a
+    copy that did not wait for the gradient to be computed would read zeros."""
+    from aio.zero.streams import DeviceCopies, PinnedRing
+
+    from .fake_streams import FakeBackend
+
+    torch.manual_seed(0)
+    values = [[torch.randn(n, dtype=torch.bfloat16) * 1e3 for n in (300, 2, 77, 0)] for _ in range(2)]
+    host = [[(lambda v=v: v) for v in micro] for micro in values]
+    expect, expect_norms, _ = _accumulate(None, host)
+
+    b = FakeBackend(first="side")
+    copies = DeviceCopies(b)
+    copies.down = PinnedRing(b, 512)
+    copies.max_download_bytes = 128  # 64 bf16 elements per chunk
+
+    def produced(v):
+        def make():
+            g = torch.zeros_like(v)
+            b.kernel(lambda: g.copy_(v))  # "computed" on the compute stream
+            return g
+
+        return make
+
+    started = []
+    download = copies.download
+
+    def tracked(src):
+        got = download(src)
+        if got is not None:
+            started.append(got[1].event)
+        return got
+
+    copies.download = tracked
+
+    def newest_still_running(acc):
+        # The hook never waited for the copy it had just started.
+        assert ("synchronize", started[-1]) not in b.log
+
+    device = [[produced(v) for v in micro] for micro in values]
+    got, norms, acc = _accumulate(copies, device, after_add=newest_still_running)
+    assert norms == expect_norms
+    for gi in expect:
+        assert torch.equal(got[gi], expect[gi])
+    assert acc.stats()["d2h_copies"] == 2 * (5 + 1 + 2 + 1)
+    assert not acc._arriving and not copies.down.live

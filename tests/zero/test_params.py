@@ -34,3 +34,120 @@ def test_too_few_parameter_buffers_is_a_clear_error(tmp_path):
     with aio.zero.initialize(gpt(), cfg) as engine:
         with pytest.raises(aio.swap.PoolExhaustedError, match="buffer_count"):
             loss_of(engine, 0, 0)
+
+
+def _fake_device_store(tmp_path, monkeypatch, param_device, sizes):
+    """A ParamStore whose compute device is a fake CUDA device (aio.zero.streams
+    with fake streams): uploads run only when the fake runs them."""
+    from aio.config import load_train_config
+    from aio.zero import params as params_mod
+    from aio.zero.params import ParamStore
+    from aio.zero.streams import DeviceCopies
+
+    from .fake_streams import FakeBackend
+
+    cfg = load_train_config(cfg_for(tmp_path, param=param_device, opt="cpu"))
+    store = ParamStore(cfg, "cpu")
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for i, p in enumerate(ps):
+        store.adopt(p, f"p{i}")
+    monkeypatch.setattr(params_mod, "_placeholder", lambda dtype, device: torch.empty(0, dtype=dtype))
+    store.device = torch.device("cuda")
+    backend = FakeBackend(first="compute")
+    store.copies = DeviceCopies(backend, small_bytes=1024)  # 20_000 fp32 elements count as large
+    return store, ps, backend
+
+
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
+def test_fetch_to_a_device_waits_on_no_host_sync(tmp_path, monkeypatch, param_device):
+    """A large parameter goes up alone, the small ones in one copy; the host
+    never synchronizes; the device tensors hold the stored values."""
+    store, ps, b = _fake_device_store(tmp_path, monkeypatch, param_device, [20_000, 30, 7, 5])
+    try:
+        store.acquire(ps)
+        assert b.synchronizes() == 0 and store.copies.counters["h2d_copies"] == 2
+        b.run_all()
+        for p in ps:
+            assert p.shape == (p.aio_numel,) and torch.equal(p.data, store.read(p))
+        store.drop(ps)
+    finally:
+        store.close()
+
+
+def test_swap_buffer_goes_back_only_after_its_upload(tmp_path, monkeypatch):
+    """Dropped while its upload is still queued, a partition keeps its buffer;
+    the buffer returns once the upload is done, and a fetch that needs it waits
+    for that upload (and no other wait happens)."""
+    store, ps, b = _fake_device_store(tmp_path, monkeypatch, "nvme", [20_000] * 7)  # 6 buffers
+    pool = store.swapper.pool
+    try:
+        store.acquire(ps[:3])
+        store.drop(ps[:3])
+        assert set(store.deferred) == {p.aio_id for p in ps[:3]} and pool.available() == pool.count - 3
+        store.acquire(ps[3:6])  # 3 free buffers: nothing waited
+        assert b.synchronizes() == 0
+        store.drop(ps[3:6])
+        store.acquire(ps[:1])  # still buffered: reused without a wait
+        assert b.synchronizes() == 0 and ps[0].aio_id not in store.deferred
+        b.run_all()
+        store.acquire(ps[1:2])  # done uploads give their buffers back without a wait
+        assert b.synchronizes() == 0 and not store.deferred
+        b.run_all()
+        for p in ps[:2]:
+            assert torch.equal(p.data, store.read(p))
+        store.drop(ps[:2])
+        store.acquire(ps[2:])
+        store.drop(ps[2:])
+        assert len(store.deferred) == 5 and pool.available() == 1
+        store.acquire(ps[:2])  # one buffer short: waits for the oldest upload, once
+        assert b.synchronizes() == 1
+        b.run_all()
+        for p in ps[:2]:
+            assert torch.equal(p.data, store.read(p))
+        store.drop(ps[:2])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
+def test_write_waits_for_the_upload_reading_the_old_values(tmp_path, monkeypatch, param_device):
+    store, ps, b = _fake_device_store(tmp_path, monkeypatch, param_device, [20_000, 7])
+    try:
+        old = [store.read(p) for p in ps]
+        store.acquire(ps)
+        live = [p.data for p in ps]
+        for p in ps:
+            store.write(p, torch.full((p.aio_numel,), 3.0), async_op=True)
+        b.run_all()
+        for p, o, t in zip(ps, old, live, strict=True):
+            assert torch.equal(t, o)  # the upload queued before the write saw the old values
+            assert torch.equal(store.read(p), torch.full((p.aio_numel,), 3.0))
+            assert torch.equal(p.data, torch.full((p.aio_numel,), 3.0))  # in use: refreshed
+        store.drop(ps)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_an_optimizer_step_copies_each_parameter_once(tmp_path, param_device, dtype):
+    extra = {"bf16": {"enabled": True}} if dtype else {}
+    cfg = cfg_for(tmp_path, param=param_device, opt="cpu", gas=1, **extra)
+    model = gpt().to(torch.bfloat16) if dtype else gpt()
+    with aio.zero.initialize(model, cfg) as engine:
+        store = engine.store
+        train_engine(engine, 1, gas=1)
+        before = store.stats()["write_copy_bytes"]
+        train_engine(engine, 1, gas=1, start=1)
+        param_bytes = sum(p().aio_numel * p().element_size() for p in store.params.values())
+        assert store.stats()["write_copy_bytes"] - before == param_bytes
+
+
+def test_malloc_bound_while_building_relaxed_for_training(tmp_path):
+    from aio.zero import params as params_mod
+
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path)) as engine:
+        assert params_mod._mmap_threshold == params_mod.BUILD_MMAP_THRESHOLD
+        train_engine(engine, 1)
+        assert params_mod._mmap_threshold == params_mod.TRAIN_MMAP_THRESHOLD
