@@ -108,7 +108,7 @@ AIO_ALWAYS_INLINE uint16_t to_f16(float f) {
   // (127 -> 15); a carry out of the mantissa correctly bumps the exponent.
   const uint32_t norm = ((a + 0xFFFu + ((a >> 13) & 1u)) >> 13) - 0x1C000u;
   uint32_t h = a < 0x38800000u ? sub : norm;
-  h = a >= 0x477FF000u ? 0x7C00u : h;  // rounds to 65536 or more: infinity
+  h = a >= 0x477FF000u ? 0x7C00u : h;                        // rounds to 65536 or more: infinity
   h = a > 0x7F800000u ? 0x7E00u | ((a >> 13) & 0x3FFu) : h;  // NaN
   return static_cast<uint16_t>(sign | h);
 }
@@ -127,7 +127,7 @@ AIO_ALWAYS_INLINE void moments(const Scalars& s, const float* __restrict grad,
     const float mi = m[i];
     const float diff = g - mi;
     m[i] = kSmall ? std::fma(s.w, diff, mi) : std::fma(s.w_minus_1, diff, g);  // lerp_
-    const float vi = std::fma(s.c2 * g, g, v[i] * s.b2);  // mul_(b2).addcmul_
+    const float vi = std::fma(s.c2 * g, g, v[i] * s.b2);                       // mul_(b2).addcmul_
     v[i] = vi;
     sq[i] = vi;
   }
@@ -136,8 +136,8 @@ AIO_ALWAYS_INLINE void moments(const Scalars& s, const float* __restrict grad,
 // Pass two: denominator, parameter update, low-precision copy.
 template <LowpKind kLowp, bool kRootGiven, size_t kFixed>
 AIO_ALWAYS_INLINE void apply(const Scalars& s, const float* __restrict root,
-                             const float* __restrict m, float* __restrict p,
-                             void* __restrict lowp, size_t n) {
+                             const float* __restrict m, float* __restrict p, void* __restrict lowp,
+                             size_t n) {
   uint16_t* __restrict out = static_cast<uint16_t*>(lowp);
   const size_t count = kFixed ? kFixed : n;
   for (size_t i = 0; i < count; ++i) {
@@ -184,8 +184,7 @@ AIO_ALWAYS_INLINE bool mkl_sse_sqrt_128(const float* in, float* out, size_t n) {
 
 // The same, eight lanes at a time; n a multiple of 8. Not inlined (a call
 // per block): GCC inlines a target("avx2") function only into another.
-__attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float* out,
-                                                          size_t n) {
+__attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float* out, size_t n) {
   const __m256 half = _mm256_set1_ps(0.5f);
   const __m256i bias = _mm256_set1_epi32(0x7F800000);
   const __m256i limit = _mm256_set1_epi32(static_cast<int>(0xFEFFF000u));
@@ -236,10 +235,8 @@ AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* 
 // One block of n elements starting at i (n == kFixed when kFixed != 0).
 template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2, size_t kFixed>
 AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
-                                 size_t i, size_t n, float* __restrict sq,
-                                 float* __restrict root) {
-  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq,
-                               n);
+                                 size_t i, size_t n, float* __restrict sq, float* __restrict root) {
+  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);
   uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
   if (vs.kind != SqrtKind::CorrectlyRounded) {
     roots<kAvx2>(vs, sq, root, n);

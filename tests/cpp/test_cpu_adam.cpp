@@ -62,8 +62,8 @@ void reference_step(State& st, size_t i, const aio::AdamHyper& h) {
   st.v[i] = std::fma(static_cast<float>(1.0 - h.beta2) * g, g, v);
   const double bc1 = 1.0 - std::pow(h.beta1, h.step);
   const double bc2 = 1.0 - std::pow(h.beta2, h.step);
-  const float denom = std::sqrt(st.v[i]) / static_cast<float>(std::pow(bc2, 0.5)) +
-                      static_cast<float>(h.eps);
+  const float denom =
+      std::sqrt(st.v[i]) / static_cast<float>(std::pow(bc2, 0.5)) + static_cast<float>(h.eps);
   st.p[i] = p + (static_cast<float>(-(h.lr / bc1)) * st.m[i]) / denom;
 }
 
