@@ -38,13 +38,15 @@
 namespace aio {
 namespace {
 
-// Elements per block: six 4 KiB streams (four arrays, two scratch) fit in L1.
-constexpr size_t kBlock = 1024;
+// Elements per block (1 KiB of each array). Measured here on 49M elements:
+// 256 is 15-35% faster than 1024 (a 4 KiB page per array per block), which
+// makes the prefetchers restart on every page; 128 is no better than 256.
+constexpr size_t kBlock = 256;
 // Work is handed out in chunks of this many elements (whole blocks, 1 MiB
 // per array), taken from a shared counter: on a shared machine a thread
 // whose core is busy elsewhere takes fewer, instead of every call waiting
 // for the slowest fixed share.
-constexpr size_t kChunk = 256 * kBlock;
+constexpr size_t kChunk = 1024 * kBlock;
 
 // The per-element constants, each rounded to float once as ATen does.
 struct Scalars {
