@@ -127,12 +127,15 @@ def adam_update(
     if grad_scale is not None:
         grad_scale = _number("grad_scale", grad_scale)
     lowp_ptr, lowp_kind = _check_lowp(lowp_out, n)
-    ptrs = [t.data_ptr() for t in (param, grad, exp_avg, exp_avg_sq)]
-    if n > 0 and len(set(ptrs)) != 4:
+    ptrs = {t.data_ptr() for t in (param, grad, exp_avg, exp_avg_sq)}
+    if n > 0 and len(ptrs) != 4:
         raise ValueError("param, grad, exp_avg and exp_avg_sq must be four different tensors")
     sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt()
     _C.adam_update(
-        *ptrs,
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
         n,
         step=_number("step", step),
         lr=_number("lr", lr),
@@ -187,10 +190,11 @@ def _matches_torch(sqrt: _Sqrt) -> bool:
         for step, grad in enumerate(grads, start=1):
             ref.grad = grad.clone()
             opt.step()
-            hyper = dict(step=float(step), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-            ptrs = (p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr())
-            _C.adam_update(*ptrs, n, **hyper, decoupled=decoupled, sqrt_kind=sqrt[0], sqrt_fn=sqrt[1],
-                           sqrt_mode=sqrt[2])  # fmt: skip
+            _C.adam_update(
+                p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), n,
+                step=float(step), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                decoupled=decoupled, sqrt_kind=sqrt[0], sqrt_fn=sqrt[1], sqrt_mode=sqrt[2],
+            )  # fmt: skip
         if not torch.equal(ref.detach(), p):
             return False
     return True
@@ -320,7 +324,7 @@ class CPUAdam(torch.optim.Optimizer):
         _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter that has a gradient."""
         loss = None
         if closure is not None:

@@ -58,7 +58,10 @@ def deepspeed_variant(sizes: list[int]) -> Callable[[], None] | str:
 
 def aio_variant(sizes: list[int], threads: int, lowp: bool) -> Callable[[], None]:
     ps = [(torch.randn(n), torch.randn(n) * 1e-2) for n in sizes]
-    state = [(torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16) if lowp else None) for n in sizes]
+    state = [
+        (torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16) if lowp else None)
+        for n in sizes
+    ]
     step = [0]
     b1, b2 = HYPER["betas"]  # type: ignore[misc]
 

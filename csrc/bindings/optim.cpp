@@ -95,9 +95,9 @@ void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t e
 // Registered from module.cpp.
 void bind_optim(py::module_& m) {
   m.def("adam_update", &adam_update, py::arg("param_ptr"), py::arg("grad_ptr"),
-        py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"), py::arg("numel"),
-        py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("decoupled"), py::arg("grad_scale") = py::none(),
-        py::arg("lowp_ptr") = 0, py::arg("lowp_kind") = "none", py::arg("threads") = 1,
-        py::arg("sqrt_kind") = "exact", py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0);
+        py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"), py::arg("numel"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("decoupled"), py::arg("grad_scale") = py::none(), py::arg("lowp_ptr") = 0,
+        py::arg("lowp_kind") = "none", py::arg("threads") = 1, py::arg("sqrt_kind") = "exact",
+        py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0);
 }

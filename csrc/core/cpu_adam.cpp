@@ -38,13 +38,15 @@
 namespace aio {
 namespace {
 
-// Elements per block: six 4 KiB streams (four arrays, two scratch) fit in L1.
-constexpr size_t kBlock = 1024;
+// Elements per block (1 KiB of each array). Measured here on 49M elements:
+// 256 is 15-35% faster than 1024 (a 4 KiB page per array per block), which
+// makes the prefetchers restart on every page; 128 is no better than 256.
+constexpr size_t kBlock = 256;
 // Work is handed out in chunks of this many elements (whole blocks, 1 MiB
 // per array), taken from a shared counter: on a shared machine a thread
 // whose core is busy elsewhere takes fewer, instead of every call waiting
 // for the slowest fixed share.
-constexpr size_t kChunk = 256 * kBlock;
+constexpr size_t kChunk = 1024 * kBlock;
 
 // The per-element constants, each rounded to float once as ATen does.
 struct Scalars {
@@ -108,7 +110,7 @@ AIO_ALWAYS_INLINE uint16_t to_f16(float f) {
   // (127 -> 15); a carry out of the mantissa correctly bumps the exponent.
   const uint32_t norm = ((a + 0xFFFu + ((a >> 13) & 1u)) >> 13) - 0x1C000u;
   uint32_t h = a < 0x38800000u ? sub : norm;
-  h = a >= 0x477FF000u ? 0x7C00u : h;  // rounds to 65536 or more: infinity
+  h = a >= 0x477FF000u ? 0x7C00u : h;                        // rounds to 65536 or more: infinity
   h = a > 0x7F800000u ? 0x7E00u | ((a >> 13) & 0x3FFu) : h;  // NaN
   return static_cast<uint16_t>(sign | h);
 }
@@ -127,7 +129,7 @@ AIO_ALWAYS_INLINE void moments(const Scalars& s, const float* __restrict grad,
     const float mi = m[i];
     const float diff = g - mi;
     m[i] = kSmall ? std::fma(s.w, diff, mi) : std::fma(s.w_minus_1, diff, g);  // lerp_
-    const float vi = std::fma(s.c2 * g, g, v[i] * s.b2);  // mul_(b2).addcmul_
+    const float vi = std::fma(s.c2 * g, g, v[i] * s.b2);                       // mul_(b2).addcmul_
     v[i] = vi;
     sq[i] = vi;
   }
@@ -136,8 +138,8 @@ AIO_ALWAYS_INLINE void moments(const Scalars& s, const float* __restrict grad,
 // Pass two: denominator, parameter update, low-precision copy.
 template <LowpKind kLowp, bool kRootGiven, size_t kFixed>
 AIO_ALWAYS_INLINE void apply(const Scalars& s, const float* __restrict root,
-                             const float* __restrict m, float* __restrict p,
-                             void* __restrict lowp, size_t n) {
+                             const float* __restrict m, float* __restrict p, void* __restrict lowp,
+                             size_t n) {
   uint16_t* __restrict out = static_cast<uint16_t*>(lowp);
   const size_t count = kFixed ? kFixed : n;
   for (size_t i = 0; i < count; ++i) {
@@ -184,8 +186,7 @@ AIO_ALWAYS_INLINE bool mkl_sse_sqrt_128(const float* in, float* out, size_t n) {
 
 // The same, eight lanes at a time; n a multiple of 8. Not inlined (a call
 // per block): GCC inlines a target("avx2") function only into another.
-__attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float* out,
-                                                          size_t n) {
+__attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float* out, size_t n) {
   const __m256 half = _mm256_set1_ps(0.5f);
   const __m256i bias = _mm256_set1_epi32(0x7F800000);
   const __m256i limit = _mm256_set1_epi32(static_cast<int>(0xFEFFF000u));
@@ -236,10 +237,8 @@ AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* 
 // One block of n elements starting at i (n == kFixed when kFixed != 0).
 template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2, size_t kFixed>
 AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
-                                 size_t i, size_t n, float* __restrict sq,
-                                 float* __restrict root) {
-  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq,
-                               n);
+                                 size_t i, size_t n, float* __restrict sq, float* __restrict root) {
+  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);
   uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
   if (vs.kind != SqrtKind::CorrectlyRounded) {
     roots<kAvx2>(vs, sq, root, n);
@@ -313,24 +312,39 @@ RangeFn pick(const Scalars& s, LowpKind k) {
 // the caller runs part 0 itself.
 class WorkerPool {
  public:
-  void run(unsigned parts, const std::function<void(unsigned)>& fn) {
+  // Calls fn(begin, end) over [0, n) in chunks of `chunk`, on the caller and
+  // up to parts - 1 workers. Returns once every chunk is done; it never waits
+  // for a worker that has not woken up yet (a wake-up costs tens of
+  // microseconds on a busy machine; a late worker finds the job over).
+  void run(unsigned parts, size_t n, size_t chunk, const std::function<void(size_t, size_t)>& fn) {
     std::lock_guard<std::mutex> job(job_mu_);
     grow(parts - 1);
     {
       std::lock_guard<std::mutex> lk(mu_);
       fn_ = &fn;
+      n_ = n;
+      chunk_ = chunk;
       parts_ = parts;
-      pending_ = parts - 1;
+      next_.store(0, std::memory_order_relaxed);
       ++generation_;
     }
     wake_.notify_all();
-    fn(0);
+    take_chunks(fn);
     std::unique_lock<std::mutex> lk(mu_);
-    done_.wait(lk, [&] { return pending_ == 0; });
+    // Workers that joined finish the chunks they took; then none may join.
+    done_.wait(lk, [&] { return active_ == 0; });
     fn_ = nullptr;
   }
 
  private:
+  void take_chunks(const std::function<void(size_t, size_t)>& fn) {
+    for (;;) {
+      const size_t begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
+      if (begin >= n_) return;
+      fn(begin, std::min(n_, begin + chunk_));
+    }
+  }
+
   void grow(unsigned workers) {
     while (threads_.size() < workers) {
       const unsigned id = static_cast<unsigned>(threads_.size()) + 1;
@@ -344,23 +358,26 @@ class WorkerPool {
     for (;;) {
       wake_.wait(lk, [&] { return generation_ != seen; });
       seen = generation_;
-      if (id >= parts_) continue;
-      const std::function<void(unsigned)>* fn = fn_;
+      if (fn_ == nullptr || id >= parts_) continue;  // woke after the job ended
+      const std::function<void(size_t, size_t)>* fn = fn_;
+      ++active_;
       lk.unlock();
-      (*fn)(id);
+      take_chunks(*fn);
       lk.lock();
-      if (--pending_ == 0) done_.notify_one();
+      if (--active_ == 0) done_.notify_one();
     }
   }
 
-  std::mutex job_mu_;
-  std::mutex mu_;
+  std::mutex job_mu_;  // one job at a time
+  std::mutex mu_;      // guards everything below but next_
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
-  const std::function<void(unsigned)>* fn_ = nullptr;
+  const std::function<void(size_t, size_t)>* fn_ = nullptr;  // the running job
+  size_t n_ = 0, chunk_ = 1;
   unsigned parts_ = 0;
-  unsigned pending_ = 0;
+  unsigned active_ = 0;  // workers inside take_chunks
   uint64_t generation_ = 0;
+  std::atomic<size_t> next_{0};
 };
 
 // The process's pool. Never destroyed: its workers sleep until exit. A
@@ -406,14 +423,7 @@ void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
   }
   // Small inputs still split in two or more: at least one chunk per part.
   const size_t chunk = std::min(kChunk, (n / parts + kBlock - 1) / kBlock * kBlock);
-  std::atomic<size_t> next{0};
-  pool().run(parts, [&](unsigned) {
-    for (;;) {
-      const size_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (begin >= n) return;
-      fn(s, b, vsqrt, begin, std::min(n, begin + chunk));
-    }
-  });
+  pool().run(parts, n, chunk, [&](size_t begin, size_t end) { fn(s, b, vsqrt, begin, end); });
 }
 
 }  // namespace aio

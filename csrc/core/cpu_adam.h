@@ -70,9 +70,9 @@ struct AdamHyper {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0;
-  bool decoupled = false;   // AdamW's decay of the parameter, else L2 on the gradient
+  bool decoupled = false;  // AdamW's decay of the parameter, else L2 on the gradient
   bool has_grad_scale = false;
-  double grad_scale = 1;    // multiplies the gradient first (as grad.mul_(scale))
+  double grad_scale = 1;  // multiplies the gradient first (as grad.mul_(scale))
 };
 
 // Updates param, exp_avg and exp_avg_sq in place (and writes lowp). grad is

@@ -62,8 +62,8 @@ void reference_step(State& st, size_t i, const aio::AdamHyper& h) {
   st.v[i] = std::fma(static_cast<float>(1.0 - h.beta2) * g, g, v);
   const double bc1 = 1.0 - std::pow(h.beta1, h.step);
   const double bc2 = 1.0 - std::pow(h.beta2, h.step);
-  const float denom = std::sqrt(st.v[i]) / static_cast<float>(std::pow(bc2, 0.5)) +
-                      static_cast<float>(h.eps);
+  const float denom =
+      std::sqrt(st.v[i]) / static_cast<float>(std::pow(bc2, 0.5)) + static_cast<float>(h.eps);
   st.p[i] = p + (static_cast<float>(-(h.lr / bc1)) * st.m[i]) / denom;
 }
 
@@ -86,7 +86,7 @@ void check_against_reference(size_t n, aio::AdamHyper h, unsigned threads) {
 }  // namespace
 
 TEST(adam_matches_reference_adam_and_adamw) {
-  for (size_t n : {size_t{1}, size_t{7}, size_t{1023}, size_t{1025}, size_t{70001}}) {
+  for (size_t n : {size_t{1}, size_t{7}, size_t{255}, size_t{257}, size_t{1025}, size_t{70001}}) {
     for (bool decoupled : {false, true}) {
       aio::AdamHyper h;
       h.lr = 1e-2;
@@ -180,7 +180,7 @@ void counting_sqrt(int32_t n, const float* in, float* out, int64_t) {
 // MKL treats apart (here a subnormal second moment).
 TEST(adam_mkl_sse_uses_fn_only_for_rare_inputs) {
   if (!aio::mkl_sse_supported()) SKIP("MklSse is x86-64 only");
-  const size_t n = 3000;  // three blocks
+  const size_t n = 3000;  // several blocks
   State ours(n, 9), ref(n, 9);
   for (size_t i = 0; i < n; ++i) ours.g[i] = ref.g[i] = 1.0f + static_cast<float>(i % 7);
   ours.g[5] = ref.g[5] = 0.0f;
@@ -198,7 +198,7 @@ TEST(adam_mkl_sse_uses_fn_only_for_rare_inputs) {
     const int64_t ulps = static_cast<int64_t>(bits(ours.p[i])) - bits(ref.p[i]);
     CHECK(ulps >= -2 && ulps <= 2);
   }
-  ours.v[2500] = 1e-41f;  // stays subnormal (zero gradient): the third block goes to fn
+  ours.v[2500] = 1e-41f;  // stays subnormal (zero gradient): its block (only) goes to fn
   ours.g[2500] = 0.0f;
   h.step = 2;
   aio::adam_update(ours.buffers(), h, 1, vs);
