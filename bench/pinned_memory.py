@@ -89,8 +89,8 @@ def run_aio(a: argparse.Namespace) -> dict:
 
 
 def run_ds(a: argparse.Namespace) -> dict:
-    import torch
     import deepspeed
+    import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.swap_tensor import utils as swap_utils
 
@@ -199,7 +199,8 @@ def main() -> int:
     ai, ds = got["aio"], got["ds"]
     n_params = a.layers * (a.width * a.width + a.width) + a.width * 16 + 16
     print(
-        f"{n_params / 1e6:.1f}M-parameter MLP (width {a.width}, {a.layers} layers), bench/train_step.py zero_block()"
+        f"{n_params / 1e6:.1f}M-parameter MLP (width {a.width}, {a.layers} layers), "
+        "bench/train_step.py zero_block()"
     )
     print(
         f"aio:       pinned_bytes() {ai['pinned_bytes'] / MiB:8.1f} MiB  (params {ai['params'] / MiB:.1f}, "
@@ -207,8 +208,8 @@ def main() -> int:
         f"VmLck {ai['vmlck'] / MiB:.1f} MiB  aio-config estimate {ai['estimate'] / MiB:.1f} MiB"
     )
     print(
-        f"DeepSpeed: pinned        {ds['pinned_bytes'] / MiB:8.1f} MiB  (VmLck {ds['vmlck'] / MiB:.1f}: optimizer "
-        f"swap buffers {ds['optimizer_swap_buffers'] / MiB:.1f}, param swap buffers "
+        f"DeepSpeed: pinned        {ds['pinned_bytes'] / MiB:8.1f} MiB  (VmLck {ds['vmlck'] / MiB:.1f}: "
+        f"optimizer swap buffers {ds['optimizer_swap_buffers'] / MiB:.1f}, param swap buffers "
         f"{ds['param_swap_buffers'] / MiB:.1f}; pin_memory() calls {ds['accelerator_pin_memory'] / MiB:.1f}"
         f"{', locked natively' if ds['native_pins'] else ', a no-op on CPU'})"
     )
