@@ -28,8 +28,9 @@ from . import _C
 from ._buffers import MAX_OFFSET, deadline, wait_range_idle, wait_sliced
 
 _lock = threading.Lock()
-# start address -> (byte count, how it was pinned) of tensors handed out here
-_regions: dict[int, tuple[int, str]] = {}
+# start address -> (byte count, how it was pinned, bytes it adds to
+# locked_bytes()) of tensors handed out here
+_regions: dict[int, tuple[int, str, int]] = {}
 # Bytes pinned through CUDA (registered or torch-allocated); the mlock'ed
 # bytes are counted by the core.
 _cuda_pinned = 0
@@ -113,13 +114,16 @@ def new_locked_tensor(num_elem: int, dtype: Any) -> Any:
     owner: Any
     if _cuda_available():
         owner, kind = _cuda_pinned_bytes(nbytes)
+        counted = nbytes
     else:
+        # mlock works on whole pages: the core counts the rounded-up size.
         owner, kind = _C.PinnedBuffer(nbytes, True), MLOCK
+        counted = page_round(nbytes)
     # frombuffer keeps `owner` alive for as long as the tensor's storage lives.
     t = torch.frombuffer(owner, dtype=torch.uint8, count=nbytes).view(dtype)
     start = t.data_ptr()
     with _lock:
-        _regions[start] = (nbytes, kind)
+        _regions[start] = (nbytes, kind, counted)
     weakref.finalize(t, _forget, start)
     return t
 
@@ -135,10 +139,25 @@ def pinned_kind(tensor: Any) -> str | None:
     allocator, maybe not page-aligned), or None if it is not one of ours."""
     ptr = tensor.data_ptr()
     with _lock:
-        for start, (n, kind) in _regions.items():
+        for start, (n, kind, _counted) in _regions.items():
             if start <= ptr < start + n:
                 return kind
     return None
+
+
+def page_round(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages (what locking that many bytes locks)."""
+    page = int(_C.page_size())
+    return -(-nbytes // page) * page
+
+
+def locked_nbytes(tensor: Any) -> int:
+    """Bytes that the allocation behind `tensor` (from new_locked_tensor) adds to
+    locked_bytes(): its size rounded up to pages when mlock'ed, its size when
+    pinned through CUDA; 0 for a tensor that is not ours (or was freed)."""
+    with _lock:
+        entry = _regions.get(tensor.data_ptr())
+    return entry[2] if entry is not None else 0
 
 
 def is_locked(tensor: Any) -> bool:
@@ -252,11 +271,17 @@ class PinnedPool:
         self._c = _C.PinnedPool(count, slot_bytes, lock)
         self.count = count
         self.slot_bytes = int(self._c.slot_bytes)
+        self.locked = lock
 
     @property
     def total_bytes(self) -> int:
         """Bytes of the whole allocation: ``count * slot_bytes`` (pages)."""
         return int(self._c.total_bytes)
+
+    @property
+    def locked_bytes(self) -> int:
+        """Bytes of this pool counted in locked_bytes(): all of it when locked, else 0."""
+        return self.total_bytes if self.locked else 0
 
     def available(self) -> int:
         """Slots free right now (not leased)."""

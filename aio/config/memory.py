@@ -1,16 +1,24 @@
 """Pinned-memory and drive-space estimate for an offload config, before any
 allocation, checked against this machine (psutil) on request.
 
-Model (per process):
-- parameters on nvme: ``buffer_count x buffer_size`` elements of the model
-  dtype in pinned buffers, plus ``min(max_in_cpu, num_params)`` elements kept
-  resident in CPU memory (pinned when ``pin_memory``); the drive holds every
-  parameter once.
-- optimizer on nvme: ``buffer_count`` pinned buffers, each holding one
-  sub-group's fp32 master weights, gradient and optimizer states (Adam: 2),
-  i.e. ``min(sub_group_size, num_params) x 4 x (2 + states)`` bytes; the drive
-  holds that for every parameter.
-- device cpu keeps the same state in (pinned if asked) CPU memory instead.
+What aio.zero page-locks (per process; see docs/memory.md), each buffer or
+CPU-resident partition rounded up to whole pages:
+
+- parameters on nvme: ``buffer_count`` buffers of ``buffer_size`` elements of
+  the model dtype, plus the parameters kept in CPU memory -- those smaller
+  than ``stage3_param_persistence_threshold`` elements and the first
+  ``max_in_cpu`` elements of the others (in model order) -- all locked only
+  when ``pin_memory``; the drive holds the rest.
+- optimizer on nvme: ``buffer_count`` buffers of ONE fp32 tensor of the
+  largest sub-group each (DeepSpeed's meaning), locked when ``pin_memory``;
+  the drive holds gradient, master weights and states of every sub-group.
+- device cpu: parameters are pinned by torch only for a GPU model (counted
+  here when ``pin_memory``); the optimizer's state is never locked.
+
+Exact when the parameter sizes are given (``param_numels``); from the total
+alone, the largest sub-group is taken as ``largest_subgroup`` or else
+``min(sub_group_size, num_params)``, and CPU-resident parameters as
+``min(max_in_cpu, num_params)`` elements.
 """
 
 from __future__ import annotations
@@ -20,6 +28,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .load import ConfigSource, load_config
+
+_ALIGN = 4096  # swap-file extents and optimizer tensors are whole 4 KiB blocks
+
+
+def _page() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 4096
+
+
+def _round(n: int, a: int) -> int:
+    return -(-n // a) * a
+
 
 _DTYPE_BYTES = {
     "fp32": 4,
@@ -158,50 +180,125 @@ class MemoryEstimate:
         }
 
 
+def _positive_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    if isinstance(v, float) and not v.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {v}")
+    if int(v) <= 0:
+        raise ValueError(f"{name} must be positive, got {v}")
+    return int(v)
+
+
+def _persistence_threshold(z: Any) -> int:
+    """``stage3_param_persistence_threshold`` (elements), DeepSpeed's default 1e5."""
+    v = getattr(z, "stage3_param_persistence_threshold", None)
+    if v is None:
+        v = (z.model_extra or {}).get("stage3_param_persistence_threshold", 100_000)
+    return int(float(v))
+
+
+def largest_subgroup(param_numels: list[int], sub_group_size: int) -> int:
+    """Elements of the largest optimizer sub-group aio.zero packs `param_numels`
+    (model order) into: a sub-group is closed when the next parameter would
+    take it past `sub_group_size`."""
+    best = cur = 0
+    for n in param_numels:
+        if cur and cur + n > sub_group_size:
+            cur = 0
+        cur += n
+        best = max(best, cur)
+    return best
+
+
+def _param_residency(numels: list[int], threshold: int, max_in_cpu: int, b: int) -> tuple[int, int, int]:
+    """(bytes locked for CPU-resident parameters if pinned, elements resident,
+    parameters on the drive) under ParamSwapper's rules."""
+    page = _page()
+    locked = resident = on_drive = 0
+    full = False
+    for n in numels:
+        small = n < threshold
+        if not small and not full and resident + n > max_in_cpu:
+            full = True
+        if small or not full:
+            locked += _round(n * b, page)
+            resident += 0 if small else n
+        else:
+            on_drive += 1
+    return locked, resident, on_drive
+
+
 def estimate_memory(
-    config: ConfigSource, num_params: int | float, dtype: Any = "fp16", optimizer_states: int = 2
+    config: ConfigSource,
+    num_params: int | float | None,
+    dtype: Any = "fp16",
+    optimizer_states: int = 2,
+    *,
+    largest_subgroup_numel: int | float | None = None,
+    param_numels: list[int] | None = None,
 ) -> MemoryEstimate:
     """Pinned bytes per process and drive space per ``nvme_path`` for `config`.
 
     ``num_params``: parameters this process holds (its partition, for ZeRO-3
-    over several ranks); 1e9-style floats are accepted. ``dtype``: the
-    parameters' compute dtype. ``optimizer_states``: fp32 state tensors per
-    parameter (Adam: 2).
+    over several ranks); 1e9-style floats are accepted; None when
+    `param_numels` is given. ``dtype``: the parameters' training dtype.
+    ``optimizer_states``: fp32 state tensors per parameter (Adam: 2).
+    ``largest_subgroup_numel``: elements of the largest optimizer sub-group
+    (default: from `param_numels`, else ``min(sub_group_size, num_params)``).
+    ``param_numels``: every parameter's element count in model order, for an
+    exact figure (what ``trainer.pinned_bytes()`` reports after a step).
     """
     cfg = load_config(config)
-    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)):
-        raise TypeError(f"num_params must be a number, got {type(num_params).__name__}")
-    if isinstance(num_params, float) and not num_params.is_integer():
-        raise ValueError(f"num_params must be a whole number, got {num_params}")
-    n = int(num_params)
-    if n <= 0:
-        raise ValueError(f"num_params must be positive, got {num_params}")
+    numels = None if param_numels is None else [_positive_int("param_numels[]", n) for n in param_numels]
+    if num_params is None:
+        if numels is None:
+            raise ValueError("give num_params or param_numels")
+        num_params = sum(numels)
+    n = _positive_int("num_params", num_params)
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
     b = dtype_bytes(dtype)
     est = MemoryEstimate(num_params=n, dtype_bytes=b)
+    _estimate_params(est, cfg.zero_optimization, numels)
     z = cfg.zero_optimization
+    if largest_subgroup_numel is not None:
+        sub = _positive_int("largest_subgroup_numel", largest_subgroup_numel)
+    elif numels is not None:
+        sub = largest_subgroup(numels, z.sub_group_size)
+    else:
+        sub = min(z.sub_group_size, n)
+    _estimate_optimizer(est, z, sub, optimizer_states)
+    return est
 
-    p = z.offload_param
+
+def _estimate_params(est: MemoryEstimate, z: Any, numels: list[int] | None) -> None:
+    p, n, b = z.offload_param, est.num_params, est.dtype_bytes
     if p is not None and p.device == "nvme":
         bucket = est.pinned if p.pin_memory else est.cpu
-        bucket["offload_param buffers"] = p.buffer_count * p.buffer_size * b
-        resident = min(p.max_in_cpu, n) * b
-        if resident:
-            bucket["offload_param max_in_cpu"] = resident
+        if numels is not None:
+            locked, resident, on_drive = _param_residency(numels, _persistence_threshold(z), p.max_in_cpu, b)
+        else:
+            resident = min(p.max_in_cpu, n)
+            locked, on_drive = _round(resident * b, _page()), int(resident < n)
+        if on_drive:  # the buffers are allocated at the first read from the drive
+            bucket["offload_param buffers"] = p.buffer_count * _round(p.buffer_size * b, _page())
+        if locked:
+            bucket["offload_param in CPU (max_in_cpu, small)"] = locked
         path = str(p.nvme_path)
-        est.nvme[path] = est.nvme.get(path, 0) + n * b
+        est.nvme[path] = est.nvme.get(path, 0) + (n - resident) * b
     elif p is not None and p.device == "cpu":
-        (est.pinned if p.pin_memory else est.cpu)["offload_param (all in CPU)"] = n * b
+        key = "offload_param (all in CPU; pinned for a GPU model)"
+        (est.pinned if p.pin_memory else est.cpu)[key] = n * b
 
-    o = z.offload_optimizer
-    per_elem = 4 * (2 + optimizer_states)  # fp32 master + gradient + states
+
+def _estimate_optimizer(est: MemoryEstimate, z: Any, sub: int, states: int) -> None:
+    o, n = z.offload_optimizer, est.num_params
+    per_elem = 4 * (2 + states)  # fp32 gradient + master + states
     if o is not None and o.device == "nvme":
-        sub = min(z.sub_group_size, n)
-        bucket = est.pinned if o.pin_memory else est.cpu
-        bucket["offload_optimizer buffers"] = o.buffer_count * sub * per_elem
+        slot = _round(_round(sub * 4, _ALIGN), _page())
+        (est.pinned if o.pin_memory else est.cpu)["offload_optimizer buffers"] = o.buffer_count * slot
         path = str(o.nvme_path)
         est.nvme[path] = est.nvme.get(path, 0) + n * per_elem
     elif o is not None and o.device == "cpu":
-        (est.pinned if o.pin_memory else est.cpu)["offload_optimizer (all in CPU)"] = n * per_elem
-    return est
+        est.cpu["offload_optimizer (all in CPU)"] = n * per_elem

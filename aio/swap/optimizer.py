@@ -6,23 +6,32 @@ aligned extent of the swap file::
 
     [ grad | master | state_0 | state_1 | ... ]
 
-so reading a sub-group is one I/O and writing it back (everything but the
-gradient, which the step consumes) is one I/O. The optimizer's state tensors
-are discovered by stepping the optimizer once on a probe parameter, not
-hard-coded, so any elementwise torch optimizer works (Adam's two moments,
-SGD's momentum, Adagrad's sum...). Scalar state such as Adam's ``step`` stays
-in CPU memory.
+The optimizer's state tensors are discovered by stepping the optimizer once
+on a probe parameter, not hard-coded, so any elementwise torch optimizer
+works (Adam's two moments, SGD's momentum, Adagrad's sum...). Scalar state
+such as Adam's ``step`` stays in CPU memory.
 
-Pipelined (``pipeline_read``/``pipeline_write``): the read of sub-group i+1
-and the write of sub-group i-1 run on separate handles while sub-group i is
-stepped, so a step costs about max(I/O, compute), not their sum.
+Buffers (DeepSpeed's meaning of ``buffer_count``): the pool holds
+``buffer_count`` pinned buffers of ONE tensor each, sized for the largest
+sub-group (fp32, whole pages). Stepping a sub-group takes ``2 + states``
+buffers (gradient, master weights, each state), each read with its own
+asynchronous I/O; the gradient's buffer goes back right after the update and
+the others once their write-back lands.
+
+Pipelined (``pipeline_read``/``pipeline_write``): the reads of sub-group i+1
+and the writes of sub-group i-1 run on separate handles while sub-group i is
+stepped, so a step costs about max(I/O, compute), not their sum. Full overlap
+needs ``2 x (2 + states) + (1 + states)`` buffers; with fewer, the step reads
+ahead and writes behind only as far as free buffers allow (one warning).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,12 +84,16 @@ class _SubGroup:
     history: list[str] = field(default_factory=list)
 
 
+BUFFER_COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
+
+
 class OptimizerSwapper:
     """Swaps optimizer sub-groups to files under ``nvme_path``.
 
     ``optimizer_cls``/``hyper``: the torch optimizer applied per sub-group
     (e.g. ``torch.optim.Adam, {"lr": 1e-3}``). ``buffer_count`` pinned buffers
-    each hold one whole sub-group.
+    each hold one tensor (gradient, master weights or one state) of the
+    largest sub-group; at least ``2 + states`` are needed (Adam: 4).
     """
 
     def __init__(
@@ -98,21 +111,10 @@ class OptimizerSwapper:
         job_id: str | None = None,
         rank: int | None = None,
     ) -> None:
-        need = 1 + int(pipeline_read) + int(pipeline_write)
-        if buffer_count < need:
-            modes = " and ".join(
-                m for m, on in (("pipeline_read", pipeline_read), ("pipeline_write", pipeline_write)) if on
-            )
-            raise ValueError(
-                f"zero_optimization.offload_optimizer.buffer_count={buffer_count} is too small for "
-                f"{modes or 'swapping'}: the pipeline holds one sub-group being stepped"
-                f"{', one being read ahead' if pipeline_read else ''}"
-                f"{', one being written back' if pipeline_write else ''}; "
-                f"set buffer_count to at least {need}"
-            )
         self.optimizer_cls = optimizer_cls
         self.hyper = dict(hyper or {})
         self.spec = discover_state_spec(optimizer_cls, **self.hyper)
+        _check_buffer_count(buffer_count, optimizer_cls, self.spec, pipeline_read, pipeline_write)
         self.buffer_count = buffer_count
         self.pipeline_read = pipeline_read
         self.pipeline_write = pipeline_write
@@ -166,8 +168,14 @@ class OptimizerSwapper:
         off = 0
         for name, dtype in [("grad", torch.float32), ("param", torch.float32), *self.spec]:
             parts[name] = (off, dtype)
-            off = align_up(off + numel * torch.empty(0, dtype=dtype).element_size())
+            off += _part_bytes(numel, dtype)
         return parts, off
+
+    def _slot_bytes(self, numel: int) -> int:
+        """Bytes one buffer needs for any single tensor of a `numel`-element sub-group."""
+        import torch
+
+        return max(_part_bytes(numel, dt) for dt in [torch.float32, *(d for _, d in self.spec)])
 
     def register_subgroup(self, index: int, numel: int) -> None:
         """Reserve the drive extent for sub-group `index` of `numel` elements."""
@@ -185,7 +193,7 @@ class OptimizerSwapper:
                 f"to at least {numel} or split the group"
             )
         parts, nbytes = self._layout(numel)
-        if self.pool is not None and nbytes > self.pool.slot_bytes:
+        if self.pool is not None and self._slot_bytes(numel) > self.pool.slot_bytes:
             if self.optimizer is not None or self.pool.available() != self.pool.count:
                 raise ValueError(
                     f"sub-group {index} ({numel} elements) is larger than the swap buffers, which "
@@ -201,19 +209,19 @@ class OptimizerSwapper:
         if self.pool is None:
             if not self.groups:
                 raise ValueError("no sub-groups registered")
-            slot_bytes = max(g.nbytes for g in self.groups.values())
+            slot_bytes = max(self._slot_bytes(g.numel) for g in self.groups.values())
             self.pool = BufferPool(
                 self.buffer_count,
                 slot_bytes,
                 self.pin_memory,
-                "zero_optimization.offload_optimizer.buffer_count",
+                BUFFER_COUNT_KEY,
                 "zero_optimization.sub_group_size",
             )
         return self.pool
 
     def acquire_buffer(self, timeout: float | None = None) -> Lease:
-        """Lease one of the swapper's pinned sub-group buffers (e.g. to gather
-        a gradient in); give it back before step(), which needs them all."""
+        """Lease one of the swapper's pinned buffers (one tensor of the largest
+        sub-group, e.g. to gather a gradient in); give it back before step()."""
         self._check_usable()
         return self._pool().acquire(timeout)
 
@@ -222,12 +230,22 @@ class OptimizerSwapper:
         self._check_usable()
         return self._pool().try_acquire()
 
-    def _views(self, g: _SubGroup, lease: Lease) -> dict[str, Any]:
-        return {name: BufferPool.view(lease, dt, g.numel, off) for name, (off, dt) in g.parts.items()}
+    def _views(self, g: _SubGroup, leases: dict[str, Lease]) -> dict[str, Any]:
+        return {name: BufferPool.view(leases[name], g.parts[name][1], g.numel) for name in leases}
+
+    def _part_io(self, g: _SubGroup, name: str) -> tuple[int, int]:
+        """(offset in the swap file, bytes) of one tensor of `g`, whole aligned blocks."""
+        off, dt = g.parts[name]
+        return g.offset + off, _part_bytes(g.numel, dt)
 
     def pinned_bytes(self) -> int:
-        """Bytes of pinned sub-group buffers this swapper holds (or will hold at first use)."""
-        return self._pool().pinned_bytes if self.groups else 0
+        """Bytes of buffers this swapper has page-locked right now (0 before the
+        first use and with ``pin_memory`` false)."""
+        return self.pool.pinned_bytes if self.pool is not None else 0
+
+    def planned_pinned_bytes(self) -> int:
+        """Bytes of the buffers once allocated (page-locked when ``pin_memory``)."""
+        return self._pool().planned_bytes if self.groups else 0
 
     # -- initial state and gradients -------------------------------------------------
     def initialize(self, index: int, master: Any) -> None:
@@ -240,18 +258,21 @@ class OptimizerSwapper:
         src = master.detach().reshape(-1)
         if src.numel() != g.numel:
             raise ValueError(f"sub-group {index}: expected {g.numel} elements, got {src.numel()}")
-        lease = self._pool().acquire()
-        try:
-            views = self._views(g, lease)
-            for v in views.values():
-                v.zero_()
-            views["param"].copy_(src.to(torch.float32))
-            self.writer.sync_pwrite(lease.buffer()[: g.nbytes], self.file.path, g.offset)
-            self.counters["bytes_written"] += g.nbytes
-        finally:
-            lease.release()
+        with self._pool().acquire() as lease:
+            # Gradient and states start at zero; one zeroed buffer writes them all.
+            lease.tensor(torch.uint8).zero_()
+            for name in g.parts:
+                if name != "param":
+                    self._write_part(g, name, lease)
+            lease.tensor(torch.float32, g.numel).copy_(src.to(torch.float32))
+            self._write_part(g, "param", lease)
         g.scalars = None
         g.valid = True
+
+    def _write_part(self, g: _SubGroup, name: str, lease: Lease) -> None:
+        off, n = self._part_io(g, name)
+        self.writer.sync_pwrite(lease.buffer()[:n], self.file.path, off)
+        self.counters["bytes_written"] += n
 
     def write_gradient(self, index: int, grad: Any, async_op: bool = True) -> AioFuture:
         """Write a sub-group's fp32 gradient (e.g. during backward). The
@@ -368,12 +389,12 @@ class OptimizerSwapper:
         try:
             for k, i in enumerate(order):
                 if i not in io.reads:
-                    io.start_read(i)
+                    io.start_read(i, must=True)
                 if self.pipeline_read and k + 1 < len(order):
-                    io.start_read(order[k + 1])
-                lease = io.take_read(i)
-                self._step_subgroup(self.groups[i], lease, after, grad_scale)
-                io.start_write(i, lease)
+                    io.start_read(order[k + 1], must=False)
+                leases = io.take_read(i)
+                self._step_subgroup(self.groups[i], leases, after, grad_scale)
+                io.start_write(i, leases)
             io.finish_writes()
             self.steps += 1
         except BaseException as e:
@@ -385,9 +406,13 @@ class OptimizerSwapper:
             raise
 
     def _step_subgroup(
-        self, g: _SubGroup, lease: Lease, after: Callable[[int, Any], None] | None, grad_scale: Any
+        self,
+        g: _SubGroup,
+        leases: dict[str, Lease],
+        after: Callable[[int, Any], None] | None,
+        grad_scale: Any,
     ) -> None:
-        views = self._views(g, lease)
+        views = self._views(g, leases)
         self._apply(g, views, grad_scale)
         # The drive copy is stale from here until the write lands.
         g.valid = False
@@ -425,12 +450,17 @@ class OptimizerSwapper:
                 g = self.groups[i]
                 self._settle_grad(g)
                 p_off = g.parts["param"][0]
+                path = os.path.join(tmp, f"subgroup_{i}.bin")
+                crc = 0
+                # Master weights and states back to back, as on the drive: the
+                # file is the extent after the gradient, one tensor at a time.
                 with pool.acquire() as lease:
-                    buf = lease.buffer()[p_off : g.nbytes]
-                    self.reader.sync_pread(buf, self.file.path, g.offset + p_off)
-                    path = os.path.join(tmp, f"subgroup_{i}.bin")
-                    self.writer.sync_pwrite(buf, path, 0)
-                    crc = zlib.crc32(buf)
+                    for name in self._saved_parts():
+                        off, n = self._part_io(g, name)
+                        buf = lease.buffer()[:n]
+                        self.reader.sync_pread(buf, self.file.path, off)
+                        self.writer.sync_pwrite(buf, path, off - g.offset - p_off)
+                        crc = zlib.crc32(buf, crc)
                 manifest["groups"][str(i)] = {
                     "numel": g.numel,
                     "bytes": g.nbytes - p_off,
@@ -443,6 +473,10 @@ class OptimizerSwapper:
                 "the optimizer's scalar state",
             )
             write_manifest(tmp, manifest)
+
+    def _saved_parts(self) -> list[str]:
+        """The tensors a step writes back and a checkpoint holds: all but the gradient."""
+        return ["param", *(n for n, _ in self.spec)]
 
     def _param_groups(self) -> list[dict[str, Any]]:
         if self.optimizer is None:
@@ -480,17 +514,33 @@ class OptimizerSwapper:
             meta = manifest["groups"][str(i)]
             if meta["numel"] != g.numel or meta["bytes"] != g.nbytes - g.parts["param"][0]:
                 raise ValueError(f"checkpoint sub-group {i} has a different size")
-            with self._pool().acquire() as lease:
-                self._read_verified(directory, g, meta, lease)
+            with self._leases(len(self._saved_parts())) as leases:
+                self._read_verified(directory, g, meta, leases)
         return {"manifest": manifest, "extra": extra}
 
-    def _read_verified(self, directory: str, g: _SubGroup, meta: dict[str, Any], lease: Lease) -> Any:
-        p_off = g.parts["param"][0]
-        buf = lease.buffer()[p_off : g.nbytes]
-        self.reader.sync_pread(buf, os.path.join(directory, f"subgroup_{g.index}.bin"), 0)
-        if zlib.crc32(buf) != meta["crc32"]:
+    @contextlib.contextmanager
+    def _leases(self, count: int) -> Any:
+        """`count` buffers, all given back on exit."""
+        with contextlib.ExitStack() as stack:
+            yield [stack.enter_context(self._pool().acquire()) for _ in range(count)]
+
+    def _read_verified(
+        self, directory: str, g: _SubGroup, meta: dict[str, Any], leases: list[Lease]
+    ) -> list[tuple[int, memoryview]]:
+        """Read sub-group `g` of a checkpoint, one tensor per buffer, and check its
+        checksum; returns (swap-file offset, bytes) of each tensor."""
+        path = os.path.join(directory, f"subgroup_{g.index}.bin")
+        base = g.offset + g.parts["param"][0]
+        out, crc = [], 0
+        for name, lease in zip(self._saved_parts(), leases, strict=True):
+            off, n = self._part_io(g, name)
+            buf = lease.buffer()[:n]
+            self.reader.sync_pread(buf, path, off - base)
+            crc = zlib.crc32(buf, crc)
+            out.append((off, buf))
+        if crc != meta["crc32"]:
             raise OSError(5, f"checkpoint sub-group {g.index} fails its checksum", directory)
-        return buf
+        return out
 
     def apply_checkpoint(self, directory: str, verified: dict[str, Any]) -> None:
         """Load a checkpoint that verify_checkpoint() accepted into the swap
@@ -502,9 +552,9 @@ class OptimizerSwapper:
             for i in sorted(self.groups):
                 g = self.groups[i]
                 g.valid = False
-                with self._pool().acquire() as lease:
-                    buf = self._read_verified(directory, g, manifest["groups"][str(i)], lease)
-                    self.writer.sync_pwrite(buf, self.file.path, g.offset + g.parts["param"][0])
+                with self._leases(len(self._saved_parts())) as leases:
+                    for off, buf in self._read_verified(directory, g, manifest["groups"][str(i)], leases):
+                        self.writer.sync_pwrite(buf, self.file.path, off)
                 g.valid = True
         except BaseException as e:
             self.broken = (
@@ -535,7 +585,7 @@ class OptimizerSwapper:
             "subgroups": len(self.groups),
             "steps": self.steps,
             "state_tensors": [n for n, _ in self.spec],
-            "pinned_buffer_bytes": self.pool.pinned_bytes if self.pool else 0,
+            "pinned_buffer_bytes": self.pinned_bytes(),
             "drive_bytes": self.file.size,
             "broken": self.broken,
             "swap_dir": self.storage.dir,
@@ -569,75 +619,157 @@ class OptimizerSwapper:
         self.close()
 
 
+def _part_bytes(numel: int, dtype: Any) -> int:
+    """Bytes of one tensor of a sub-group in the swap file and its I/O: whole aligned blocks."""
+    import torch
+
+    return align_up(numel * torch.empty(0, dtype=dtype).element_size())
+
+
+def _check_buffer_count(
+    count: int, optimizer_cls: Any, spec: list[tuple[str, Any]], read_ahead: bool, write_behind: bool
+) -> None:
+    """Refuse a buffer count that cannot step even one sub-group; warn (once, here)
+    when it is too small for the pipelining asked for, which then overlaps less."""
+    from ..config import ConfigError
+
+    per_step = 2 + len(spec)  # gradient, master weights, each state
+    names = ", ".join(n for n, _ in spec) or "none"
+    if count < per_step:
+        raise ConfigError(
+            [
+                (
+                    BUFFER_COUNT_KEY,
+                    f"{count} is too small: stepping one sub-group with {optimizer_cls.__name__} takes "
+                    f"{per_step} buffers (its gradient, master weights and {len(spec)} state "
+                    f"tensors: {names}); set buffer_count to at least {per_step}",
+                )
+            ]
+        )
+    full = per_step + (per_step if read_ahead else 0) + ((per_step - 1) if write_behind else 0)
+    if count < full:
+        modes = " and ".join(
+            m for m, on in (("pipeline_read", read_ahead), ("pipeline_write", write_behind)) if on
+        )
+        warnings.warn(
+            f"{BUFFER_COUNT_KEY}={count} is too small for full {modes} overlap with "
+            f"{optimizer_cls.__name__} ({full} buffers); the optimizer step reads ahead and "
+            "writes behind only as far as free buffers allow",
+            stacklevel=3,
+        )
+
+
 class _StepIO:
     """The buffers and I/Os of one OptimizerSwapper.step(): reads ahead,
-    write-backs behind, and every lease held, so a failure can drain them all."""
+    write-backs behind, and every lease held, so a failure can drain them all.
+    A sub-group being read holds one buffer per tensor (gradient first)."""
 
     def __init__(self, sw: OptimizerSwapper, pool: BufferPool) -> None:
         self.sw = sw
         self.pool = pool
-        self.reads: dict[int, tuple[Lease, AioFuture]] = {}
-        self.writes: collections.deque[tuple[int, Lease, AioFuture]] = collections.deque()
+        self.reads: dict[int, tuple[dict[str, Lease], list[AioFuture]]] = {}
+        self.writes: collections.deque[tuple[int, list[Lease], list[AioFuture]]] = collections.deque()
         self.held: list[Lease] = []
 
-    def _finish_write(self, entry: tuple[int, Lease, AioFuture]) -> None:
-        i, lease, fut = entry
+    def _finish_write(self, entry: tuple[int, list[Lease], list[AioFuture]]) -> None:
+        i, leases, futs = entry
         try:
-            fut.result()
+            _wait_all(futs)
             self.sw.groups[i].valid = True
         finally:
-            lease.release()
-            self.held.remove(lease)
+            for lease in leases:
+                self._release(lease)
+
+    def _release(self, lease: Lease) -> None:
+        lease.release()
+        self.held.remove(lease)
 
     def finish_writes(self) -> None:
         """Wait for every write-back still in flight."""
         while self.writes:
             self._finish_write(self.writes.popleft())
 
-    def start_read(self, i: int) -> None:
-        """Lease a buffer (finishing write-backs to free one) and start reading sub-group i."""
-        sw, g = self.sw, self.sw.groups[i]
-        lease = self.pool.try_acquire()
-        while lease is None and self.writes:
+    def _lease(self, count: int, must: bool) -> list[Lease] | None:
+        """`count` free buffers, finishing write-backs to free them; None when
+        they cannot be had and not `must`."""
+        while self.pool.available() < count and self.writes:
             self._finish_write(self.writes.popleft())
+        if self.pool.available() < count and not must:
+            return None
+        leases: list[Lease] = []
+        for _ in range(count):
             lease = self.pool.try_acquire()
-        if lease is None:  # cannot happen with the construction-time check
-            raise SwapStateError("no free optimizer swap buffer")
-        self.held.append(lease)
-        sw._settle_grad(g)
-        fut = sw.reader.async_pread(lease.buffer()[: g.nbytes], sw.file.path, g.offset)
-        sw.counters["bytes_read"] += g.nbytes
-        self.reads[i] = (lease, fut)
+            if lease is None:
+                for got in leases:
+                    self._release(got)
+                raise SwapStateError(
+                    f"stepping a sub-group needs {count} free optimizer swap buffers; give back "
+                    f"every buffer leased with acquire_buffer() before step(), or raise {BUFFER_COUNT_KEY}"
+                )
+            self.held.append(lease)
+            leases.append(lease)
+        return leases
 
-    def take_read(self, i: int) -> Lease:
-        """Wait for sub-group i's read; return the buffer holding it."""
-        lease, fut = self.reads.pop(i)
-        fut.result()
-        return lease
-
-    def start_write(self, i: int, lease: Lease) -> None:
-        """Write sub-group i back (all but its gradient), pipelined or at once."""
+    def start_read(self, i: int, must: bool) -> bool:
+        """Lease a buffer per tensor of sub-group i and start reading them all;
+        False (nothing started) when too few buffers are free and not `must`."""
         sw, g = self.sw, self.sw.groups[i]
-        p_off = g.parts["param"][0]
-        fut = sw.writer.async_pwrite(lease.buffer()[p_off : g.nbytes], sw.file.path, g.offset + p_off)
-        sw.counters["bytes_written"] += g.nbytes - p_off
+        names = list(g.parts)
+        leases = self._lease(len(names), must)
+        if leases is None:
+            return False
+        futs: list[AioFuture] = []
+        self.reads[i] = (dict(zip(names, leases, strict=True)), futs)
+        sw._settle_grad(g)
+        for name, lease in zip(names, leases, strict=True):
+            off, n = sw._part_io(g, name)
+            futs.append(sw.reader.async_pread(lease.buffer()[:n], sw.file.path, off))
+            sw.counters["bytes_read"] += n
+        return True
+
+    def take_read(self, i: int) -> dict[str, Lease]:
+        """Wait for sub-group i's reads; return the buffers holding its tensors."""
+        leases, futs = self.reads.pop(i)
+        _wait_all(futs)
+        return leases
+
+    def start_write(self, i: int, leases: dict[str, Lease]) -> None:
+        """Write sub-group i back (all but its gradient, whose buffer is given
+        back at once), pipelined or at once."""
+        sw, g = self.sw, self.sw.groups[i]
+        self._release(leases["grad"])
+        kept = [leases[name] for name in sw._saved_parts()]
+        futs = []
+        for name, lease in zip(sw._saved_parts(), kept, strict=True):
+            off, n = sw._part_io(g, name)
+            futs.append(sw.writer.async_pwrite(lease.buffer()[:n], sw.file.path, off))
+            sw.counters["bytes_written"] += n
         if not sw.pipeline_write:
-            self._finish_write((i, lease, fut))
+            self._finish_write((i, kept, futs))
             return
-        self.writes.append((i, lease, fut))
-        while self.writes and self.writes[0][2].done():
+        self.writes.append((i, kept, futs))
+        while self.writes and all(f.done() for f in self.writes[0][2]):
             self._finish_write(self.writes.popleft())
 
     def abort(self) -> None:
         """After a failure: drain so nothing still reads into or writes from a
-        buffer, keep the sub-groups whose write landed valid, release every lease."""
-        for _lease, fut in self.reads.values():
-            fut.exception()
+        buffer, keep the sub-groups whose writes landed valid, release every lease."""
+        for _leases, futs in self.reads.values():
+            for fut in futs:
+                fut.exception()
         while self.writes:
-            i, lease, fut = self.writes.popleft()
-            if fut.exception() is None:
+            i, _kept, futs = self.writes.popleft()
+            errors = [fut.exception() for fut in futs]  # every one waited for
+            if all(e is None for e in errors):
                 self.sw.groups[i].valid = True
-            lease.release()
-            self.held.remove(lease)
         for lease in self.held:
             lease.release()
+        self.held.clear()
+
+
+def _wait_all(futs: list[AioFuture]) -> None:
+    """Wait for every future, then raise the first failure (none left in flight)."""
+    errors = [fut.exception() for fut in futs]
+    for e in errors:
+        if e is not None:
+            raise e

@@ -2,7 +2,7 @@
 pool of pinned buffers.
 
 Life of a partition: ``register`` (extent reserved on the drive, or kept in CPU
-memory when it is small or fits in ``max_in_cpu``) -> ``write`` (its values
+memory when it is small or among the first ``max_in_cpu`` elements) -> ``write`` (its values
 go to the drive) -> ``prefetch``/``swap_in`` (read into a pool buffer; the
 returned tensor is a view of that buffer) -> ``release`` (buffer back to the
 pool, no write-back: parameters are read-only between steps) -> after the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..handle import AioFuture, AsyncIOHandle
-from ..pinned import Lease, new_locked_tensor
+from ..pinned import Lease, locked_nbytes, new_locked_tensor
 from .pool import BufferPool, PoolExhaustedError
 from .storage import SwapStorage, checkpoint_dir, crc32_of, require_complete, write_manifest
 
@@ -64,7 +64,11 @@ class ParamSwapper:
     ``buffer_size`` elements (of ``dtype``) to files under ``nvme_path``.
 
     Partitions smaller than ``min_swap_bytes`` stay in CPU memory (an I/O
-    would cost more than it saves), as do the first ``max_in_cpu`` elements.
+    would cost more than it saves), as do the partitions registered first, up
+    to ``max_in_cpu`` elements in all: the first partition that would go past
+    it, and every one after it, goes to the drive (DeepSpeed's prefix rule).
+    CPU-resident partitions are page-locked when ``pin_memory``; so are the
+    buffers, allocated at first use.
     """
 
     def __init__(
@@ -102,6 +106,8 @@ class ParamSwapper:
         self.writer = AsyncIOHandle(**kw)
         self.parts: dict[Any, _Partition] = {}
         self.resident_numel = 0
+        self._cpu_full = False  # a partition went past max_in_cpu: the rest go to the drive
+        self._resident_locked = 0  # bytes locked for CPU-resident partitions
         self.counters = {
             "swap_in": 0,
             "prefetch": 0,
@@ -145,8 +151,11 @@ class ParamSwapper:
         dtype = dtype or self.dtype
         nbytes = numel * _itemsize(dtype)
         small = nbytes < self.min_swap_bytes
-        if small or self.resident_numel + numel <= self.max_in_cpu:
+        if not small and not self._cpu_full and self.resident_numel + numel > self.max_in_cpu:
+            self._cpu_full = True
+        if small or not self._cpu_full:
             t = new_locked_tensor(numel, dtype) if self.pin_memory else _empty(numel, dtype)
+            self._resident_locked += locked_nbytes(t)
             if not small:
                 self.resident_numel += numel
             self.counters["resident_bytes"] += nbytes
@@ -462,6 +471,12 @@ class ParamSwapper:
         self.apply_checkpoint(directory, self.verify_checkpoint(directory))
 
     # -- introspection ----------------------------------------------------------------
+    def pinned_bytes(self) -> int:
+        """Bytes this swapper has page-locked right now: its buffers (once
+        allocated, when ``pin_memory``) and its CPU-resident partitions (when
+        ``pin_memory``), whole pages, as counted by aio.locked_bytes()."""
+        return self.pool.pinned_bytes + self._resident_locked
+
     def status(self, part_id: Any) -> str:
         """The partition's State, as its string value (e.g. ``"on_drive"``)."""
         return self._part(part_id).state.value
@@ -477,6 +492,7 @@ class ParamSwapper:
             "by_state": by_state,
             "buffers_free": self.pool.available(),
             "pinned_buffer_bytes": self.pool.pinned_bytes,
+            "pinned_bytes": self.pinned_bytes(),
             "drive_bytes": self.file.size,
             "swap_dir": self.storage.dir,
         }

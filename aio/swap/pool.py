@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..pinned import Lease, PinnedPool
+from ..pinned import Lease, PinnedPool, page_round
 
 
 class PoolExhaustedError(RuntimeError):
@@ -37,9 +37,15 @@ class BufferPool:
         return self._pool is not None
 
     @property
+    def planned_bytes(self) -> int:
+        """Bytes of the buffers, allocated or not (whole pages per buffer)."""
+        return self.count * page_round(self.slot_bytes)
+
+    @property
     def pinned_bytes(self) -> int:
-        """Bytes this pool holds (or will hold once used)."""
-        return self.count * (-(-self.slot_bytes // 4096) * 4096)
+        """Bytes this pool has page-locked right now: 0 before the first use or
+        when not pinned, else every buffer (whole pages)."""
+        return self._pool.locked_bytes if self._pool is not None else 0
 
     def _get(self) -> PinnedPool:
         if self._pool is None:

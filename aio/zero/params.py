@@ -459,11 +459,14 @@ class ParamStore:
 
     # -- accounting --------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
-        """The swapper's buffer pool plus its CPU-resident partitions, in bytes (counted
-        even with ``pin_memory`` false); 0 with the memory backend."""
+        """Bytes page-locked for the parameters right now: the swapper's buffers
+        and pinned CPU-resident partitions (nothing with ``pin_memory`` false), or
+        with the memory backend the partitions torch pinned for a GPU model; plus
+        the upload staging ring on a GPU."""
+        staging = self.copies.pinned_bytes()
         if self.swapper is not None:
-            return self.swapper.pool.pinned_bytes + self.swapper.counters["resident_bytes"]
-        return 0
+            return self.swapper.pinned_bytes() + staging
+        return sum(t.nbytes for t in self.resident.values() if _is_pinned(t)) + staging
 
     def stats(self) -> dict[str, Any]:
         """The swapper's stats(), or in memory ``partitions`` and ``resident_bytes``."""
@@ -494,6 +497,13 @@ class ParamStore:
         finally:
             if self.swapper is not None:
                 self.swapper.close()
+
+
+def _is_pinned(t: Any) -> bool:
+    try:
+        return bool(t.is_pinned())
+    except RuntimeError:  # CPU-only builds may refuse to answer
+        return False
 
 
 def module_params(module: Any) -> list[Any]:

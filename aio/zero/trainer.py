@@ -315,9 +315,10 @@ class OffloadTrainer:
         return out
 
     def pinned_bytes(self) -> int:
-        """Page-locked bytes held by the parameter store and the optimizer."""
+        """Page-locked bytes held: the parameter store (with its upload staging),
+        the gradient download staging and the optimizer."""
         opt = self.opt.pinned_bytes() if self.opt is not None else 0
-        return self.store.pinned_bytes() + opt
+        return self.store.pinned_bytes() + self.grads.pinned_bytes() + opt
 
     def stats(self) -> dict[str, Any]:
         """Step counters, loss scale, pinned bytes and the parts' own counters."""
@@ -331,6 +332,7 @@ class OffloadTrainer:
             "params": self.store.stats(),
             "optimizer": self.optimizer.stats(),
             "fetcher": dict(self.fetcher.counters) if self.fetcher else None,
+            "grads": self.grads.stats(),
         }
 
     def io_bytes(self) -> int:

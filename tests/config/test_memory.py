@@ -23,21 +23,67 @@ CFG = {
 }
 
 
+RESIDENT = "offload_param in CPU (max_in_cpu, small)"
+
+
+def _pages(n):
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    return -(-n // page) * page
+
+
 def test_estimate_components():
     est = estimate_memory(CFG, 1e9, "bf16")
-    assert est.pinned["offload_param buffers"] == 5 * 10**7 * 2
-    assert est.pinned["offload_param max_in_cpu"] == 10**6 * 2
-    # Each optimizer buffer: one sub-group of fp32 master + grad + 2 Adam states.
-    assert est.pinned["offload_optimizer buffers"] == 4 * 10**8 * 16
+    assert est.pinned["offload_param buffers"] == 5 * _pages(10**7 * 2)
+    assert est.pinned[RESIDENT] == _pages(10**6 * 2)
+    # Each optimizer buffer holds ONE fp32 tensor of the largest sub-group
+    # (DeepSpeed's meaning; it used to be a whole sub-group with its states).
+    assert est.pinned["offload_optimizer buffers"] == 4 * _pages(10**8 * 4)
     assert est.pinned_bytes == sum(est.pinned.values())
-    assert est.nvme == {"/p": 10**9 * 2, "/o": 10**9 * 16}
+    assert est.nvme == {"/p": (10**9 - 10**6) * 2, "/o": 10**9 * 16}
     assert "pinned CPU memory per process" in est.format()
 
 
 def test_estimate_small_model_caps_subgroup_and_resident():
     est = estimate_memory(CFG, 1000, "fp32")
-    assert est.pinned["offload_optimizer buffers"] == 4 * 1000 * 16
-    assert est.pinned["offload_param max_in_cpu"] == 1000 * 4
+    assert est.pinned["offload_optimizer buffers"] == 4 * 4096
+    assert est.pinned[RESIDENT] == _pages(1000 * 4)
+    assert "offload_param buffers" not in est.pinned  # all in CPU: never allocated
+
+
+def test_estimate_from_parameter_sizes_is_exact():
+    from aio.config.memory import largest_subgroup
+
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 2_000_000,
+            "stage3_param_persistence_threshold": 2000,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": "/p",
+                "buffer_count": 3,
+                "buffer_size": 1 << 20,
+                "max_in_cpu": 1_500_000,
+            },
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/o", "buffer_count": 6},
+        }
+    }
+    numels = [1 << 20, 1024] * 3 + [16384, 16]
+    # aio packs a sub-group until the next parameter would not fit
+    big = (1 << 20) + 1024 + 16384 + 16  # the last layer joins the last sub-group
+    assert largest_subgroup(numels, 2_000_000) == big
+    est = estimate_memory(cfg, None, "fp32", param_numels=numels)
+    assert est.num_params == sum(numels)
+    # first layer in CPU (then max_in_cpu is passed: the rest go to the drive), biases too
+    assert est.pinned[RESIDENT] == _pages(4 << 20) + 3 * 4096 + 4096
+    assert est.pinned["offload_param buffers"] == 3 * (4 << 20)
+    assert est.pinned["offload_optimizer buffers"] == 6 * _pages(big * 4)
+    same = estimate_memory(cfg, sum(numels), "fp32", largest_subgroup_numel=big)
+    assert same.pinned["offload_optimizer buffers"] == est.pinned["offload_optimizer buffers"]
+    with pytest.raises(ValueError, match="num_params or param_numels"):
+        estimate_memory(cfg, None)
 
 
 def test_estimate_unpinned_and_cpu_devices():
@@ -49,8 +95,12 @@ def test_estimate_unpinned_and_cpu_devices():
         }
     }
     est = estimate_memory(cfg, 100, "fp16")
-    assert est.cpu == {"offload_param (all in CPU)": 200}
-    assert est.pinned == {"offload_optimizer (all in CPU)": 1600}
+    # aio never locks the optimizer's state in CPU memory, pin_memory or not
+    assert est.cpu == {
+        "offload_param (all in CPU; pinned for a GPU model)": 200,
+        "offload_optimizer (all in CPU)": 1600,
+    }
+    assert est.pinned == {}
     assert est.nvme == {}
 
 
@@ -100,6 +150,16 @@ def test_cli_estimate_and_validate(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["pinned_bytes"] == estimate_memory(load_config(CFG), 1e9, "bf16").pinned_bytes
     assert config_main(["validate", str(p)]) == 0
+    capsys.readouterr()
+    sizes = ["--param-numels", "1e6x3,1000", "--largest-subgroup", "2e6", "--json"]
+    assert config_main(["estimate", str(p), *sizes]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_params"] == 3 * 10**6 + 1000 and out["dtype_bytes"] == 4  # no fp16/bf16 block: fp32
+    assert out["pinned"]["offload_optimizer buffers"] == 4 * _pages(8 * 10**6)
+    with pytest.raises(SystemExit):
+        config_main(["estimate", str(p), "--param-numels", "12x0"])
+    with pytest.raises(SystemExit):
+        config_main(["estimate", str(p)])  # a size is required
     capsys.readouterr()
     p.write_text(json.dumps({"aio": {"queue_depth": 0}}))
     assert config_main(["validate", str(p)]) == 2

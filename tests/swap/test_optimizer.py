@@ -45,7 +45,20 @@ def _reference(opt_cls, hyper, init, steps):
     return [p.detach().clone() for p in params]
 
 
-def _swapped(tmp_path, opt_cls, hyper, init, steps, pipe, buffer_count=3):
+def _min_count(opt_cls, hyper):
+    """Buffers one sub-group's step takes: gradient, master weights, each state."""
+    return 2 + len(discover_state_spec(opt_cls, **hyper))
+
+
+def _full_count(opt_cls, hyper):
+    """Buffers for full overlap: the sub-group stepped, the next one read ahead,
+    the previous one's write-back (all but its gradient)."""
+    return 3 * _min_count(opt_cls, hyper) - 1
+
+
+def _swapped(tmp_path, opt_cls, hyper, init, steps, pipe, buffer_count=None):
+    if buffer_count is None:
+        buffer_count = _full_count(opt_cls, hyper)
     sw = OptimizerSwapper(
         str(tmp_path),
         opt_cls,
@@ -65,13 +78,17 @@ def _swapped(tmp_path, opt_cls, hyper, init, steps, pipe, buffer_count=3):
     return sw, out
 
 
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+@pytest.mark.parametrize("count", ["min", "full"])
 @pytest.mark.parametrize("pipe", PIPES, ids=lambda p: f"read{int(p[0])}write{int(p[1])}")
 @pytest.mark.parametrize("opt_cls,hyper", OPTS, ids=lambda o: getattr(o, "__name__", ""))
-def test_step_is_bit_exact_with_in_memory(tmp_path, opt_cls, hyper, pipe):
+def test_step_is_bit_exact_with_in_memory(tmp_path, opt_cls, hyper, pipe, count):
+    # "min": only one sub-group's buffers, so pipelining degrades to none.
     g = torch.Generator().manual_seed(7)
     init = [torch.randn(n, generator=g) for n in SIZES]
     want = _reference(opt_cls, hyper, init, steps=4)
-    sw, got = _swapped(tmp_path, opt_cls, hyper, init, steps=4, pipe=pipe)
+    n = _min_count(opt_cls, hyper) if count == "min" else _full_count(opt_cls, hyper)
+    sw, got = _swapped(tmp_path, opt_cls, hyper, init, steps=4, pipe=pipe, buffer_count=n)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
     st = sw.stats()
@@ -117,10 +134,29 @@ def test_after_callback_sees_updated_weights(tmp_path):
     sw.close()
 
 
-@pytest.mark.parametrize("pipe,count", [((True, True), 2), ((True, False), 1), ((False, True), 1)])
-def test_pool_too_small_for_pipeline_refused_up_front(tmp_path, pipe, count):
-    with pytest.raises(ValueError, match=r"buffer_count.*at least"):
+@pytest.mark.parametrize(
+    "opt_cls,hyper,count,need",
+    [
+        (torch.optim.Adam, {"lr": 1e-3}, 3, 4),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 2, 3),
+        (torch.optim.SGD, {"lr": 0.1}, 1, 2),
+    ],
+)
+@pytest.mark.parametrize("pipe", [(True, True), (False, False)], ids=["pipelined", "plain"])
+def test_pool_too_small_for_one_subgroup_refused_up_front(tmp_path, opt_cls, hyper, count, need, pipe):
+    with pytest.raises(ValueError, match=rf"offload_optimizer\.buffer_count.*at least {need}\b"):
         OptimizerSwapper(
+            str(tmp_path), opt_cls, hyper, buffer_count=count, pipeline_read=pipe[0], pipeline_write=pipe[1]
+        )
+    with OptimizerSwapper(str(tmp_path), opt_cls, hyper, buffer_count=need):
+        pass  # the minimum itself is accepted
+
+
+@pytest.mark.parametrize("pipe,count", [((True, True), 10), ((True, False), 7), ((False, True), 6)])
+def test_pool_too_small_for_pipeline_warns_once_and_steps(tmp_path, pipe, count):
+    # Adam: 4 buffers per sub-group; full overlap needs 4 (+4 read ahead) (+3 writing).
+    with pytest.warns(UserWarning, match=r"offload_optimizer\.buffer_count=\d+ is too small for full"):
+        sw = OptimizerSwapper(
             str(tmp_path),
             torch.optim.Adam,
             {"lr": 1e-3},
@@ -128,6 +164,52 @@ def test_pool_too_small_for_pipeline_refused_up_front(tmp_path, pipe, count):
             pipeline_read=pipe[0],
             pipeline_write=pipe[1],
         )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # stepping does not warn again
+        for i in range(3):
+            sw.register_subgroup(i, 3000)
+            sw.initialize(i, torch.ones(3000))
+        for _ in range(2):
+            for i in range(3):
+                sw.write_gradient(i, torch.ones(3000))
+            sw.step()
+    assert sw.pool.available() == count
+    sw.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OptimizerSwapper(
+            str(tmp_path),
+            torch.optim.Adam,
+            {"lr": 1e-3},
+            buffer_count=count + 1,
+            pipeline_read=pipe[0],
+            pipeline_write=pipe[1],
+        ).close()
+
+
+def test_buffers_hold_one_tensor_of_the_largest_subgroup(tmp_path):
+    """DeepSpeed's meaning of buffer_count: that many buffers of one fp32 tensor
+    of the largest sub-group each, page-locked at first use and counted exactly."""
+    from aio import pinned
+    from aio.swap.storage import align_up
+
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3}, buffer_count=5) as sw:
+        for i, n in enumerate(SIZES):
+            sw.register_subgroup(i, n)
+        assert sw.pinned_bytes() == 0  # nothing allocated yet
+        assert sw.planned_pinned_bytes() == 5 * align_up(max(SIZES) * 4)
+        before = pinned.locked_bytes()
+        for i, n in enumerate(SIZES):
+            sw.initialize(i, torch.ones(n))
+        assert pinned.locked_bytes() - before == sw.pinned_bytes() == 5 * align_up(max(SIZES) * 4)
+        assert sw.pool.slot_bytes == align_up(max(SIZES) * 4)
+        assert sw.stats()["pinned_buffer_bytes"] == sw.pinned_bytes()
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3}, pin_memory=False) as sw:
+        sw.register_subgroup(0, 1000)
+        sw.initialize(0, torch.ones(1000))
+        assert sw.pinned_bytes() == 0 and sw.planned_pinned_bytes() > 0
 
 
 def test_subgroup_larger_than_sub_group_size(tmp_path):
@@ -160,7 +242,7 @@ def test_fault_mid_step_surfaces_and_poisons(tmp_path, where, pipe):
         str(tmp_path / "s"),
         torch.optim.Adam,
         {"lr": 1e-2},
-        buffer_count=3,
+        buffer_count=11,
         pipeline_read=pipe[0],
         pipeline_write=pipe[1],
     )
@@ -184,7 +266,7 @@ def test_fault_mid_step_surfaces_and_poisons(tmp_path, where, pipe):
     with pytest.raises(SwapStateError, match="partly updated"):
         sw.step()
     handle._c.clear_fault()
-    assert sw.pool.available() == 3  # no buffer leaked by the failure
+    assert sw.pool.available() == 11  # no buffer leaked by the failure
     sw.import_checkpoint(ck)
     assert sw.broken is None
     for i, t in enumerate(init):
@@ -209,7 +291,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
         str(tmp_path / "b"),
         torch.optim.Adam,
         hyper,
-        buffer_count=3,
+        buffer_count=11,
         pipeline_read=True,
         pipeline_write=True,
     )
@@ -227,7 +309,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 def test_checkpoint_corruption_and_mismatch_detected(tmp_path):
     (tmp_path / "a").mkdir()
-    sw, _ = _swapped(tmp_path / "a", torch.optim.Adam, {"lr": 1e-3}, [torch.ones(5000)], 1, (False, False), 1)
+    sw, _ = _swapped(tmp_path / "a", torch.optim.Adam, {"lr": 1e-3}, [torch.ones(5000)], 1, (False, False), 4)
     ck = tmp_path / "ck"
     sw.export_checkpoint(str(ck))
     with pytest.raises(FileExistsError):
@@ -267,7 +349,7 @@ def test_from_config(tmp_path):
             "offload_optimizer": {
                 "device": "nvme",
                 "nvme_path": str(tmp_path),
-                "buffer_count": 3,
+                "buffer_count": 11,
                 "pipeline_read": True,
                 "pipeline_write": True,
             },

@@ -48,16 +48,40 @@ def test_roundtrip_bit_exact(tmp_path, dtype):
 
 
 def test_placement_small_and_max_in_cpu(tmp_path):
+    # max_in_cpu is a prefix (as in DeepSpeed): once a partition goes past it,
+    # later ones go to the drive even if they would fit (this test used to
+    # expect "c" to fill the gap).
     with make(tmp_path, max_in_cpu=3000, min_swap_bytes=1024) as s:
         assert s.register("tiny", 100) == State.RESIDENT  # 200 bytes: not worth an I/O
         assert s.register("a", 2000) == State.RESIDENT  # fits max_in_cpu
         assert s.register("b", 2000) == State.ON_DRIVE  # would exceed it
-        assert s.register("c", 1000) == State.RESIDENT  # fills it exactly
+        assert s.register("c", 1000) == State.ON_DRIVE  # after the prefix
+        assert s.register("tiny2", 100) == State.RESIDENT  # small ones stay in memory anyway
         v = rand(2000, torch.float16)
         s.write("a", v)
         (t,) = s.swap_in(["a"])
         assert torch.equal(t, v) and s.status("a") == "resident"
-        assert s.stats()["drive_bytes"] == 4096
+        assert s.stats()["drive_bytes"] == 4096 + 4096
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_pinned_bytes_are_what_is_locked(tmp_path, pin):
+    from aio import pinned
+
+    before = pinned.locked_bytes()
+    with make(tmp_path, max_in_cpu=3000, min_swap_bytes=1024, pin_memory=pin) as s:
+        s.register("tiny", 100)
+        s.register("a", 2000)
+        s.register("b", 5000)
+        # resident partitions lock whole pages; the buffers are not allocated yet
+        assert s.pinned_bytes() == (2 * 4096 if pin else 0)
+        assert pinned.locked_bytes() - before == s.pinned_bytes()
+        s.write("b", rand(5000, torch.float16))
+        s.swap_in(["b"])
+        buffers = 3 * pinned.page_round((1 << 16) * 2)
+        assert s.pinned_bytes() == (2 * 4096 + buffers if pin else 0)
+        assert pinned.locked_bytes() - before == s.pinned_bytes()
+        assert s.stats()["pinned_bytes"] == s.pinned_bytes()
 
 
 def test_states_prefetch_release_swap_out(tmp_path):

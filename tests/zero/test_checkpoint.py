@@ -199,7 +199,7 @@ def test_swapper_import_failure_keeps_state(tmp_path):
             s.write_gradient(i, torch.randn(n, generator=g), async_op=False)
         s.step()
 
-    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-2}, buffer_count=2) as s:
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-2}, buffer_count=4) as s:
         for i, n in enumerate(sizes):
             s.register_subgroup(i, n)
             s.initialize(i, torch.randn(n, generator=g))

@@ -69,3 +69,36 @@ def test_gradient_accumulates_across_close_and_resume(tmp_path, device):
         assert (opt.io_bytes() > 0) == (device == "nvme")
     finally:
         opt.close()
+
+
+def test_swapped_gradient_buffers_are_one_pool_slot_each(tmp_path):
+    """Gradients are gathered in the optimizer's pool, one buffer (one tensor of
+    the largest sub-group) per open sub-group; the step needs 2 + states of them."""
+    from aio import pinned
+
+    cfg = load_train_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4},
+            }
+        }
+    )
+    opt = make_optimizer(cfg, torch.optim.Adam, {"lr": 0.1})
+    try:
+        for i in range(5):
+            opt.register_subgroup(i, 3000 + i)
+            opt.initialize(i, torch.zeros(3000 + i))
+        bufs = [opt.try_open_gradient(i, 3000 + i, resume=False) for i in range(4)]
+        assert all(b is not None for b in bufs)
+        assert opt.try_open_gradient(4, 3004, resume=False) is None  # all 4 in use
+        for i, b in enumerate(bufs):
+            b.tensor.fill_(1.0)
+            opt.close_gradient(i, b).wait()
+        b = opt.open_gradient(4, 3004, resume=False)
+        opt.close_gradient(4, b).wait()
+        opt.step()
+        assert opt.pinned_bytes() == 4 * pinned.page_round(3004 * 4)
+        assert opt.stats()["pinned_buffer_bytes"] == opt.pinned_bytes()
+    finally:
+        opt.close()
