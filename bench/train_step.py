@@ -425,6 +425,8 @@ def available(variant: str, a: argparse.Namespace) -> str | None:
                 return "deepspeed is not installed"
         except ImportError:
             return "deepspeed is not installed"
+        if variant.startswith("ds-nvme") and not (a.cuda or a.bf16):
+            return "DeepSpeed 0.19.8 partitions NVMe parameters in bf16 on its CPU accelerator (see --help)"
         if variant == "ds-nvme" and not os.path.exists("/usr/include/libaio.h"):
             return "DeepSpeed's async_io op needs libaio-dev (libaio.h) to build"
     return None
