@@ -58,7 +58,8 @@ after ``--warmup``):
                aio's handle (1 GiB written then read, O_DIRECT, on the same
                directory): 1.0 means the step runs at the drive's speed,
                2.0 that it takes twice the time the drive needs
-  minflt, sys  minor page faults and system CPU seconds per step (getrusage)
+  minflt, sys, user  minor page faults, system and user CPU seconds per
+               step (getrusage of the worker, all its threads)
 
 Method: rounds are interleaved (all variants, then all again), each timed
 run after ~1 s idle; the ratios DeepSpeed/aio (ds-cpu/zero-cpu,
@@ -495,6 +496,7 @@ def summarise(runs: dict[str, list[dict]], drives: list[dict]) -> dict:
         "io_b",
         "minflt",
         "sys_s",
+        "user_s",
     )
     for v, rs in runs.items():
         row = {k: statistics.median(r[k] for r in rs) for k in keys}
@@ -531,7 +533,7 @@ def print_table(summary: dict, drives: list[dict], a: argparse.Namespace) -> Non
     )
     head = (
         f"| {'variant':34s} | s/step | step() s | peak RSS GiB | pinned MiB | VmLck MiB | drive MB/step "
-        f"| I/O eff. | minflt/step | sys s/step |"
+        f"| I/O eff. | minflt/step | sys s/step | user s/step |"
     )
     print(head)
     print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
@@ -541,7 +543,7 @@ def print_table(summary: dict, drives: list[dict], a: argparse.Namespace) -> Non
         print(
             f"| {LABELS[v]:34s} | {r['step_s']:.3f} | {r['phase_s']:.3f} | {r['peak_rss'] / gib:.2f} "
             f"| {r['pinned'] / mib:.0f} | {r['vmlck'] / mib:.0f} | {mb:.0f} | {eff} "
-            f"| {r['minflt']:.0f} | {r['sys_s']:.3f} |"
+            f"| {r['minflt']:.0f} | {r['sys_s']:.3f} | {r['user_s']:.3f} |"
         )
     for pair, per in summary["ratios"].items():
         parts = [f"{k} {x['median']:.3f} [{x['min']:.3f}..{x['max']:.3f}]" for k, x in per.items()]
