@@ -37,8 +37,10 @@ width-1024 MLP fails, the width-256 models of tests/integrations pass;
 ds-cpu is unaffected). That is
 DeepSpeed's bug, not the bench's config; the bench therefore runs every
 variant in bf16 by default (``bf16.enabled`` for the engines, bf16
-autocast in memory), as on the GPU. ``--fp32`` runs fp32, where the
-DeepSpeed NVMe variants fail.
+autocast in memory), as on the GPU. ``--fp32`` runs fp32 and skips the
+DeepSpeed NVMe variants. On a CPU without native bf16 (the dev box: AVX2
+only) a bf16 GPT's backward is ~10x slower than fp32 (25 s per step for the
+17M-parameter CPU default), so on such a CPU use ``--model gpt --fp32``.
 
 Columns (each run in a fresh process; figures are medians over the steps
 after ``--warmup``):
@@ -114,6 +116,16 @@ def model_defaults(a: argparse.Namespace) -> None:
     for k, v in d.items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
+    if a.sub_group_size is None:  # aio.zero needs every parameter to fit one sub-group
+        a.sub_group_size = max(2_000_000, largest_param(a))
+
+
+def largest_param(a: argparse.Namespace) -> int:
+    """Elements of the model's largest parameter (the GPT's tied embedding/head,
+    or its 4x MLP matrix)."""
+    if a.model == "mlp":
+        return int(a.width * a.width)
+    return int(max(4 * a.width * a.width, a.vocab * a.width))
 
 
 def n_params(a: argparse.Namespace) -> int:
@@ -174,9 +186,7 @@ def zero_block(a: argparse.Namespace, variant: str, nvme: str) -> dict:
         block["offload_param"] = {"device": "cpu", "pin_memory": True}
         block["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         return block
-    largest = max(
-        a.width * a.width * (4 if a.model == "gpt" else 1), a.width * a.vocab if a.model == "gpt" else 0
-    )
+    largest = largest_param(a)
     block["offload_param"] = {
         "device": "nvme",
         "nvme_path": nvme,
@@ -539,15 +549,18 @@ def print_table(summary: dict, drives: list[dict], a: argparse.Namespace) -> Non
         f"| {'variant':34s} | s/step | step() s | peak RSS GiB | pinned MiB | VmLck MiB | drive MB/step "
         f"| I/O eff. | minflt/step | sys s/step | user s/step |"
     )
+    if a.cuda:
+        head += " peak GPU GiB |"
     print(head)
     print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
     for v, r in summary["variants"].items():
         eff = f"{r['io_eff']:.2f}" if r["io_eff"] is not None else "-"
         mb = (r["read_b"] + r["write_b"]) / 1e6
+        gpu = f" {r['peak_gpu'] / gib:.2f} |" if "peak_gpu" in r else ""
         print(
             f"| {LABELS[v]:34s} | {r['step_s']:.3f} | {r['phase_s']:.3f} | {r['peak_rss'] / gib:.2f} "
             f"| {r['pinned'] / mib:.0f} | {r['vmlck'] / mib:.0f} | {mb:.0f} | {eff} "
-            f"| {r['minflt']:.0f} | {r['sys_s']:.3f} | {r['user_s']:.3f} |"
+            f"| {r['minflt']:.0f} | {r['sys_s']:.3f} | {r['user_s']:.3f} |{gpu}"
         )
     for pair, per in summary["ratios"].items():
         parts = [f"{k} {x['median']:.3f} [{x['min']:.3f}..{x['max']:.3f}]" for k, x in per.items()]
@@ -563,7 +576,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     for k in ("width", "layers", "batch", "vocab", "seq", "heads"):
         ap.add_argument(f"--{k}", type=int)
-    ap.add_argument("--sub-group-size", type=int, default=2_000_000)
+    ap.add_argument("--sub-group-size", type=int, help="default: max(2M, the largest parameter)")
     ap.add_argument("--param-buffers", type=int, help="offload_param.buffer_count (32; 48 with --cuda)")
     ap.add_argument("--optimizer-buffers", type=int, default=16, help="offload_optimizer.buffer_count")
     prec = ap.add_mutually_exclusive_group()
