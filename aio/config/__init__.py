@@ -18,6 +18,7 @@ from .train import (
     PrecisionConfig,
     TrainConfig,
     TrainZeroConfig,
+    discover_state_spec,
     load_train_config,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "TrainConfig",
     "TrainZeroConfig",
     "ZeroConfig",
+    "discover_state_spec",
     "dtype_bytes",
     "estimate_memory",
     "from_lightning",

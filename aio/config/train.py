@@ -124,6 +124,12 @@ class OptimizerConfig(BaseModel):
         """The parameters torch's class takes (DeepSpeed-only ones dropped)."""
         return {k: v for k, v in self.params.items() if k not in _DS_ONLY_PARAMS}
 
+    def state_spec(self) -> list[tuple[str, Any]]:
+        """(name, dtype) of the per-element state tensors the optimizer keeps."""
+        import torch
+
+        return discover_state_spec(getattr(torch.optim, self.torch_name), **self.torch_params)
+
     @model_validator(mode="after")
     def _torch_accepts(self) -> OptimizerConfig:
         _check_torch_optimizer(self.torch_name, self.torch_params)
@@ -148,6 +154,22 @@ def _check_torch_optimizer(name: str, params: dict[str, Any]) -> None:
         cls([torch.nn.Parameter(torch.zeros(1))], **params)
     except (ValueError, TypeError) as e:
         raise ValueError(f"params: torch.optim.{name} refuses them: {e}") from None
+
+
+def discover_state_spec(optimizer_cls: Any, **hyper: Any) -> list[tuple[str, Any]]:
+    """(name, dtype) of the per-element state tensors `optimizer_cls` keeps,
+    found by stepping it once on a small probe parameter."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    p.grad = torch.full((8,), 1e-3)
+    opt = optimizer_cls([p], **hyper)
+    opt.step()
+    spec = []
+    for name, v in opt.state[p].items():
+        if torch.is_tensor(v) and v.shape == p.shape:
+            spec.append((str(name), v.dtype))
+    return spec
 
 
 class TrainZeroConfig(ZeroConfig):
@@ -188,15 +210,21 @@ class TrainConfig(BaseModel):
     def _consistent(self) -> TrainConfig:
         if self._precision() == "both":
             raise ValueError("fp16.enabled: bf16 and fp16 cannot both be enabled; pick one")
+        # DeepSpeed's meaning: one tensor per buffer, so stepping a sub-group takes
+        # its gradient, its master weights and one buffer per optimizer state. With
+        # no optimizer block (a torch optimizer passed in code) only the floor of 2
+        # is checked here; the swapper checks the rest and warns when pipelining
+        # has fewer buffers than it could use.
         o = self.zero_optimization.offload_optimizer
-        if o is not None and o.device == "nvme":
-            need = 1 + int(o.pipeline_read) + int(o.pipeline_write)
-            if o.buffer_count < need:
-                raise ValueError(
-                    f"zero_optimization.offload_optimizer.buffer_count: {o.buffer_count} is too small "
-                    f"for pipeline_read={o.pipeline_read} / pipeline_write={o.pipeline_write}; "
-                    f"need at least {need}"
-                )
+        if o is None or o.device != "nvme":
+            return self
+        spec = self.optimizer.state_spec() if self.optimizer is not None else []
+        if o.buffer_count < 2 + len(spec):
+            states = f" and {len(spec)} for {self.optimizer.torch_name}'s states" if self.optimizer else ""
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.buffer_count: {o.buffer_count} is too small; "
+                f"stepping a sub-group takes 2 buffers (gradient and master weights){states}"
+            )
         return self
 
     def _precision(self) -> str:

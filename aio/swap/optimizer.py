@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import discover_state_spec
 from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease
 from .param import SwapStateError
@@ -52,22 +53,6 @@ from .storage import (
 )
 
 CHECKPOINT_VERSION = 1
-
-
-def discover_state_spec(optimizer_cls: Any, **hyper: Any) -> list[tuple[str, Any]]:
-    """(name, dtype) of the per-element state tensors `optimizer_cls` keeps,
-    found by stepping it once on a small probe parameter."""
-    import torch
-
-    p = torch.nn.Parameter(torch.zeros(8))
-    p.grad = torch.full((8,), 1e-3)
-    opt = optimizer_cls([p], **hyper)
-    opt.step()
-    spec = []
-    for name, v in opt.state[p].items():
-        if torch.is_tensor(v) and v.shape == p.shape:
-            spec.append((str(name), v.dtype))
-    return spec
 
 
 @dataclass

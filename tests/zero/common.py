@@ -36,7 +36,7 @@ def cfg_for(drive, param="nvme", opt="nvme", gas=2, clip=0.5, pipeline=True, **e
         z["offload_optimizer"] = {
             "device": "nvme",
             "nvme_path": str(drive),
-            "buffer_count": 4,
+            "buffer_count": 11 if pipeline else 4,  # AdamW: 4 to step, 11 to overlap fully
             "pipeline_read": pipeline,
             "pipeline_write": pipeline,
         }
