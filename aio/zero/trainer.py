@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 from ..config import ConfigError, TrainConfig, load_train_config
+from ..optim import fast_cpu_optimizer
 from . import checkpoint
 from .grads import GradientAccumulator
 from .hooks import Fetcher
@@ -115,7 +116,10 @@ class OffloadTrainer:
         cfg = self.cfg
         for n, p in plan.named:
             self.store.adopt(p, n)
-        self.opt = opt = make_optimizer(cfg, self.optimizer_cls, self.hyper)
+        # The master weights are float32 on the CPU, so torch's Adam/AdamW step
+        # there through aio.optim's fused kernel (bit-identical to torch's).
+        step_cls, step_hyper = fast_cpu_optimizer(self.optimizer_cls, self.hyper)
+        self.opt = opt = make_optimizer(cfg, step_cls, step_hyper)
         self.layout = layout = SubGroupLayout(plan.packed)
         for gi, numel in enumerate(layout.group_numel):
             opt.register_subgroup(gi, numel)

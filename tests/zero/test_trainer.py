@@ -117,6 +117,18 @@ def test_optimizer_instance_or_class(tmp_path):
         aio.zero.initialize(gpt(), cfg, optimizer="adam")
 
 
+@pytest.mark.parametrize("opt", ["cpu", "nvme"])
+def test_adamw_steps_through_the_fused_kernel(tmp_path, reference, opt):
+    from aio.optim import CPUAdamW, is_bit_exact
+
+    cfg = cfg_for(tmp_path, "cpu", opt)
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        assert engine.optimizer_cls is torch.optim.AdamW  # what the user asked for
+        stepping = getattr(engine.opt, "optimizer_cls", None)
+        assert stepping is (CPUAdamW if is_bit_exact() else torch.optim.AdamW)
+        assert train_engine(engine, len(reference)) == reference
+
+
 def test_closed_engine_refuses_and_cleans_up(tmp_path):
     engine = aio.zero.initialize(gpt(), cfg_for(tmp_path))
     swap_dir = engine.store.swapper.storage.dir
