@@ -324,8 +324,14 @@ class CPUAdam(torch.optim.Optimizer):
         _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over every parameter that has a gradient."""
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: Any = None) -> Any:
+        """One optimizer step over every parameter that has a gradient.
+
+        `grad_scale` (aio's addition: a number or a one-element tensor) steps as
+        if every gradient had first been multiplied in place by it, rounding as
+        ``grad.mul_(grad_scale)`` does, but in the same pass over memory and
+        leaving the gradients unchanged."""
+        scale = None if grad_scale is None else _scale_value(grad_scale)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -334,10 +340,12 @@ class CPUAdam(torch.optim.Optimizer):
             self._check_options(group)  # a group may have been edited or loaded
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_param(p, p.grad, group)
+                    self._step_param(p, p.grad, group, scale)
         return loss
 
-    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _step_param(
+        self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], scale: float | None
+    ) -> None:
         _check_param(p)
         if grad.is_sparse:
             raise TypeError("CPUAdam does not support sparse gradients")
@@ -361,8 +369,32 @@ class CPUAdam(torch.optim.Optimizer):
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             decoupled=group["decoupled_weight_decay"],
+            grad_scale=scale,
             threads=self.threads,
         )
+
+
+def _scale_value(v: Any) -> float:
+    # torch's mul_ rounds a float32 gradient times a Python number or a float32 /
+    # float64 one-element tensor in float32: the kernel casts the value to float.
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.is_complex() or not v.is_floating_point():
+            raise TypeError(f"grad_scale must be a real one-element tensor, got {v.dtype} {tuple(v.shape)}")
+        return float(v.item())
+    return _number("grad_scale", v)
+
+
+def step_scaled(optimizer: Any, grads: Iterable[torch.Tensor], grad_scale: Any) -> None:
+    """``optimizer.step()`` as if each of `grads` (the gradients it will use) had
+    first been multiplied in place by `grad_scale` (None: 1): in the update's
+    own pass for :class:`CPUAdam`/:class:`CPUAdamW`, else by ``grad.mul_``."""
+    if grad_scale is not None and isinstance(optimizer, CPUAdam):
+        optimizer.step(grad_scale=grad_scale)
+        return
+    if grad_scale is not None:
+        for g in grads:
+            g.mul_(grad_scale)
+    optimizer.step()
 
 
 def _check_param(p: Any) -> None:

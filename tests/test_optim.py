@@ -282,3 +282,34 @@ def test_fast_cpu_optimizer():
         assert fast_cpu_optimizer(torch.optim.AdamW, other) == (torch.optim.AdamW, other)
     assert fast_cpu_optimizer(torch.optim.SGD, hyper) == (torch.optim.SGD, hyper)
     assert fast_cpu_optimizer(torch.optim.AdamW, {"decoupled_weight_decay": True})[0] is torch.optim.AdamW
+
+
+@pytest.mark.parametrize(
+    "scale", [0.37, torch.tensor(0.37), torch.tensor(1 / 3, dtype=torch.float64), torch.tensor([0.5])]
+)
+@pytest.mark.parametrize("cls", [CPUAdam, CPUAdamW])
+def test_step_grad_scale_fuses_the_multiply(scale, cls):
+    from aio.optim import step_scaled
+
+    p0, grads = _data(4099, 3, 4)
+    ours, ref = p0.clone(), p0.clone()
+    fast = cls([ours], lr=1e-3, weight_decay=0.01)
+    slow = (torch.optim.AdamW if cls is CPUAdamW else torch.optim.Adam)([ref], lr=1e-3, weight_decay=0.01)
+    for g in grads:
+        ours.grad, ref.grad = g.clone(), g.clone()
+        step_scaled(fast, [ours.grad], scale)
+        step_scaled(slow, [ref.grad], scale)
+        assert torch.equal(ours.grad, g)  # fused: the gradient is left as it was
+        assert torch.equal(ref.grad, g * scale)  # torch's path: multiplied in place
+    assert torch.equal(ours, ref)
+    assert torch.equal(fast.state[ours]["exp_avg_sq"], slow.state[ref]["exp_avg_sq"])
+
+
+def test_step_grad_scale_refuses_what_is_not_a_real_number():
+    p = torch.zeros(4)
+    p.grad = torch.ones(4)
+    opt = CPUAdam([p])
+    for bad, err in [(torch.ones(2), TypeError), (torch.tensor(1), TypeError), ("2", TypeError)]:
+        with pytest.raises(err, match="grad_scale"):
+            opt.step(grad_scale=bad)
+    assert torch.equal(p, torch.zeros(4))

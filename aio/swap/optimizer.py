@@ -319,8 +319,8 @@ class OptimizerSwapper:
     def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None) -> None:
         import torch
 
-        if grad_scale is not None:
-            views["grad"].mul_(grad_scale)
+        from ..optim import step_scaled
+
         proxy = g.proxy
         proxy.data = views["param"]
         proxy.grad = views["grad"]
@@ -337,7 +337,7 @@ class OptimizerSwapper:
             # parameter without it; lazy ones create nothing here and make it
             # in step(). Either way it is copied into the buffer below.
             st.update(self.optimizer_cls([proxy], **self.hyper).state.get(proxy, {}))
-        self.optimizer.step()
+        step_scaled(self.optimizer, [views["grad"]], grad_scale)
         names = {n for n, _ in self.spec}
         for name in names:
             t = st.get(name)

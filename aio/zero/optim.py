@@ -70,16 +70,17 @@ class MemoryOptimizer:
 
     def step(self, after: Callable[[int, Any], None] | None = None, grad_scale: Any = None) -> None:
         """One optimizer step over every sub-group at once. Each gradient is first
-        multiplied in place by `grad_scale` (when given); then `after(index,
+        multiplied by `grad_scale` (when given; in the update's pass with
+        aio.optim's Adam, else in place); then `after(index,
         master)` runs for each sub-group, in index order, with its updated fp32
         master weights (the live tensor: copy it to keep it). The torch optimizer is
         created at the first step."""
+        from ..optim import step_scaled
+
         self._ensure_optimizer()
         for i in sorted(self.proxies):
-            if grad_scale is not None:
-                self.grads[i].mul_(grad_scale)
             self.proxies[i].grad = self.grads[i]
-        self.optimizer.step()
+        step_scaled(self.optimizer, [self.grads[i] for i in sorted(self.proxies)], grad_scale)
         for i in sorted(self.proxies):
             self.proxies[i].grad = None
             if after is not None:
