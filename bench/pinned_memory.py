@@ -34,9 +34,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from train_step import AIO_BLOCK, BATCH, zero_block  # noqa: E402
+from train_step import AIO_BLOCK, parse, zero_block  # noqa: E402
 
 MiB = 2**20
+
+
+def nvme_block(a: argparse.Namespace) -> tuple[dict, int]:
+    """bench/train_step.py's zero_optimization block (zero-nvme variant) for
+    this MLP, and its batch size."""
+    ts = parse(["--width", str(a.width), "--layers", str(a.layers)])
+    return zero_block(ts, "zero-nvme", a.dir), ts.batch
 
 
 def vmlck() -> int:
@@ -48,7 +55,7 @@ def vmlck() -> int:
     raise OSError("no VmLck in /proc/self/status")
 
 
-def model_and_data(width: int, layers: int):
+def model_and_data(width: int, layers: int, batch: int):
     import torch
 
     torch.manual_seed(1234)
@@ -58,7 +65,7 @@ def model_and_data(width: int, layers: int):
     mods.append(torch.nn.Linear(width, 16))
     model = torch.nn.Sequential(*mods)
     g = torch.Generator().manual_seed(99)
-    return model, torch.randn(BATCH, width, generator=g), torch.randn(BATCH, 16, generator=g)
+    return model, torch.randn(batch, width, generator=g), torch.randn(batch, 16, generator=g)
 
 
 def run_aio(a: argparse.Namespace) -> dict:
@@ -68,9 +75,10 @@ def run_aio(a: argparse.Namespace) -> dict:
     import aio.zero
     from aio.config import estimate_memory
 
-    model, x, y = model_and_data(a.width, a.layers)
+    block, batch = nvme_block(a)
+    model, x, y = model_and_data(a.width, a.layers, batch)
     numels = [p.numel() for p in model.parameters()]
-    config = {"zero_optimization": zero_block(a.dir, a.width, 0), "aio": AIO_BLOCK}
+    config = {"zero_optimization": block, "aio": AIO_BLOCK}
     base = vmlck()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     with aio.zero.initialize(model, config, optimizer=opt) as engine:
@@ -113,10 +121,11 @@ def run_ds(a: argparse.Namespace) -> dict:
 
     swap_utils.SwapBufferManager.__init__ = recording_init
     deepspeed.init_distributed(dist_backend="gloo")
+    block, batch = nvme_block(a)
     config = {
-        "train_micro_batch_size_per_gpu": BATCH,
+        "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": zero_block(a.dir, a.width, 0),
+        "zero_optimization": block,
         "zero_force_ds_cpu_optimizer": False,
         "aio": {**AIO_BLOCK, "single_submit": False, "overlap_events": True},
         "steps_per_print": 10**9,
@@ -126,7 +135,7 @@ def run_ds(a: argparse.Namespace) -> dict:
     # dtype: wrapped afterwards, DeepSpeed 0.19.8 on the CPU accelerator swaps
     # parameters through bf16 buffers (its dtype fallback) and the forward fails.
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model, x, y = model_and_data(a.width, a.layers)
+        model, x, y = model_and_data(a.width, a.layers, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
