@@ -388,13 +388,14 @@ def step_scaled(optimizer: Any, grads: Iterable[torch.Tensor], grad_scale: Any) 
     """``optimizer.step()`` as if each of `grads` (the gradients it will use) had
     first been multiplied in place by `grad_scale` (None: 1): in the update's
     own pass for :class:`CPUAdam`/:class:`CPUAdamW`, else by ``grad.mul_``."""
-    if grad_scale is not None and isinstance(optimizer, CPUAdam):
+    if grad_scale is None:
+        optimizer.step()
+    elif isinstance(optimizer, CPUAdam):
         optimizer.step(grad_scale=grad_scale)
-        return
-    if grad_scale is not None:
+    else:
         for g in grads:
             g.mul_(grad_scale)
-    optimizer.step()
+        optimizer.step()
 
 
 def _check_param(p: Any) -> None:

@@ -78,10 +78,11 @@ class MemoryOptimizer:
         from ..optim import step_scaled
 
         self._ensure_optimizer()
-        for i in sorted(self.proxies):
+        order = sorted(self.proxies)
+        for i in order:
             self.proxies[i].grad = self.grads[i]
-        step_scaled(self.optimizer, [self.grads[i] for i in sorted(self.proxies)], grad_scale)
-        for i in sorted(self.proxies):
+        step_scaled(self.optimizer, [self.grads[i] for i in order], grad_scale)
+        for i in order:
             self.proxies[i].grad = None
             if after is not None:
                 after(i, self.master[i])
