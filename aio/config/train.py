@@ -4,8 +4,10 @@ Read: ``aio``, ``zero_optimization`` (the offload blocks, ``sub_group_size``,
 ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``),
 ``optimizer`` (``type``/``params``), ``bf16``/``fp16``,
 ``gradient_accumulation_steps``, ``gradient_clipping``; DeepSpeed's defaults
-and meanings. Other top-level keys are ignored with one notice. Numbers follow
-the strict rules of :mod:`aio.config.models`.
+and meanings. One block of aio.zero's own, which DeepSpeed ignores:
+``aio_zero.gradients`` (``cpu``, the default, or ``nvme``). Other top-level
+keys are ignored with one notice. Numbers follow the strict rules of
+:mod:`aio.config.models`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -190,6 +192,23 @@ class TrainZeroConfig(ZeroConfig):
         return self
 
 
+class AioZeroConfig(BaseModel):
+    """The top-level ``aio_zero`` block: choices of aio.zero's own, with no
+    DeepSpeed key to carry them (DeepSpeed ignores the block)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gradients: Literal["cpu", "nvme"] = Field(
+        "cpu",
+        description=(
+            "where fp32 gradients wait for the step when the optimizer is on NVMe: "
+            "'cpu' holds them in memory (4 bytes per parameter, as DeepSpeed does); "
+            "'nvme' writes them to the drive and reads them back (8 more bytes of I/O "
+            "per parameter per step, for the least memory)"
+        ),
+    )
+
+
 class TrainConfig(BaseModel):
     """A whole DeepSpeed-format training config, validated (see the module
     docstring for the keys read); other top-level keys are kept in
@@ -198,6 +217,7 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
     aio: AioConfig = Field(default_factory=lambda: AioConfig())
+    aio_zero: AioZeroConfig = Field(default_factory=lambda: AioZeroConfig())
     zero_optimization: TrainZeroConfig = Field(default_factory=lambda: TrainZeroConfig())
     optimizer: OptimizerConfig | None = None
     bf16: Annotated[PrecisionConfig | None, BeforeValidator(_enabled_block)] = None
@@ -309,7 +329,7 @@ class TrainConfig(BaseModel):
         return tuple(top + sorted(f"zero_optimization.{k}" for k in zero if k not in _NOOP_ZERO_KEYS))
 
 
-_BLOCKS = ("aio", "zero_optimization", "optimizer", "bf16", "bfloat16", "fp16")
+_BLOCKS = ("aio", "zero_optimization", "optimizer", "bf16", "bfloat16", "fp16", "aio_zero")
 
 
 def load_train_config(source: Any) -> TrainConfig:

@@ -65,6 +65,7 @@ class _SubGroup:
     scalars: dict[str, Any] | None = None  # None until its first step
     valid: bool = False  # drive copy holds a complete state
     grad_future: AioFuture | None = None
+    grad_mem: Any = None  # fp32 CPU tensor holding the gradient instead of the drive
     proxy: Any = None
     history: list[str] = field(default_factory=list)
 
@@ -115,8 +116,11 @@ class OptimizerSwapper:
         self.optimizer: Any = None
         self.broken: str | None = None
         self.steps = 0
-        self.counters = {"bytes_read": 0, "bytes_written": 0, "subgroup_steps": 0}
+        self.counters = {"bytes_read": 0, "bytes_written": 0, "subgroup_steps": 0, "cached_subgroups": 0}
         self.closed = False
+        # Buffers carried from one step to the next: sub-groups whose state is
+        # still in a buffer after its write landed, and reads started ahead.
+        self._carry: _StepIO | None = None
 
     @classmethod
     def from_config(
@@ -208,11 +212,13 @@ class OptimizerSwapper:
         """Lease one of the swapper's pinned buffers (one tensor of the largest
         sub-group, e.g. to gather a gradient in); give it back before step()."""
         self._check_usable()
+        self.drop_cached()
         return self._pool().acquire(timeout)
 
     def try_acquire_buffer(self) -> Lease | None:
         """acquire_buffer() without waiting: None when all are in use."""
         self._check_usable()
+        self.drop_cached()
         return self._pool().try_acquire()
 
     def _views(self, g: _SubGroup, leases: dict[str, Lease]) -> dict[str, Any]:
@@ -243,6 +249,7 @@ class OptimizerSwapper:
         src = master.detach().reshape(-1)
         if src.numel() != g.numel:
             raise ValueError(f"sub-group {index}: expected {g.numel} elements, got {src.numel()}")
+        self.drop_cached()
         with self._pool().acquire() as lease:
             # Gradient and states start at zero; one zeroed buffer writes them all.
             lease.tensor(torch.uint8).zero_()
@@ -274,6 +281,7 @@ class OptimizerSwapper:
             )
         if g.grad_future is not None:
             g.grad_future.result()
+        g.grad_mem = None  # the drive copy is the gradient from here on
         fut = self.writer.async_pwrite(src.contiguous(), self.file.path, g.offset + g.parts["grad"][0])
         self.counters["bytes_written"] += g.numel * 4
         g.grad_future = fut
@@ -304,6 +312,46 @@ class OptimizerSwapper:
             fut, g.grad_future = g.grad_future, None
             if fut is not None:
                 fut.exception()
+
+    def hold_gradient(self, index: int, grad: Any) -> None:
+        """Let the next step() take sub-group `index`'s gradient from `grad` (fp32,
+        CPU, kept by reference: fill it before step()) instead of reading it from
+        the drive: 8 bytes per element less I/O per step, for 4 bytes per element
+        of memory. A later write_gradient() makes the drive copy current again."""
+        import torch
+
+        self._check_usable()
+        g = self.groups[index]
+        if grad.numel() != g.numel or grad.dtype != torch.float32 or grad.device.type != "cpu":
+            raise ValueError(
+                f"sub-group {index}: a held gradient must be {g.numel} fp32 elements on the CPU, "
+                f"got {grad.numel()} of {grad.dtype} on {grad.device}"
+            )
+        if not grad.is_contiguous():
+            raise ValueError(f"sub-group {index}: a held gradient must be contiguous")
+        self._settle_grad(g)
+        g.grad_mem = grad.view(-1)
+
+    def drop_cached(self, write_back: bool = True) -> None:
+        """Give back the buffers a step left holding sub-group states (and the
+        reads it started ahead for the next step), first writing the states not
+        yet on the drive (unless not `write_back`: they are lost). Called before
+        anything else needs the buffers or reads the drive copy. A failed write
+        leaves the swapper refusing use until import_checkpoint()."""
+        io, self._carry = self._carry, None
+        if io is None:
+            return
+        try:
+            if write_back:
+                io.write_back()
+        except BaseException as e:
+            self.broken = (
+                f"writing kept optimizer state back failed ({type(e).__name__}: {e}); the swapped "
+                "optimizer state is incomplete. Restore it with import_checkpoint()"
+            )
+            raise
+        finally:
+            io.abort()
 
     def _settle_grad(self, g: _SubGroup) -> None:
         fut, g.grad_future = g.grad_future, None
@@ -351,13 +399,21 @@ class OptimizerSwapper:
         proxy.data = torch.empty(0)
 
     def step(self, after: Callable[[int, Any], None] | None = None, grad_scale: Any = None) -> None:
-        """One optimizer step over every sub-group, in index order.
+        """One optimizer step over every sub-group.
+
+        Sub-groups go in index order on even steps and in reverse on odd ones.
+        A stepped sub-group stays in its buffers until a read needs them, so the
+        ones stepped last are stepped first next time without a read
+        (``counters["cached_subgroups"]``); with every gradient held in memory
+        (hold_gradient) they are also written only when their buffers are
+        needed (write-back; drop_cached() writes the rest). With
+        ``pipeline_read`` the next step's first reads start as this one ends,
+        overlapping the next forward and backward.
 
         `after(index, master_view)` runs right after each sub-group's update
         (e.g. to copy the new weights into the model's low-precision params).
         `grad_scale` (a number or 0-dim tensor) multiplies every gradient
         first: gradient clipping and loss-scale removal.
-        Pipelined per pipeline_read / pipeline_write.
 
         If anything fails, every I/O still in flight is drained, sub-groups
         whose write did not land are marked invalid, the swapper refuses
@@ -365,23 +421,29 @@ class OptimizerSwapper:
         error is raised; import_checkpoint() restores a consistent state.
         """
         self._check_usable()
-        order = sorted(self.groups)
+        order = sorted(self.groups, reverse=self.steps % 2 == 1)
+        # Gradients on the drive take buffers during backward: nothing is kept then.
+        write_back = all(self.groups[i].grad_mem is not None for i in order)
+        if not write_back:
+            self.drop_cached()
         for i in order:
-            if not self.groups[i].valid:
+            if not self.groups[i].valid and (self._carry is None or i not in self._carry.reads):
                 raise SwapStateError(f"sub-group {i} has no valid state on the drive; initialize() it first")
         self._ensure_optimizer()
-        io = _StepIO(self, self._pool())
+        io, self._carry = self._carry, None
+        io = io or _StepIO(self, self._pool())
         try:
             for k, i in enumerate(order):
                 if i not in io.reads:
                     io.start_read(i, must=True)
-                if self.pipeline_read and k + 1 < len(order):
+                if self.pipeline_read and k + 1 < len(order) and order[k + 1] not in io.reads:
                     io.start_read(order[k + 1], must=False)
                 leases = io.take_read(i)
                 self._step_subgroup(self.groups[i], leases, after, grad_scale)
-                io.start_write(i, leases)
-            io.finish_writes()
+                io.done_stepping(i, leases, write_back)
+            io.carry_over(order[::-1])
             self.steps += 1
+            self._carry = io
         except BaseException as e:
             io.abort()
             self.broken = (
@@ -398,6 +460,8 @@ class OptimizerSwapper:
         grad_scale: Any,
     ) -> None:
         views = self._views(g, leases)
+        if "grad" not in views:
+            views["grad"] = g.grad_mem
         self._apply(g, views, grad_scale)
         # The drive copy is stale from here until the write lands.
         g.valid = False
@@ -410,6 +474,7 @@ class OptimizerSwapper:
         import torch
 
         g = self.groups[index]
+        self.drop_cached()  # the drive copy must be current
         out = torch.empty(g.numel, dtype=torch.float32)
         self.reader.sync_pread(out, self.file.path, g.offset + g.parts["param"][0])
         return out
@@ -430,6 +495,7 @@ class OptimizerSwapper:
                 "groups": {},
             }
             scalars = {}
+            self.drop_cached()
             pool = self._pool()
             for i in sorted(self.groups):
                 g = self.groups[i]
@@ -506,6 +572,7 @@ class OptimizerSwapper:
     @contextlib.contextmanager
     def _leases(self, count: int) -> Any:
         """`count` buffers, all given back on exit."""
+        self.drop_cached()
         with contextlib.ExitStack() as stack:
             yield [stack.enter_context(self._pool().acquire()) for _ in range(count)]
 
@@ -589,6 +656,7 @@ class OptimizerSwapper:
         """Finish I/O, free the buffers and remove the swap folder. Idempotent."""
         if self.closed:
             return
+        self.drop_cached(write_back=False)  # the files go too
         self.closed = True
         for g in self.groups.values():
             if g.grad_future is not None:
@@ -644,41 +712,74 @@ def _check_buffer_count(
         )
 
 
+_Read = tuple[dict[str, Lease], list[AioFuture], bool]  # buffers, reads in flight, dirty
+_Write = tuple[int, list[Lease], list[AioFuture]]
+
+
 class _StepIO:
     """The buffers and I/Os of one OptimizerSwapper.step(): reads ahead,
     write-backs behind, and every lease held, so a failure can drain them all.
-    A sub-group being read holds one buffer per tensor (gradient first)."""
+    A sub-group being read holds one buffer per tensor (gradient first).
+
+    A stepped sub-group keeps its buffers (`kept`, oldest first) until a read
+    needs them: clean once its write landed, or dirty (write-back: written
+    only when its buffers are needed). Whatever is kept when the step ends
+    becomes the next step's first reads, done already."""
 
     def __init__(self, sw: OptimizerSwapper, pool: BufferPool) -> None:
         self.sw = sw
         self.pool = pool
-        self.reads: dict[int, tuple[dict[str, Lease], list[AioFuture]]] = {}
-        self.writes: collections.deque[tuple[int, list[Lease], list[AioFuture]]] = collections.deque()
+        self.reads: dict[int, _Read] = {}
+        self.writes: collections.deque[_Write] = collections.deque()
+        self.kept: collections.OrderedDict[int, tuple[list[Lease], bool]] = collections.OrderedDict()
         self.held: list[Lease] = []
-
-    def _finish_write(self, entry: tuple[int, list[Lease], list[AioFuture]]) -> None:
-        i, leases, futs = entry
-        try:
-            _wait_all(futs)
-            self.sw.groups[i].valid = True
-        finally:
-            for lease in leases:
-                self._release(lease)
 
     def _release(self, lease: Lease) -> None:
         lease.release()
         self.held.remove(lease)
 
-    def finish_writes(self) -> None:
-        """Wait for every write-back still in flight."""
-        while self.writes:
+    def _start_write(self, i: int, leases: list[Lease]) -> _Write:
+        sw, g = self.sw, self.sw.groups[i]
+        futs = []
+        for name, lease in zip(sw._saved_parts(), leases, strict=True):
+            off, n = sw._part_io(g, name)
+            futs.append(sw.writer.async_pwrite(lease.buffer()[:n], sw.file.path, off))
+            sw.counters["bytes_written"] += n
+        return (i, leases, futs)
+
+    def _finish_write(self, entry: _Write) -> None:
+        """Wait for a write-back; keep its buffers, clean (on failure they stay in
+        `held`, which abort() gives back)."""
+        i, leases, futs = entry
+        _wait_all(futs)
+        self.sw.groups[i].valid = True
+        self.kept[i] = (leases, False)
+
+    def _free_one(self, wait: bool) -> bool:
+        """One move towards free buffers: drop the oldest clean kept sub-group,
+        else take a landed write-back (waiting for it if `wait`), else start
+        writing the oldest dirty one; False when nothing can be done now."""
+        for i, (leases, dirty) in self.kept.items():
+            if not dirty:
+                del self.kept[i]
+                for lease in leases:
+                    self._release(lease)
+                return True
+        if self.writes and (wait or all(f.done() for f in self.writes[0][2])):
             self._finish_write(self.writes.popleft())
+            return True
+        if self.kept and not self.writes:
+            i, (leases, _) = self.kept.popitem(last=False)
+            self.writes.append(self._start_write(i, leases))
+            return True
+        return False
 
     def _lease(self, count: int, must: bool) -> list[Lease] | None:
-        """`count` free buffers, finishing write-backs to free them; None when
-        they cannot be had and not `must`."""
-        while self.pool.available() < count and self.writes:
-            self._finish_write(self.writes.popleft())
+        """`count` free buffers, dropping kept sub-groups and finishing write-backs
+        to free them (waiting only if `must`); None when they cannot be had and
+        not `must`."""
+        while self.pool.available() < count and self._free_one(wait=must):
+            pass
         if self.pool.available() < count and not must:
             return None
         leases: list[Lease] = []
@@ -696,15 +797,16 @@ class _StepIO:
         return leases
 
     def start_read(self, i: int, must: bool) -> bool:
-        """Lease a buffer per tensor of sub-group i and start reading them all;
-        False (nothing started) when too few buffers are free and not `must`."""
+        """Lease a buffer per tensor of sub-group i (but a gradient held in
+        memory) and start reading them all; False (nothing started) when too
+        few buffers are free and not `must`."""
         sw, g = self.sw, self.sw.groups[i]
-        names = list(g.parts)
+        names = [n for n in g.parts if n != "grad" or g.grad_mem is None]
         leases = self._lease(len(names), must)
         if leases is None:
             return False
         futs: list[AioFuture] = []
-        self.reads[i] = (dict(zip(names, leases, strict=True)), futs)
+        self.reads[i] = (dict(zip(names, leases, strict=True)), futs, False)
         sw._settle_grad(g)
         for name, lease in zip(names, leases, strict=True):
             off, n = sw._part_io(g, name)
@@ -714,32 +816,59 @@ class _StepIO:
 
     def take_read(self, i: int) -> dict[str, Lease]:
         """Wait for sub-group i's reads; return the buffers holding its tensors."""
-        leases, futs = self.reads.pop(i)
+        leases, futs, _ = self.reads.pop(i)
+        if not futs:  # kept in its buffers by the step before: nothing read
+            self.sw.counters["cached_subgroups"] += 1
         _wait_all(futs)
         return leases
 
-    def start_write(self, i: int, leases: dict[str, Lease]) -> None:
-        """Write sub-group i back (all but its gradient, whose buffer is given
-        back at once), pipelined or at once."""
-        sw, g = self.sw, self.sw.groups[i]
-        self._release(leases["grad"])
-        kept = [leases[name] for name in sw._saved_parts()]
-        futs = []
-        for name, lease in zip(sw._saved_parts(), kept, strict=True):
-            off, n = sw._part_io(g, name)
-            futs.append(sw.writer.async_pwrite(lease.buffer()[:n], sw.file.path, off))
-            sw.counters["bytes_written"] += n
-        if not sw.pipeline_write:
-            self._finish_write((i, kept, futs))
+    def done_stepping(self, i: int, leases: dict[str, Lease], write_back: bool) -> None:
+        """Sub-group i is stepped: its gradient's buffer goes back; the rest are
+        kept dirty (`write_back`), or written now, pipelined or waited for."""
+        if "grad" in leases:
+            self._release(leases["grad"])
+        kept = [leases[name] for name in self.sw._saved_parts()]
+        if write_back:
+            self.kept[i] = (kept, True)
             return
-        self.writes.append((i, kept, futs))
+        self.writes.append(self._start_write(i, kept))
+        if not self.sw.pipeline_write:
+            self._finish_write(self.writes.pop())
         while self.writes and all(f.done() for f in self.writes[0][2]):
             self._finish_write(self.writes.popleft())
 
+    def carry_over(self, next_order: list[int]) -> None:
+        """End of a step: wait for the write-backs in flight; every sub-group still
+        in its buffers becomes one of the next step's reads, done already (the
+        next step goes in `next_order`, the reverse of this one, so they come
+        first). With pipeline_read, start reading the sub-groups after them into
+        the buffers still free."""
+        while self.writes:
+            self._finish_write(self.writes.popleft())
+        for i, (leases, dirty) in self.kept.items():
+            self.reads[i] = (dict(zip(self.sw._saved_parts(), leases, strict=True)), [], dirty)
+        self.kept.clear()
+        if self.sw.pipeline_read:
+            for i in next_order:
+                if i not in self.reads and not self.start_read(i, must=False):
+                    break
+
+    def write_back(self) -> None:
+        """Write every carried sub-group not yet on the drive, and wait."""
+        parts = self.sw._saved_parts()
+        entries = [self._start_write(i, [r[0][n] for n in parts]) for i, r in self.reads.items() if r[2]]
+        for entry in entries:
+            _wait_all(entry[2])
+            self.sw.groups[entry[0]].valid = True
+        for i, _, _ in entries:
+            leases, futs, _ = self.reads[i]
+            self.reads[i] = (leases, futs, False)
+
     def abort(self) -> None:
-        """After a failure: drain so nothing still reads into or writes from a
-        buffer, keep the sub-groups whose writes landed valid, release every lease."""
-        for _leases, futs in self.reads.values():
+        """After a failure (or to give everything back): drain so nothing still
+        reads into or writes from a buffer, keep the sub-groups whose writes
+        landed valid, release every lease. Dirty sub-groups are lost."""
+        for _leases, futs, _ in self.reads.values():
             for fut in futs:
                 fut.exception()
         while self.writes:
@@ -750,6 +879,8 @@ class _StepIO:
         for lease in self.held:
             lease.release()
         self.held.clear()
+        self.reads.clear()
+        self.kept.clear()
 
 
 def _wait_all(futs: list[AioFuture]) -> None:

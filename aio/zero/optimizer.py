@@ -150,18 +150,44 @@ def set_lr(hyper: dict[str, Any], optimizer: Any, lr: float) -> None:
 
 
 class SwappedOptimizer(OptimizerSwapper):
-    """:class:`aio.swap.OptimizerSwapper` as a :class:`ZeroOptimizer`: gradients
-    are gathered in the swapper's pinned buffers and written to the drive."""
+    """:class:`aio.swap.OptimizerSwapper` as a :class:`ZeroOptimizer`: master
+    weights and optimizer state on the drive.
+
+    Gradients (``aio_zero.gradients``): with ``cpu`` (the default) each
+    sub-group's fp32 gradient is accumulated in CPU memory that lives as long
+    as the optimizer -- as DeepSpeed keeps its gradient partitions -- and is
+    stepped from there (:meth:`~aio.swap.OptimizerSwapper.hold_gradient`): no
+    drive I/O and no pinned buffer for gradients. With ``nvme`` it is gathered
+    in one of the swapper's pinned buffers and written to the drive, and the
+    step reads it back: 8 bytes of I/O per element per step for the least memory.
+    """
+
+    gradients_on_drive = False
 
     def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
-        """A pinned swap buffer for sub-group `index`'s gradient, read back from the
-        drive when `resume`, else zeroed; None when no buffer is free now."""
+        """The sub-group's gradient buffer (see open_gradient()); None only when
+        gradients go through pinned buffers and none is free now."""
+        if not self.gradients_on_drive:
+            return self.open_gradient(index, numel, resume)
         lease = self.try_acquire_buffer()
         return None if lease is None else self._fill(index, numel, resume, lease)
 
     def open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer:
-        """try_open_gradient(), waiting for a free buffer."""
-        return self._fill(index, numel, resume, self.acquire_buffer())
+        """Sub-group `index`'s gradient buffer, holding the gradient accumulated so
+        far when `resume` (read back from the drive with ``gradients: nvme``),
+        else zeroed; waits for a free pinned buffer with ``gradients: nvme``."""
+        if self.gradients_on_drive:
+            return self._fill(index, numel, resume, self.acquire_buffer())
+        import torch
+
+        self._check_usable()
+        held = self.groups[index].grad_mem
+        if held is None or held.numel() != numel:
+            held = torch.zeros(numel, dtype=torch.float32)
+            self.hold_gradient(index, held)  # validates numel against the sub-group
+        elif not resume:
+            held.zero_()
+        return GradientBuffer(held)
 
     def _fill(self, index: int, numel: int, resume: bool, lease: Lease) -> GradientBuffer:
         import torch
@@ -178,9 +204,12 @@ class SwappedOptimizer(OptimizerSwapper):
         return GradientBuffer(buf, lease)
 
     def close_gradient(self, index: int, buf: GradientBuffer) -> PendingWrite | None:
-        """Start writing the gradient to the drive; the buffer goes back when the
-        returned write is waited for or abandoned. ValueError if `buf` was closed
-        already."""
+        """With ``gradients: cpu`` nothing to store (None: the gradient already is
+        where step() reads it). With ``nvme``, start writing it to the drive; the
+        buffer goes back when the returned write is waited for or abandoned.
+        ValueError if `buf` was closed already."""
+        if not self.gradients_on_drive:
+            return None
         lease, buf.lease = buf.lease, None
         if lease is None:
             raise ValueError(f"sub-group {index}: this gradient buffer was closed already")
@@ -206,6 +235,7 @@ def make_optimizer(cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any]) 
     if cfg.optimizer_device == "nvme":
         # from_config is typed as returning its base class; it builds a cls.
         swapped: SwappedOptimizer = SwappedOptimizer.from_config(cfg.offload, optimizer_cls, hyper)  # type: ignore[assignment]
+        swapped.gradients_on_drive = cfg.aio_zero.gradients == "nvme"
         return swapped
     from .optim import MemoryOptimizer
 

@@ -56,7 +56,9 @@ def _full_count(opt_cls, hyper):
     return 3 * _min_count(opt_cls, hyper) - 1
 
 
-def _swapped(tmp_path, opt_cls, hyper, init, steps, pipe, buffer_count=None):
+def _swapped(tmp_path, opt_cls, hyper, init, steps, pipe, buffer_count=None, held=False):
+    """Step a swapper `steps` times; gradients written to the drive, or with
+    `held` given in memory (hold_gradient) once and refilled in place."""
     if buffer_count is None:
         buffer_count = _full_count(opt_cls, hyper)
     sw = OptimizerSwapper(
@@ -70,25 +72,39 @@ def _swapped(tmp_path, opt_cls, hyper, init, steps, pipe, buffer_count=None):
     for i, t in enumerate(init):
         sw.register_subgroup(i, t.numel())
         sw.initialize(i, t)
-    for s in range(steps):
-        for i, g in enumerate(_grads(s, [t.numel() for t in init])):
-            sw.write_gradient(i, g)
-        sw.step()
+    mem = [torch.empty(t.numel()) for t in init]
+    if held:
+        for i, m in enumerate(mem):
+            sw.hold_gradient(i, m)
+    _steps(sw, range(steps), mem if held else None)
     out = [sw.read_master(i) for i in range(len(init))]
     return sw, out
 
 
+def _steps(sw, steps, mem=None):
+    """Step `sw` once per step number, with that step's gradients written (or
+    copied into the held tensors `mem`)."""
+    for s in steps:
+        for i, g in enumerate(_grads(s, [sw.groups[i].numel for i in sorted(sw.groups)])):
+            if mem is None:
+                sw.write_gradient(i, g)
+            else:
+                mem[i].copy_(g)
+        sw.step()
+
+
 @pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+@pytest.mark.parametrize("held", [False, True], ids=["grad-on-drive", "grad-held"])
 @pytest.mark.parametrize("count", ["min", "full"])
 @pytest.mark.parametrize("pipe", PIPES, ids=lambda p: f"read{int(p[0])}write{int(p[1])}")
 @pytest.mark.parametrize("opt_cls,hyper", OPTS, ids=lambda o: getattr(o, "__name__", ""))
-def test_step_is_bit_exact_with_in_memory(tmp_path, opt_cls, hyper, pipe, count):
+def test_step_is_bit_exact_with_in_memory(tmp_path, opt_cls, hyper, pipe, count, held):
     # "min": only one sub-group's buffers, so pipelining degrades to none.
     g = torch.Generator().manual_seed(7)
     init = [torch.randn(n, generator=g) for n in SIZES]
     want = _reference(opt_cls, hyper, init, steps=4)
     n = _min_count(opt_cls, hyper) if count == "min" else _full_count(opt_cls, hyper)
-    sw, got = _swapped(tmp_path, opt_cls, hyper, init, steps=4, pipe=pipe, buffer_count=n)
+    sw, got = _swapped(tmp_path, opt_cls, hyper, init, steps=4, pipe=pipe, buffer_count=n, held=held)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
     st = sw.stats()
@@ -175,6 +191,7 @@ def test_pool_too_small_for_pipeline_warns_once_and_steps(tmp_path, pipe, count)
             for i in range(3):
                 sw.write_gradient(i, torch.ones(3000))
             sw.step()
+    sw.drop_cached()  # a step may leave sub-groups in buffers for the next one
     assert sw.pool.available() == count
     sw.close()
     with warnings.catch_warnings():
@@ -272,6 +289,60 @@ def test_fault_mid_step_surfaces_and_poisons(tmp_path, where, pipe):
     for i, t in enumerate(init):
         sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
     sw.step()  # consistent again
+    sw.close()
+
+
+def test_held_gradients_carry_subgroups_across_steps(tmp_path):
+    """Gradients held in memory + pipelined writes: each step leaves its last
+    sub-groups in their buffers, and the next step (in reverse order) starts
+    from them without reading; with pipeline_read it also reads the next ones
+    ahead. Everything stays exact, through a checkpoint taken between steps,
+    and every buffer comes back."""
+    g = torch.Generator().manual_seed(5)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    hyper = {"lr": 1e-2}
+    want = _reference(torch.optim.Adam, hyper, init, steps=6)
+    sw, _ = _swapped(tmp_path, torch.optim.Adam, hyper, init, steps=0, pipe=(True, True), held=True)
+    mem = [sw.groups[i].grad_mem for i in sorted(sw.groups)]
+    all_states = 3 * sum(sw._part_io(g, "param")[1] for g in sw.groups.values())
+    _steps(sw, range(4), mem)
+    count = sw.pool.count
+    assert sw.counters["cached_subgroups"] >= 3  # steps 2-4 each start from kept buffers
+    assert sw.counters["bytes_read"] < 4 * all_states
+    assert sw.counters["bytes_written"] < 4 * all_states + all_states  # + initialize()
+    assert sw.pool.available() < count  # kept for step 5 (and read ahead)
+    read = sw.counters["bytes_read"]
+    ck = str(tmp_path / "ck")
+    sw.export_checkpoint(ck)  # writes back what is kept and gives the buffers back first
+    assert sw.pool.available() == count
+    _steps(sw, [4, 5], mem)
+    # Step 5 (4 read everything afresh after the export) starts from kept buffers.
+    assert all_states <= sw.counters["bytes_read"] - read < 2 * all_states
+    for i, w in enumerate(want):
+        assert torch.equal(sw.read_master(i), w)
+    sw.import_checkpoint(ck)  # the drive copy changes: nothing carried may survive
+    _steps(sw, [4, 5], mem)
+    for i, w in enumerate(want):
+        assert torch.equal(sw.read_master(i), w)
+    sw.close()
+    assert sw.pool.available() == count
+
+
+def test_prefetched_read_error_surfaces_at_the_next_step(tmp_path):
+    init = [torch.randn(n) for n in SIZES]
+    sw, _ = _swapped(tmp_path, torch.optim.Adam, {"lr": 1e-2}, init, steps=0, pipe=(True, True), held=True)
+    # Step 1 reads 3 tensors per sub-group; the next read is one started ahead for step 2.
+    sw.reader._c.inject_fault("error", errno.EIO, "read", 3 * len(SIZES) + 1, 1)
+    for i in range(len(SIZES)):
+        sw.groups[i].grad_mem.fill_(1.0)
+    sw.step()  # the failing read is in flight or done, its error not yet taken
+    assert not sw.broken
+    with pytest.raises(OSError) as ei:
+        sw.step()
+    assert sw.reader._c.fault_hits() == 1
+    assert ei.value.errno == errno.EIO and sw.broken
+    sw.reader._c.clear_fault()
+    assert sw.pool.available() == sw.pool.count
     sw.close()
 
 

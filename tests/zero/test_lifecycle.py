@@ -24,7 +24,8 @@ def _micro(engine, step, micro):
 
 
 def test_gradient_write_error_drops_the_step_and_loses_nothing(tmp_path, reference):  # noqa: F811
-    with aio.zero.initialize(gpt(), cfg_for(tmp_path)) as engine:
+    # Gradients written to the drive (aio_zero.gradients: nvme); held in memory, none are written.
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path, aio_zero={"gradients": "nvme"})) as engine:
         first = train_engine(engine, 5)
         engine.opt.writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
         with pytest.raises(OSError) as ei:
@@ -42,7 +43,8 @@ def test_gradient_write_error_drops_the_step_and_loses_nothing(tmp_path, referen
 
 def test_optimizer_write_error_poisons_until_checkpoint_restore(tmp_path, reference):  # noqa: F811
     ckpt = str(tmp_path / "ck")
-    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "d")) as engine:
+    # 4 buffers: one sub-group's, so every step writes back what it steps.
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "d", pipeline=False)) as engine:
         first = train_engine(engine, 5)
         engine.save_checkpoint(ckpt)
         engine.backward(loss_of_step(engine, 5, 0))
@@ -57,6 +59,30 @@ def test_optimizer_write_error_poisons_until_checkpoint_restore(tmp_path, refere
         # The optimizer state is partly stepped: it refuses rather than continue wrongly.
         with pytest.raises(SwapStateError, match="partly updated"):
             train_engine(engine, 1, start=5)
+        engine.load_checkpoint(ckpt)
+        rest = train_engine(engine, 15, start=5)
+    assert first + rest == reference
+
+
+def test_kept_state_write_back_error_poisons_until_checkpoint_restore(tmp_path, reference):  # noqa: F811
+    """With every sub-group's state kept in buffers across steps (enough of
+    them), nothing is written in a step; a failed write when the state is
+    written back (here: saving a checkpoint) fails loudly and refuses further
+    steps until a checkpoint is loaded."""
+    ckpt = str(tmp_path / "ck")
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "d")) as engine:
+        first = train_engine(engine, 5)
+        engine.save_checkpoint(ckpt)
+        assert train_engine(engine, 1, start=5) == reference[5:6]
+        assert engine.stats()["optimizer"]["cached_subgroups"] > 0
+        engine.opt.writer._c.inject_fault("error", errno.ENOSPC, "write", 1, 1)
+        with pytest.raises(OSError) as ei:
+            engine.save_checkpoint(str(tmp_path / "ck2"))
+        assert ei.value.errno == errno.ENOSPC
+        engine.opt.writer._c.clear_fault()
+        assert not any((tmp_path / "ck2").iterdir())  # no partial checkpoint left
+        with pytest.raises(SwapStateError, match="incomplete"):
+            train_engine(engine, 1, start=6)
         engine.load_checkpoint(ckpt)
         rest = train_engine(engine, 15, start=5)
     assert first + rest == reference

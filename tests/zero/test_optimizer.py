@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import aio.zero.trainer
+from aio import pinned
 from aio.config import load_train_config
 from aio.zero.optim import MemoryOptimizer
 from aio.zero.optimizer import SwappedOptimizer, ZeroOptimizer, make_optimizer
@@ -71,19 +72,52 @@ def test_gradient_accumulates_across_close_and_resume(tmp_path, device):
         opt.close()
 
 
-def test_swapped_gradient_buffers_are_one_pool_slot_each(tmp_path):
-    """Gradients are gathered in the optimizer's pool, one buffer (one tensor of
-    the largest sub-group) per open sub-group; the step needs 2 + states of them."""
-    from aio import pinned
-
-    cfg = load_train_config(
+def _nvme_opt_config(tmp_path, gradients):
+    return load_train_config(
         {
             "zero_optimization": {
                 "stage": 3,
                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4},
-            }
+            },
+            "aio_zero": {"gradients": gradients},
         }
     )
+
+
+def test_swapped_gradients_in_memory_cost_no_io_and_no_buffer(tmp_path):
+    """aio_zero.gradients cpu (the default): every sub-group's gradient is open at
+    once in memory, nothing is written for it, and the step reads only master
+    weights and states (each fp32 sub-group tensor is whole blocks on the drive)."""
+    opt = make_optimizer(_nvme_opt_config(tmp_path, "cpu"), torch.optim.Adam, {"lr": 0.1})
+    try:
+        sizes = [3000 + i for i in range(5)]
+        for i, n in enumerate(sizes):
+            opt.register_subgroup(i, n)
+            opt.initialize(i, torch.zeros(n))
+        before = dict(opt.counters)
+        bufs = [opt.try_open_gradient(i, n, resume=False) for i, n in enumerate(sizes)]
+        for i, b in enumerate(bufs):
+            assert b is not None and b.lease is None
+            b.tensor.fill_(1.0)
+            assert opt.close_gradient(i, b) is None
+        assert opt.counters == before  # no gradient I/O
+        opt.step()
+        opt.drop_cached()  # write back what the step kept in its buffers
+        per_tensor = [pinned.page_round(n * 4) for n in sizes]
+        assert opt.counters["bytes_read"] - before["bytes_read"] == 3 * sum(per_tensor)
+        assert opt.counters["bytes_written"] - before["bytes_written"] == 3 * sum(per_tensor)
+        b = opt.open_gradient(0, sizes[0], resume=True)
+        assert torch.equal(b.tensor, torch.ones(sizes[0]))  # accumulation resumes in place
+        opt.read_master(0)
+    finally:
+        opt.close()
+
+
+def test_swapped_gradient_buffers_are_one_pool_slot_each(tmp_path):
+    """aio_zero.gradients nvme: gradients are gathered in the optimizer's pool,
+    one buffer (one tensor of the largest sub-group) per open sub-group; the
+    step needs 2 + states of them."""
+    cfg = _nvme_opt_config(tmp_path, "nvme")
     opt = make_optimizer(cfg, torch.optim.Adam, {"lr": 0.1})
     try:
         for i in range(5):
@@ -99,6 +133,7 @@ def test_swapped_gradient_buffers_are_one_pool_slot_each(tmp_path):
         opt.close_gradient(4, b).wait()
         opt.step()
         assert opt.pinned_bytes() == 4 * pinned.page_round(3004 * 4)
+        assert opt.counters["cached_subgroups"] == 0
         assert opt.stats()["pinned_buffer_bytes"] == opt.pinned_bytes()
     finally:
         opt.close()

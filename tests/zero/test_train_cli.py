@@ -67,6 +67,7 @@ def test_optimizer_state_four_times_peak_rss_trains(tmp_path):
         },
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "gradient_clipping": 1.0,
+        "aio_zero": {"gradients": "nvme"},  # the least memory: gradients on the drive too
     }
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
