@@ -313,3 +313,31 @@ def test_step_grad_scale_refuses_what_is_not_a_real_number():
         with pytest.raises(err, match="grad_scale"):
             opt.step(grad_scale=bad)
     assert torch.equal(p, torch.zeros(4))
+
+
+def test_square_root_edges_match_torch():
+    """Second moments at the square root's edges -- zeros, subnormals, the
+    largest floats, infinities, NaNs -- among ordinary values, in whole
+    vector blocks and a ragged tail: the update equals torch's Adam bit for
+    bit (its vectorized sqrt hands these lanes to a slower path)."""
+    g = torch.Generator().manual_seed(3)
+    n = 4 * 256 + 13
+    v = torch.rand(n, generator=g)
+    edges = torch.tensor(
+        [0x00000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0x7F7FF000, 0x7F7FEFFF, 0x7F800000, 0x7FC00000,
+         0x80000000, 0],
+        dtype=torch.int64,
+    ).to(torch.int32)  # fmt: skip
+    idx = torch.randperm(n, generator=g)[: 4 * edges.numel()]
+    v[idx] = edges.repeat(4).view(torch.float32)
+    p0, m0, grad = (torch.randn(n, generator=g) for _ in range(3))
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.Adam([ref], lr=1e-3, foreach=False)
+    ref.grad = grad.clone()
+    opt.state[ref] = {"step": torch.tensor(4.0), "exp_avg": m0.clone(), "exp_avg_sq": v.clone()}
+    opt.step()
+    p, m, vv = p0.clone(), m0.clone(), v.clone()
+    adam_update(p, grad, m, vv, step=5, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0, decoupled=False)  # fmt: skip
+    same = p.view(torch.int32) == ref.detach().view(torch.int32)
+    assert torch.equal(same | (p.isnan() & ref.isnan()), torch.ones(n, dtype=torch.bool))

@@ -211,7 +211,61 @@ __attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float
   }
   return !_mm256_testz_si256(rare, rare);
 }
+
+// Pass two for a whole block with MKL's SSE sqrt (SqrtKind::MklSse) done
+// inline, eight lanes at a time, instead of into a separate root array: the
+// same operations as mkl_sse_sqrt_256 and apply(), so the same bits. A
+// vector with a rare lane takes the library's sqrt for those eight values.
+// n a multiple of 8. Writes p only; the low-precision copy follows.
+__attribute__((target("avx2,fma"))) void apply_mkl_256(const Scalars& s, const VectorSqrt& vs,
+                                                       const float* __restrict sq,
+                                                       const float* __restrict m,
+                                                       float* __restrict p, size_t n) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256i bias = _mm256_set1_epi32(0x7F800000);
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(0xFEFFF000u));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256 bc2 = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps);
+  const __m256 decay = _mm256_set1_ps(s.decay), neg_step = _mm256_set1_ps(s.neg_step_size);
+  for (size_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(sq + i);
+    const __m256 y = _mm256_rsqrt_ps(x);
+    const __m256 sx = _mm256_mul_ps(x, y);
+    const __m256 h = _mm256_mul_ps(y, half);
+    const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(sx, h));
+    const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(sx, e), sx);
+    const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, e), h);
+    const __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
+    __m256 root = _mm256_add_ps(_mm256_mul_ps(r, h1), s1);
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i special = _mm256_cmpgt_epi32(_mm256_add_epi32(bits, bias), limit);
+    const __m256i zero =
+        _mm256_cmpeq_epi32(_mm256_and_si256(bits, abs_mask), _mm256_setzero_si256());
+    root = _mm256_blendv_ps(root, x, _mm256_castsi256_ps(special));
+    const __m256i rare = _mm256_andnot_si256(zero, special);
+    if (__builtin_expect(!_mm256_testz_si256(rare, rare), 0)) {
+      alignas(32) float out[8];
+      vs.fn(8, sq + i, out, vs.mode);
+      root = _mm256_load_ps(out);
+    }
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bc2), eps);
+    const __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
+    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step, _mm256_loadu_ps(m + i)), denom);
+    _mm256_storeu_ps(p + i, _mm256_add_ps(pi, step));
+  }
+}
 #endif
+
+// The low-precision copy of p[0, n) into lowp (after apply_mkl_256).
+template <LowpKind kLowp, size_t kFixed>
+AIO_ALWAYS_INLINE void lowp_copy(const float* __restrict p, void* __restrict lowp, size_t n) {
+  uint16_t* __restrict out = static_cast<uint16_t*>(lowp);
+  const size_t count = kFixed ? kFixed : n;
+  for (size_t i = 0; i < count; ++i) {
+    if (kLowp == LowpKind::BFloat16) out[i] = to_bf16(p[i]);
+    if (kLowp == LowpKind::Float16) out[i] = to_f16(p[i]);
+  }
+}
 
 // Square roots of sq[0, n) into root, as vs says (the CorrectlyRounded kind
 // is done in apply()). sq has room for a whole block: a short tail is padded
@@ -240,6 +294,14 @@ AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const V
                                  size_t i, size_t n, float* __restrict sq, float* __restrict root) {
   moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);
   uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
+#ifdef AIO_ADAM_AVX2
+  if (kAvx2 && kFixed != 0 && vs.kind == SqrtKind::MklSse) {
+    static_assert(kFixed % 8 == 0, "whole vectors");
+    apply_mkl_256(s, vs, sq, b.exp_avg + i, b.param + i, n);
+    if (kLowp != LowpKind::None) lowp_copy<kLowp, kFixed>(b.param + i, lowp, n);
+    return;
+  }
+#endif
   if (vs.kind != SqrtKind::CorrectlyRounded) {
     roots<kAvx2>(vs, sq, root, n);
     apply<kLowp, true, kFixed>(s, root, b.exp_avg + i, b.param + i, lowp, n);
