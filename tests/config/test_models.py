@@ -276,9 +276,10 @@ def test_from_lightning_defaults_and_errors():
     assert c.zero_optimization.stage == 2 and c.offload_param is None and c.offload_optimizer is None
     with pytest.raises(ConfigError, match="did you mean 'queue_depth'"):
         from_lightning(queue_dept=4)
-    with pytest.raises(ConfigError, match="needs stage 3"):
+    with pytest.raises(ConfigError, match="needs stage 3"), pytest.warns(UserWarning, match="nvme_path"):
         from_lightning(offload_parameters=True, offload_params_device="nvme")  # Lightning default stage 2
-    assert from_lightning(config=NVME_DS_CONFIG, stage=1).zero_optimization.stage == 3
+    with pytest.warns(UserWarning, match="ignores these keywords: stage"):
+        assert from_lightning(config=NVME_DS_CONFIG, stage=1).zero_optimization.stage == 3
 
 
 def test_output_block_loads_in_deepspeed_config_classes():
