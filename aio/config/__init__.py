@@ -2,7 +2,7 @@
 errors, the training config aio.zero reads, Lightning keyword mapping, and a
 pinned-memory estimate."""
 
-from .lightning import from_lightning
+from .lightning import from_lightning, lightning_config
 from .load import ConfigError, load_config, read_config_data
 from .memory import MemoryEstimate, dtype_bytes, estimate_memory
 from .models import (
@@ -39,6 +39,7 @@ __all__ = [
     "dtype_bytes",
     "estimate_memory",
     "from_lightning",
+    "lightning_config",
     "load_config",
     "load_train_config",
     "read_config_data",

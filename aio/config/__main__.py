@@ -42,17 +42,67 @@ def _numels(text: str) -> list[int]:
     return out
 
 
-def _config_dtype(path: str) -> str:
-    """The training dtype a DeepSpeed config implies: bf16/fp16 when enabled, else fp32."""
+_AUTO_DTYPE_NOTE = (
+    "the HF Trainer sets it from --bf16/--fp16 when training starts; fp32 gives the largest "
+    "estimate; pass --dtype bf16 or --dtype fp16 for mixed precision"
+)
+
+
+def _precision_flags(path: str) -> dict[str, tuple[str, object]]:
+    """Each precision block the config has: dtype name -> (key, its ``enabled``)."""
     from .load import read_config_data
 
     data, _ = read_config_data(path)
+    out: dict[str, tuple[str, object]] = {}
+    for key, dtype in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        blk = data.get(key)
+        if isinstance(blk, dict) and "enabled" in blk:
+            v = blk["enabled"]
+            auto = isinstance(v, str) and v.strip().lower() == "auto"
+            if dtype not in out or v is True:
+                out[dtype] = (key, "auto" if auto else v)
+    return out
 
-    def on(key: str) -> bool:
-        blk = data.get(key) if isinstance(data, dict) else None
-        return isinstance(blk, dict) and blk.get("enabled") is True
 
-    return "bf16" if on("bf16") or on("bfloat16") else "fp16" if on("fp16") else "fp32"
+def estimate_dtype(path: str, flag: str | None) -> tuple[str, str]:
+    """(dtype, where it came from) for ``estimate``. The config decides where it
+    says: ``enabled: true`` is that dtype, and ``--dtype`` naming another, or a
+    dtype the config disables, is a conflict (CliError). ``--dtype`` fills what
+    the config leaves open: no precision block (Lightning adds one from its
+    ``precision``) or ``enabled: "auto"`` (the HF Trainer fills it); "auto"
+    without ``--dtype`` is taken as fp32, the largest estimate, and said so."""
+    from .._cli import CliError
+
+    blocks = _precision_flags(path)
+    on = {d: k for d, (k, v) in blocks.items() if v is True}
+    if len(on) > 1:
+        raise CliError(f"{on['bf16']}.enabled and fp16.enabled are both true in {path}; pick one")
+    if on:
+        ((dtype, key),) = on.items()
+        if flag is not None and flag != dtype:
+            raise CliError(
+                f"--dtype {flag} conflicts with {key}.enabled: true in {path}; drop --dtype "
+                "(the config decides) or change the config"
+            )
+        return dtype, f"from {key}.enabled: true in the config"
+    off = {d: k for d, (k, v) in blocks.items() if v is False}
+    auto = [k for k, v in blocks.values() if v == "auto"]
+    if flag is not None:
+        if flag in off:
+            raise CliError(
+                f"--dtype {flag} conflicts with {off[flag]}.enabled: false in {path}; drop --dtype "
+                "(the config decides) or change the config"
+            )
+        why = f"; {_and_keys(auto)} 'auto' in the config" if auto else ""
+        return flag, f"from --dtype{why}"
+    if auto:
+        verb = "are" if len(auto) > 1 else "is"
+        return "fp32", f"assumed: {_and_keys(auto)} {verb} 'auto' in the config; {_AUTO_DTYPE_NOTE}"
+    return "fp32", "the config enables neither bf16 nor fp16"
+
+
+def _and_keys(keys: list[str]) -> str:
+    return " and ".join(f"{k}.enabled" for k in keys)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "else min(sub_group_size, params))",
     )
     e.add_argument(
-        "--dtype", default=None, help="training dtype (default: the config's bf16/fp16, else fp32)"
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="parameter dtype where the config leaves it open (no bf16/fp16 block, or enabled "
+        '"auto"; "auto" alone is taken as fp32); a dtype the config sets or disables wins, '
+        "and a --dtype against it is an error",
     )
     e.add_argument("--optimizer-states", type=int_in(0, 64), default=2)
     e.add_argument("--json", action="store_true", help="print JSON")
@@ -112,15 +167,20 @@ def _run(a: argparse.Namespace) -> int:
             print(f"aio-config: note: {n.message}", file=sys.stderr)
         print("config OK", file=sys.stderr)
         return 0
+    dtype, source = estimate_dtype(a.config, a.dtype)
     est = estimate_memory(
         a.config,
         a.params,
-        a.dtype or _config_dtype(a.config),
+        dtype,
         a.optimizer_states,
         largest_subgroup_numel=a.largest_subgroup,
         param_numels=a.param_numels,
     )
-    print(json.dumps(est.as_dict(), indent=2) if a.json else est.format())
+    if a.json:
+        print(json.dumps({"dtype": dtype, "dtype_source": source, **est.as_dict()}, indent=2))
+    else:
+        print(f"parameter dtype: {dtype} ({source})")
+        print(est.format())
     if a.check:
         problems = est.check()
         for p in problems:

@@ -15,7 +15,14 @@ from typing import Any, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
-from .models import AioConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig
+from .models import (
+    AioConfig,
+    OffloadConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    UnresolvedAuto,
+    auto_message,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -87,6 +94,9 @@ def _translate(err: ValidationError) -> list[tuple[str, str]]:
         if sep and head.replace("_", "").replace(".", "").isalnum() and head == head.lower():
             path = f"{path}.{head}" if path else head
             msg = rest
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, UnresolvedAuto):  # who fills this key depends on its path
+            msg = auto_message(path, cause.want)
         problems.append((path, msg))
     return problems
 

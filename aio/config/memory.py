@@ -27,9 +27,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .load import ConfigSource, load_config
+from .load import ConfigError, ConfigSource, load_config
+from .models import UnresolvedAuto, auto_message, strict_int
 
 _ALIGN = 4096  # swap-file extents and optimizer tensors are whole 4 KiB blocks
+_THRESHOLD_KEY = "zero_optimization.stage3_param_persistence_threshold"
 
 
 def _page() -> int:
@@ -194,8 +196,17 @@ def _persistence_threshold(z: Any) -> int:
     """``stage3_param_persistence_threshold`` (elements), DeepSpeed's default 1e5."""
     v = getattr(z, "stage3_param_persistence_threshold", None)
     if v is None:
+        # A plain OffloadConfig keeps the key unchecked (DeepSpeed's business); check it here.
         v = (z.model_extra or {}).get("stage3_param_persistence_threshold", 100_000)
-    return int(float(v))
+    try:
+        n = strict_int(v)
+    except UnresolvedAuto as e:
+        raise ConfigError([(_THRESHOLD_KEY, auto_message(_THRESHOLD_KEY, e.want))]) from None
+    except ValueError as e:
+        raise ConfigError([(_THRESHOLD_KEY, str(e))]) from None
+    if n < 0:
+        raise ConfigError([(_THRESHOLD_KEY, f"must be 0 or more, got {n}")])
+    return n
 
 
 def largest_subgroup(param_numels: list[int], sub_group_size: int) -> int:

@@ -26,12 +26,71 @@ from pydantic import (
 )
 
 
-def _unresolved_auto(v: Any) -> None:
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        raise ValueError(
-            "'auto' was not resolved: it is filled in by the HF Trainer / Lightning "
-            "integrations; give a number here"
+class UnresolvedAuto(ValueError):
+    """A config value left as ``"auto"``: a placeholder an integration was meant
+    to replace. ``want`` says what to write instead; :func:`auto_message` says
+    who fills the key, once its path is known."""
+
+    def __init__(self, want: str, key: str = "") -> None:
+        self.want = want
+        # A validator of a whole block names the key first ("lr: ..."), as other errors do.
+        super().__init__(f"{key + ': ' if key else ''}'auto' was not resolved; give {want} here")
+
+
+# Keys whose "auto" an integration replaces before DeepSpeed reads the config,
+# and from what. Checked against transformers 5 (integrations/deepspeed.py:
+# trainer_config_process / trainer_config_finalize) and accelerate 1.x
+# (DeepSpeedPlugin, which the HF Trainer also runs). Lightning fills none.
+_HF = "the HF Trainer"
+_ACC = "Accelerate's DeepSpeed plugin (run by the HF Trainer too)"
+AUTO_FILLED: dict[str, tuple[str, str]] = {
+    "train_micro_batch_size_per_gpu": (_HF, "from per_device_train_batch_size"),
+    "train_batch_size": (_HF, "from world size x per-device batch x accumulation steps"),
+    "gradient_accumulation_steps": (_HF, "from gradient_accumulation_steps"),
+    "gradient_clipping": (_HF, "from max_grad_norm"),
+    "optimizer.params.lr": (_HF, "from learning_rate"),
+    "optimizer.params.betas": (_HF, "from adam_beta1 and adam_beta2"),
+    "optimizer.params.eps": (_HF, "from adam_epsilon"),
+    "optimizer.params.weight_decay": (_HF, "from weight_decay"),
+    "scheduler.params.warmup_min_lr": (_HF, "with 0"),
+    "scheduler.params.warmup_max_lr": (_HF, "from learning_rate"),
+    "scheduler.params.warmup_num_steps": (_HF, "from the warmup arguments"),
+    "scheduler.params.total_num_steps": (_HF, "from the number of training steps"),
+    "fp16.enabled": (_HF, "from --fp16 (Accelerate also from mixed_precision)"),
+    "bf16.enabled": (_HF, "from --bf16 (Accelerate also from mixed_precision)"),
+    "zero_optimization.reduce_bucket_size": (_HF, "from the model's hidden_size"),
+    "zero_optimization.stage3_prefetch_bucket_size": (_HF, "from the model's hidden_size"),
+    "zero_optimization.stage3_param_persistence_threshold": (_HF, "from the model's hidden_size"),
+    "zero_optimization.stage": (_ACC, "from its zero_stage (default 2)"),
+    "zero_optimization.offload_param.device": (_ACC, "from offload_param_device (default none: no offload)"),
+    "zero_optimization.offload_optimizer.device": (
+        _ACC,
+        "from offload_optimizer_device (default none: no offload)",
+    ),
+    "zero_optimization.offload_param.nvme_path": (_ACC, "from offload_param_nvme_path"),
+    "zero_optimization.offload_optimizer.nvme_path": (_ACC, "from offload_optimizer_nvme_path"),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (_ACC, "from zero3_save_16bit_model"),
+}
+
+
+def auto_message(path: str, want: str = "a number") -> str:
+    """Why ``"auto"`` at `path` (a dotted key path) is an error, and what to do:
+    who would have filled it, or that nobody does."""
+    filled = AUTO_FILLED.get(path)
+    if filled is None:
+        return (
+            "'auto' is not filled in by anyone: the HF Trainer, Accelerate and Lightning "
+            f"leave this key as written and DeepSpeed does not resolve it either; give {want} here"
         )
+    return (
+        f"'auto' was not resolved: {filled[0]} fills this key ({filled[1]}) when training "
+        f"starts; this config is read as written, so give {want} here (the value the run will use)"
+    )
+
+
+def _unresolved_auto(v: Any, want: str = "a number") -> None:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        raise UnresolvedAuto(want)
 
 
 def strict_int(v: Any) -> int:
@@ -75,7 +134,7 @@ def strict_float(v: Any) -> float:
 
 
 def _as_device(v: Any) -> Any:
-    _unresolved_auto(v)
+    _unresolved_auto(v, "a device: none, cpu or nvme")
     if isinstance(v, str):
         return v.strip().lower()
     if v is None:
@@ -84,7 +143,7 @@ def _as_device(v: Any) -> Any:
 
 
 def _as_path(v: Any) -> Any:
-    _unresolved_auto(v)
+    _unresolved_auto(v, "a directory on a local drive")
     if v is None:
         return None
     import os
@@ -100,7 +159,7 @@ def _as_path(v: Any) -> Any:
 Int = Annotated[int, BeforeValidator(strict_int)]
 Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_as_device)]
 PathStr = Annotated[str | None, BeforeValidator(_as_path)]
-Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v), v)[1])]
+Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v, "true or false"), v)[1])]
 Ratio = Annotated[float, BeforeValidator(strict_float), Field(ge=0.0, le=1.0)]
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .load import ConfigError, pick_blocks, read_config_data, validate, warn_use_gds
-from .models import AioConfig, Bool, Int, OffloadConfig, ZeroConfig, strict_float
+from .models import AioConfig, Bool, Int, OffloadConfig, UnresolvedAuto, ZeroConfig, strict_float
 
 Float = Annotated[float, BeforeValidator(strict_float)]
 
@@ -105,6 +105,9 @@ class OptimizerConfig(BaseModel):
         # torch lets some NaN/inf through (SGD momentum=NaN) and training would go NaN.
         if not isinstance(v, Mapping):
             raise ValueError(f"must be an object, got {type(v).__name__}")
+        for k, x in v.items():
+            if isinstance(x, str) and x.strip().lower() == "auto":
+                raise UnresolvedAuto("a number" if k != "betas" else "a pair of numbers", key=str(k))
         out = {k: (tuple(x) if isinstance(x, list) else x) for k, x in v.items()}
         for k, x in out.items():
             if any(

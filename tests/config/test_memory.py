@@ -181,3 +181,75 @@ def test_cli_validate_checks_training_keys(tmp_path, capsys, extra, key):
     p.write_text('{"zero_optimization": {"stage": 3}, ' + extra + "}")
     assert config_main(["validate", str(p)]) == 2
     assert key in capsys.readouterr().err
+
+
+def _estimate_cli(tmp_path, capsys, extra, *args):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({**CFG, **extra}))
+    capsys.readouterr()
+    rc = config_main(["estimate", str(p), "--params", "1e9", *args])
+    return rc, capsys.readouterr()
+
+
+HF_AUTO = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+
+
+def test_cli_estimate_says_the_dtype_it_assumes_for_auto(tmp_path, capsys):
+    rc, out = _estimate_cli(tmp_path, capsys, HF_AUTO)
+    assert rc == 0
+    first = out.out.splitlines()[0]
+    assert first.startswith("parameter dtype: fp32 (assumed: bf16.enabled and fp16.enabled are 'auto'")
+    assert "--dtype bf16" in first and "4 bytes each" in out.out
+    rc, out = _estimate_cli(tmp_path, capsys, HF_AUTO, "--dtype", "bf16", "--json")
+    got = json.loads(out.out)
+    assert rc == 0 and got["dtype"] == "bf16" and got["dtype_bytes"] == 2
+    assert got["dtype_source"].startswith("from --dtype")
+    assert got["pinned_bytes"] == estimate_memory(load_config(CFG), 1e9, "bf16").pinned_bytes
+
+
+@pytest.mark.parametrize(
+    "extra,flag,dtype",
+    [
+        ({}, None, "fp32"),  # no precision block: DeepSpeed trains fp32
+        ({}, "bf16", "bf16"),  # ... and --dtype may say otherwise (Lightning adds the block)
+        ({"bf16": {"enabled": True}}, None, "bf16"),
+        ({"bfloat16": {"enabled": True}}, "bf16", "bf16"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, None, "fp16"),
+        ({"bf16": {"enabled": False}}, "fp16", "fp16"),
+        ({"fp16": {"enabled": "auto"}}, "fp16", "fp16"),
+    ],
+)
+def test_cli_estimate_dtype_from_config_or_flag(tmp_path, capsys, extra, flag, dtype):
+    rc, out = _estimate_cli(tmp_path, capsys, extra, *(["--dtype", flag] if flag else []), "--json")
+    got = json.loads(out.out)
+    assert rc == 0 and got["dtype"] == dtype and got["dtype_bytes"] == dtype_bytes(dtype)
+
+
+@pytest.mark.parametrize(
+    "extra,flag,text",
+    [
+        ({"bf16": {"enabled": True}}, "fp32", "--dtype fp32 conflicts with bf16.enabled: true"),
+        ({"fp16": {"enabled": True}}, "bf16", "--dtype bf16 conflicts with fp16.enabled: true"),
+        ({"bf16": {"enabled": False}}, "bf16", "--dtype bf16 conflicts with bf16.enabled: false"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, None, "both true"),
+    ],
+)
+def test_cli_estimate_dtype_conflicts_are_errors(tmp_path, capsys, extra, flag, text):
+    rc, out = _estimate_cli(tmp_path, capsys, extra, *(["--dtype", flag] if flag else []))
+    assert rc == 2 and text in out.err and out.out == ""
+
+
+def test_cli_estimate_refuses_other_dtypes(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _estimate_cli(tmp_path, capsys, {}, "--dtype", "fp8")
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_cli_estimate_auto_threshold_is_named(tmp_path, capsys):
+    cfg = json.loads(json.dumps(CFG))
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = "auto"
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(cfg))
+    assert config_main(["estimate", str(p), "--param-numels", "1e6x3"]) == 2
+    err = capsys.readouterr().err
+    assert "zero_optimization.stage3_param_persistence_threshold: 'auto'" in err and "hidden_size" in err

@@ -103,7 +103,7 @@ BAD = [
     ({"aio": {"block_size": 0}}, "aio.block_size", "greater than 0"),
     ({"aio": {"block_size": 1000}}, "aio.block_size", "multiple of 4096"),
     ({"aio": {"queue_depth": -2}}, "aio.queue_depth", "greater than 0"),
-    ({"aio": {"queue_depth": "auto"}}, "aio.queue_depth", "'auto' was not resolved"),
+    ({"aio": {"queue_depth": "auto"}}, "aio.queue_depth", "'auto' is not filled in by anyone"),
     ({"aio": {"blocksize": 4096}}, "aio.blocksize", "did you mean 'block_size'"),
     ({"aio": {"single_submit": "yes"}}, "aio.single_submit", "boolean"),
     ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, "aio", "disagree"),
@@ -167,7 +167,7 @@ BAD = [
     (
         {"zero_optimization": {"stage": 3, "sub_group_size": "auto"}},
         "zero_optimization.sub_group_size",
-        "auto",
+        "not filled in by anyone",
     ),
     ({"zero_optimization": {"stage": 7}}, "zero_optimization.stage", "less than or equal to 3"),
     ({"zero_optimization": True}, "zero_optimization", "deprecated"),
@@ -276,9 +276,10 @@ def test_from_lightning_defaults_and_errors():
     assert c.zero_optimization.stage == 2 and c.offload_param is None and c.offload_optimizer is None
     with pytest.raises(ConfigError, match="did you mean 'queue_depth'"):
         from_lightning(queue_dept=4)
-    with pytest.raises(ConfigError, match="needs stage 3"):
+    with pytest.raises(ConfigError, match="needs stage 3"), pytest.warns(UserWarning, match="nvme_path"):
         from_lightning(offload_parameters=True, offload_params_device="nvme")  # Lightning default stage 2
-    assert from_lightning(config=NVME_DS_CONFIG, stage=1).zero_optimization.stage == 3
+    with pytest.warns(UserWarning, match="ignores these keywords: stage"):
+        assert from_lightning(config=NVME_DS_CONFIG, stage=1).zero_optimization.stage == 3
 
 
 def test_output_block_loads_in_deepspeed_config_classes():
@@ -303,3 +304,80 @@ def test_model_is_frozen():
     with pytest.raises(ValidationError):
         c.aio.block_size = 4096  # type: ignore[misc]
     assert isinstance(c, OffloadConfig)
+
+
+# "auto" is a placeholder for an integration to replace; the error says whether one
+# would have (and from what), or that nobody fills the key and a value is needed.
+AUTO_CASES = [
+    # (config, key path, who fills it or None, what to give)
+    (
+        {"zero_optimization": {"stage": 3, "sub_group_size": "auto"}},
+        "zero_optimization.sub_group_size",
+        None,
+        "a number",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"buffer_size": "auto"}}},
+        "zero_optimization.offload_param.buffer_size",
+        None,
+        "a number",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"pin_memory": "auto"}}},
+        "zero_optimization.offload_param.pin_memory",
+        None,
+        "true or false",
+    ),
+    ({"aio": {"block_size": "auto"}}, "aio.block_size", None, "a number"),
+    (
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "auto"}}},
+        "zero_optimization.offload_optimizer.device",
+        "Accelerate",
+        "a device",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "auto"}}},
+        "zero_optimization.offload_param.nvme_path",
+        "Accelerate",
+        "a directory",
+    ),
+    ({"zero_optimization": {"stage": "auto"}}, "zero_optimization.stage", "Accelerate", "a number"),
+]
+
+
+@pytest.mark.parametrize("cfg,path,who,want", AUTO_CASES)
+def test_auto_says_who_fills_the_key(cfg, path, who, want):
+    with pytest.raises(ConfigError) as ei:
+        load_config(cfg)
+    msg = dict(ei.value.problems)[path]
+    if who is None:
+        assert "not filled in by anyone" in msg and "HF Trainer" in msg, msg
+    else:
+        assert f"'auto' was not resolved: {who}" in msg, msg
+    assert f"give {want}" in msg, msg
+
+
+def test_auto_message_names_what_hf_fills():
+    from aio.config.models import AUTO_FILLED, auto_message
+
+    for path in (
+        "train_micro_batch_size_per_gpu",
+        "train_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_max_lr",
+        "fp16.enabled",
+        "bf16.enabled",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    ):
+        assert AUTO_FILLED[path][0] == "the HF Trainer", path
+        assert "the HF Trainer fills this key" in auto_message(path), path
+    assert "hidden_size" in auto_message("zero_optimization.stage3_prefetch_bucket_size")
+    for path in ("zero_optimization.sub_group_size", "zero_optimization.offload_param.buffer_size"):
+        assert path not in AUTO_FILLED and "not filled in by anyone" in auto_message(path)

@@ -107,3 +107,19 @@ def test_read_config_data_is_public(tmp_path):
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+def test_auto_in_training_keys_names_the_hf_source():
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.99]}},
+        "bf16": {"enabled": "auto"},
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+    }
+    with pytest.raises(ConfigError) as ei:
+        load_train_config(cfg)
+    problems = dict(ei.value.problems)
+    assert "HF Trainer fills this key (from learning_rate)" in problems["optimizer.params.lr"]
+    assert "give true or false" in problems["bf16.enabled"]
+    assert "from max_grad_norm" in problems["gradient_clipping"]
+    assert "hidden_size" in problems["zero_optimization.stage3_prefetch_bucket_size"]
