@@ -3,12 +3,17 @@
 Under ``with aio.zero.Init(config):`` every module's parameters go to the
 parameter store (the drive, for ``offload_param.device: nvme``) as soon as
 that module's own ``__init__`` returns, so peak memory during construction
-is about one module, not the model. ``Module.apply`` (the usual
-``self.apply(self._init_weights)`` pattern) is redirected to fetch each
-module's parameters, run the function and store the result.
+is about one module, not the model. What construction code does to a
+stored parameter afterwards still happens, on its real values
+(:mod:`aio.zero.init_guard`): ``Module.apply`` (the usual
+``self.apply(self._init_weights)``) fetches each module's parameters around
+the function; any other torch operation on a stored parameter fetches it
+around the operation; assigning a new parameter over a stored one (how
+transformers' ``from_pretrained`` loads a checkpoint into a model built on
+the meta device) stores the new values in its place, tensor by tensor.
 
-Inside the context a parameter's real shape is ``param.aio_shape``; its
-``.shape`` is that of an empty placeholder once its module is built.
+A parameter's real shape is ``param.aio_shape`` (inside the block its
+``.shape`` answers with it too; outside, ``.shape`` is the placeholder's).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import functools
 from typing import Any
 
 from .config import check_drive_paths, load_train_config
+from .init_guard import PlaceholderGuard
 from .params import ParamStore, module_params, trim_malloc
 
 
@@ -48,6 +54,8 @@ class Init:
         self._patched: list[tuple[type, Any]] = []
         self._orig_init_subclass: Any = None
         self._orig_apply: Any = None
+        self._orig_register: Any = None
+        self._guard: PlaceholderGuard | None = None
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -57,6 +65,7 @@ class Init:
         if self.store is None:
             self.store = ParamStore(self.cfg, self.device)
         store = self.store
+        guard = self._guard = PlaceholderGuard(store)
 
         def wrap(cls: type) -> None:
             orig = cls.__dict__.get("__init__")
@@ -75,6 +84,7 @@ class Init:
                     del module.__dict__["_aio_init_depth"]
                     for name, p in module.named_parameters(recurse=False):
                         store.adopt(p, f"{type(module).__name__}.{name}")
+                    guard.close_opened()
 
             init._aio_wrapped = True  # type: ignore[attr-defined]
             cls.__init__ = init  # type: ignore[misc]
@@ -102,13 +112,53 @@ class Init:
             return module
 
         torch.nn.Module.apply = apply  # type: ignore[method-assign,assignment]
+        self._patch_register_parameter(store)
+        guard.__enter__()
         return self
+
+    def _patch_register_parameter(self, store: ParamStore) -> None:
+        """A new parameter assigned over a stored one (``setattr(module, name,
+        Parameter(values))``, as transformers loads checkpoints) has its values
+        stored in the old one's place; the module keeps the stored parameter,
+        so nothing of the new one stays in memory and ties made earlier hold."""
+        import torch
+
+        orig = self._orig_register = torch.nn.Module.register_parameter
+
+        def register_parameter(module: Any, name: str, param: Any) -> None:
+            old = module.__dict__.get("_parameters", {}).get(name)
+            if (
+                param is None
+                or old is None
+                or getattr(old, "_aio_store", None) is not store
+                or getattr(param, "_aio_store", None) is not None
+            ):
+                return orig(module, name, param)
+            if tuple(param.shape) != tuple(old.aio_shape):
+                raise ValueError(
+                    f"{type(module).__name__}.{name}: a tensor of shape {tuple(param.shape)} replaces "
+                    f"a stored parameter of shape {tuple(old.aio_shape)}"
+                )
+            with torch.no_grad():
+                store.write(old, param.detach().reshape(-1).cpu(), async_op=False)
+            old.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("aio")})
+            old.requires_grad_(param.requires_grad)
+            return None
+
+        torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         import torch
 
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
+            guard.close_opened()
+        if self._orig_register is not None:
+            torch.nn.Module.register_parameter = self._orig_register  # type: ignore[method-assign]
+            self._orig_register = None
         for cls, orig in reversed(self._patched):
             cls.__init__ = orig
         self._patched.clear()

@@ -149,8 +149,21 @@ class ParamStore:
         check_fits(self.cfg, name or f"#{self.next_part_id}", numel)
         part_id = self.next_part_id
         self.next_part_id += 1
-        src = param.detach().reshape(-1).to(self.dtype)
-        param.aio_shape = tuple(param.shape)
+        shape = tuple(param.shape)
+        if param.is_meta:
+            # Built on the meta device (transformers' from_pretrained): no values
+            # yet; zeros until the checkpoint's tensor arrives (Init's
+            # register_parameter). A meta tensor cannot take CPU data, so the
+            # parameter (same object, its attributes kept) becomes a CPU one.
+            src = torch.zeros(numel, dtype=self.dtype, device="cpu")
+            fresh = torch.nn.Parameter(
+                torch.empty(0, dtype=param.dtype, device="cpu"), requires_grad=param.requires_grad
+            )
+            fresh.__dict__.update(param.__dict__)
+            torch.utils.swap_tensors(param, fresh)
+        else:
+            src = param.detach().reshape(-1).to(self.dtype)
+        param.aio_shape = shape
         param.aio_numel = numel
         param.aio_id = part_id
         param.aio_name = name
@@ -409,12 +422,38 @@ class ParamStore:
         self.acquire(params)
         try:
             yield
-            if modify:
-                for p in params:
-                    if not self._stays_materialised(p.aio_id):
-                        self.write(p, p.data.detach().reshape(-1).cpu(), async_op=False)
+        except BaseException:
+            self.drop(params)
+            raise
+        if modify:
+            self.put_back(params)
+        else:
+            self.drop(params)
+
+    def put_back(self, params: list[Any]) -> None:
+        """Undo acquire() after the caller changed the values: store them first."""
+        try:
+            for p in params:
+                if not self._stays_materialised(p.aio_id):
+                    self.write(p, p.data.detach().reshape(-1).cpu(), async_op=False)
         finally:
             self.drop(params)
+
+    def param_buffer_count(self) -> int:
+        """How many parameters can be fetched at once (``offload_param.buffer_count``
+        on the drive; unbounded, as a large number, in memory)."""
+        return self.swapper.pool.count if self.swapper is not None else 1 << 30
+
+    def is_placeholder(self, t: Any) -> bool:
+        """Whether `t` is one of this store's parameters showing its empty
+        placeholder right now (not materialised by acquire() or kept in memory)."""
+        part_id = getattr(t, "aio_id", None)
+        return (
+            part_id is not None
+            and getattr(t, "_aio_store", None) is self
+            and part_id not in self.refs
+            and not self._stays_materialised(part_id)
+        )
 
     # -- checkpoint -------------------------------------------------------------------------
     def export_checkpoint(self, directory: str) -> None:
