@@ -108,6 +108,40 @@ class PlaceholderGuard(TorchFunctionMode):
             self._close(self.opened[0])
 
 
+class PlaceholderCheck(TorchFunctionMode):
+    """Active during a trainer's forward: an operation that gets a stored
+    parameter still showing its placeholder -- used by a module that does not
+    own it, so nothing fetched it -- raises a ValueError naming the parameter
+    and the remedy, instead of failing deep in torch on an empty tensor."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for t in _shallow(args, kwargs):
+            if self.store.is_placeholder(t) and _name(func)[0] not in _PASS:
+                raise ValueError(
+                    f"parameter {t.aio_name!r} (shape {tuple(t.aio_shape)}) is used by "
+                    f"{_name(func)[0]!r} while it is not fetched: a module's forward uses a parameter "
+                    "another module owns. Declare it for the module that uses it with "
+                    "aio.zero.register_external_parameter(module, param)"
+                )
+        return func(*args, **kwargs)
+
+
+def _shallow(args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments, and the items of list/tuple arguments (torch.cat's), one level deep."""
+    out: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
 def _aliased(params: list[Any], out: Any) -> list[Any]:
     """The parameters in `params` whose memory a tensor in `out` shares."""
     import torch

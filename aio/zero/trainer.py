@@ -25,6 +25,7 @@ from ..optim import fast_cpu_optimizer
 from . import checkpoint
 from .grads import GradientAccumulator
 from .hooks import Fetcher
+from .init_guard import PlaceholderCheck
 from .linear import install_linear, saved_tensor_guard
 from .optimizer import ZeroOptimizer, make_optimizer
 from .params import ParamStore, trim_malloc
@@ -169,7 +170,7 @@ class OffloadTrainer:
         if self.fetcher is None:
             return self.module(*args, **kwargs)
         self.fetcher.begin_forward()
-        with saved_tensor_guard(self.store.buffer_ptrs, self.fetcher.counters):
+        with saved_tensor_guard(self.store.buffer_ptrs, self.fetcher.counters), PlaceholderCheck(self.store):
             return self.module(*args, **kwargs)
 
     __call__ = forward

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 import aio.zero
@@ -30,3 +31,22 @@ def test_external_parameter_is_fetched(tmp_path):
         engine.fetcher.begin_forward()
         got = m.out(m.emb(x))
     assert torch.equal(got, expect)
+
+
+def test_undeclared_external_parameter_is_named(tmp_path):
+    """A forward that uses another module's parameter without declaring it
+    fails with the parameter's name and the remedy, not deep in torch."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(200, 96)
+            self.head = torch.nn.Linear(96, 96)
+
+        def forward(self, x):
+            return self.head(torch.nn.functional.linear(self.emb(x), self.head.weight))
+
+    torch.manual_seed(0)
+    with aio.zero.initialize(Net(), cfg_for(tmp_path, gas=1, clip=0)) as engine:
+        with pytest.raises(ValueError, match=r"head\.weight.*register_external_parameter"):
+            engine(torch.randint(0, 200, (3, 5)))

@@ -1,0 +1,147 @@
+"""Hugging Face models under aio.zero: tiny configs built in code (no
+downloads), built under ``Init`` and loaded with ``from_pretrained`` under
+``Init``, equal to the same models in memory and training bit-identically
+(fp32, both offloads on the drive)."""
+
+import pytest
+import torch
+
+import aio.zero
+
+tf = pytest.importorskip("transformers", reason="transformers is in the test extras")
+
+V = 96
+
+
+def _configs():
+    return {
+        "gpt2": (
+            tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=16),
+            tf.GPT2LMHeadModel,
+        ),
+        "llama": (
+            tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=V, max_position_embeddings=16),
+            tf.LlamaForCausalLM,
+        ),
+        "bert": (
+            tf.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                          vocab_size=V, max_position_embeddings=16),
+            tf.BertForMaskedLM,
+        ),
+        "t5": (
+            tf.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, d_kv=8, num_heads=4,
+                        vocab_size=V, decoder_start_token_id=0, pad_token_id=0),
+            tf.T5ForConditionalGeneration,
+        ),
+    }  # fmt: skip
+
+
+def _zero_config(drive):
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 20_000,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(drive),
+                "buffer_count": 64,
+                "buffer_size": 20_000,
+                "max_in_cpu": 0,
+            },
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": str(drive),
+                "buffer_count": 11,
+                "pipeline_read": True,
+                "pipeline_write": True,
+            },
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "gradient_clipping": 1.0,
+    }
+
+
+def _batch(name, step):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, V, (2, 8), generator=g)
+    if name == "t5":
+        return {"input_ids": ids, "labels": torch.randint(0, V, (2, 6), generator=g)}
+    return {"input_ids": ids, "labels": ids}
+
+
+def _train(model, name, engine=None, steps=3):
+    """Losses of `steps` steps: through `engine`, or plain torch AdamW in memory."""
+    opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    losses = []
+    for s in range(steps):
+        if engine is not None:
+            loss = engine(**_batch(name, s)).loss
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss = model(**_batch(name, s)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _build(name):
+    cfg, cls = _configs()[name]
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return cls(cfg)
+
+
+def _assert_equal_params(store, model, ref):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert tuple(p.aio_shape) == tuple(q.shape), name
+        with store.gathered([p]):
+            assert torch.equal(p.data, q.data), f"{name} differs from the model built in memory"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_built_under_init_equals_memory_and_trains_identically(tmp_path, name):
+    mem = _build(name)
+    cfg = _zero_config(tmp_path)
+    with aio.zero.Init(cfg) as init:
+        model = _build(name)
+    _assert_equal_params(init.store, model, mem)
+    want = _train(mem, name)
+    with aio.zero.initialize(model, cfg) as engine:
+        assert _train(model, name, engine) == want
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_from_pretrained_under_init_streams_the_checkpoint(tmp_path, name):
+    saved = _build(name)
+    ckpt = tmp_path / "ckpt"
+    saved.save_pretrained(ckpt, max_shard_size="20KB")  # several safetensors shards
+    assert len(list(ckpt.glob("*.safetensors"))) > 1
+    cfg = _zero_config(tmp_path / "drive")
+    (tmp_path / "drive").mkdir()
+    with aio.zero.Init(cfg) as init:
+        model = tf.AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager")
+    _assert_equal_params(init.store, model, saved)
+    if name == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight  # tied weights stay tied
+    ref = tf.AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager")
+    want = _train(ref, name)
+    with aio.zero.initialize(model, cfg) as engine:
+        assert _train(model, name, engine) == want
+
+
+def test_multihead_attention_built_under_init_equals_memory(tmp_path):
+    """nn.MultiheadAttention initialises out_proj.bias after out_proj was stored."""
+    torch.manual_seed(0)
+    mem = torch.nn.MultiheadAttention(32, 4)
+    with aio.zero.Init(_zero_config(tmp_path)) as init:
+        torch.manual_seed(0)
+        model = torch.nn.MultiheadAttention(32, 4)
+    _assert_equal_params(init.store, model, mem)
