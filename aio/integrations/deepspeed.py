@@ -27,6 +27,7 @@ import threading
 import types
 from typing import Any
 
+from .._log import log_swap_handle, logger, swap_line_pending
 from ..handle import AsyncIOHandle
 from ..pinned import free_locked_tensor, is_locked, new_locked_tensor
 
@@ -127,8 +128,18 @@ class DeepSpeedAioHandle:
         return self._h.get_alignment()
 
     # I/O: DeepSpeed's return conventions
+    def _note_first_io(self, target: Any) -> None:
+        # DeepSpeed names its swap folder only in the paths it passes, so the
+        # process's swap line is logged at the first I/O, not at construction.
+        if swap_line_pending():
+            folder = None
+            if not isinstance(target, int):
+                folder = os.path.dirname(os.path.abspath(os.fsdecode(target)))
+            log_swap_handle(self._h, folder)
+
     def async_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
         """Start a read; returns 0 (DeepSpeed's convention). ``wait()`` collects it."""
+        self._note_first_io(filename)
         self._h.async_pread(buffer, filename, int(file_offset))
         return 0
 
@@ -141,12 +152,15 @@ class DeepSpeedAioHandle:
         not closed; writes through it are direct only if it was opened with
         ``O_DIRECT``.
         """
-        self._h.async_pwrite(buffer, _file_or_fd(filename, fd), int(file_offset))
+        target = _file_or_fd(filename, fd)
+        self._note_first_io(target)
+        self._h.async_pwrite(buffer, target, int(file_offset))
         return 0
 
     def _sync(self, read: bool, buffer: Any, filename: Any, offset: int) -> int:
         # DeepSpeed's synchronous calls also complete (and count) whatever
         # async work was pending.
+        self._note_first_io(filename)
         n = self.wait()
         (self._h.sync_pread if read else self._h.sync_pwrite)(buffer, filename, int(offset))
         return n + 1
@@ -374,9 +388,31 @@ def enable() -> None:
             "aio.integrations.deepspeed disabled to use DeepSpeed's own async_io op."
         )
     with _lock:
+        was_enabled = bool(_patched)
         _patch_builders()
         _patch_accelerator()
         _patch_load_checkpoint()
+    if not was_enabled:
+        _log_enabled(version)
+
+
+def _log_enabled(version: str) -> None:
+    """One INFO line saying what now serves DeepSpeed's async_io op."""
+    import warnings
+
+    # A throwaway handle tells which engine "auto" picks here; its fallback
+    # warning would repeat when the swappers open theirs, so silence it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with AsyncIOHandle(queue_depth=1) as probe:
+            engine, reason = probe.engine, probe.stats()["engine_reason"]
+    logger.getChild("deepspeed").info(
+        "DeepSpeed %s: async_io op served by aio (engine %s: %s) for the parameter swapper, "
+        "both optimizer swappers and the checkpoint writer; DeepSpeed's own op is not built",
+        version,
+        engine,
+        reason,
+    )
 
 
 _SWAPPER_MODULES = (
