@@ -13,7 +13,10 @@ Three ways in:
   builds the engine);
 - no code change: run the script through ``python -m aio.run train.py ...``
   (also ``torchrun -m aio.run ...`` and ``deepspeed --module aio.run ...``);
-- ``AIO_DEEPSPEED=1`` in the environment of any process that imports ``aio``.
+- ``AIO_DEEPSPEED=1`` in the environment: any Python process of an
+  environment where aio is installed, even one that never imports aio (the
+  ``aio_deepspeed.pth`` startup hook, see ``_aio_startup.py``), and any
+  process that imports ``aio``.
 """
 
 from __future__ import annotations
