@@ -5,6 +5,7 @@ from glob import glob
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 # Compile the translation units in parallel (NPY_NUM_BUILD_JOBS overrides).
 ParallelCompile("NPY_NUM_BUILD_JOBS").install()
@@ -45,4 +46,32 @@ ext = Pybind11Extension(
     ],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+# AIO_DEEPSPEED=1 must reach processes that never import aio (HF Trainer,
+# Accelerate, the deepspeed launcher), so a .pth file goes into site-packages
+# next to the package: Python runs its line at startup (see _aio_startup.py).
+PTH = "aio_deepspeed.pth"
+
+
+class build_py_with_pth(build_py):
+    """build_py that also ships PTH at the top of the install.
+
+    A wheel gets it from build_lib. An editable install (PEP 660) does not
+    install build_lib, only what its own strategy writes plus the files laid
+    out in the editable wheel's folder, which is where setuptools points
+    ``install_lib`` while it builds one; data_files would land under the
+    prefix, not in site-packages.
+    """
+
+    def run(self) -> None:
+        super().run()
+        src = os.path.join(HERE, PTH)
+        self.copy_file(src, os.path.join(self.build_lib, PTH), preserve_mode=False)
+        if getattr(self, "editable_mode", False):
+            wheel_dir = self.get_finalized_command("install").install_lib
+            self.copy_file(src, os.path.join(wheel_dir, PTH), preserve_mode=False)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH)]
+
+
+setup(ext_modules=[ext], cmdclass={"build_ext": build_ext, "build_py": build_py_with_pth})

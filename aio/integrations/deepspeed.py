@@ -13,7 +13,10 @@ Three ways in:
   builds the engine);
 - no code change: run the script through ``python -m aio.run train.py ...``
   (also ``torchrun -m aio.run ...`` and ``deepspeed --module aio.run ...``);
-- ``AIO_DEEPSPEED=1`` in the environment of any process that imports ``aio``.
+- ``AIO_DEEPSPEED=1`` in the environment: any Python process of an
+  environment where aio is installed, even one that never imports aio (the
+  ``aio_deepspeed.pth`` startup hook, see ``_aio_startup.py``), and any
+  process that imports ``aio``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import threading
 import types
 from typing import Any
 
+from .._log import log_swap_handle, logger, swap_line_pending
 from ..handle import AsyncIOHandle
 from ..pinned import free_locked_tensor, is_locked, new_locked_tensor
 
@@ -35,6 +39,27 @@ SUPPORTED_TEXT = "deepspeed>=0.19,<0.20"
 
 _lock = threading.Lock()
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+
+
+def _file_or_fd(filename: Any, fd: Any) -> Any:
+    """The target of an I/O call given as DeepSpeed's ``filename`` or ``fd``
+    (exactly one of them)."""
+    if (filename is None) == (fd is None):
+        raise TypeError("pass exactly one of filename or fd")
+    if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int)):
+        raise TypeError(f"fd must be an int descriptor, got {type(fd).__name__}")
+    return filename if fd is None else fd
+
+
+def _async_flag(async_op: bool, kwargs: dict[str, Any]) -> bool:
+    """Merge DeepSpeed's ``async`` keyword (reserved in Python) into `async_op`."""
+    if "async" in kwargs:
+        if async_op:
+            raise TypeError("pass async or async_op, not both")
+        async_op = kwargs.pop("async")
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    return bool(async_op)
 
 
 class DeepSpeedAioHandle:
@@ -70,6 +95,8 @@ class DeepSpeedAioHandle:
             overlap_events=bool(overlap_events),
             thread_count=int(intra_op_parallelism),
         )
+        # (buffer, filename, offset, what) of async requests made with validate=True.
+        self._to_validate: list[tuple[Any, Any, int, str]] = []
 
     @property
     def handle(self) -> AsyncIOHandle:
@@ -104,20 +131,40 @@ class DeepSpeedAioHandle:
         return self._h.get_alignment()
 
     # I/O: DeepSpeed's return conventions
+    def _note_first_io(self, target: Any) -> None:
+        # DeepSpeed names its swap folder only in the paths it passes, so the
+        # process's swap line is logged at the first I/O, not at construction.
+        if swap_line_pending():
+            folder = None
+            if not isinstance(target, int):
+                folder = os.path.dirname(os.path.abspath(os.fsdecode(target)))
+            log_swap_handle(self._h, folder)
+
     def async_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
         """Start a read; returns 0 (DeepSpeed's convention). ``wait()`` collects it."""
+        self._note_first_io(filename)
         self._h.async_pread(buffer, filename, int(file_offset))
         return 0
 
-    def async_pwrite(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
-        """`filename` may also be an open descriptor (DeepSpeed passes its own fd)."""
-        self._h.async_pwrite(buffer, filename, int(file_offset))
+    def async_pwrite(self, buffer: Any, filename: Any = None, file_offset: int = 0, *, fd: Any = None) -> int:
+        """Start a write to `filename` or to the caller's open descriptor `fd`; returns 0.
+
+        DeepSpeed's op overloads this call on its second argument, so both
+        ``async_pwrite(buf, path, off)`` and ``async_pwrite(buffer=buf, fd=fd,
+        file_offset=off)`` (its fast checkpoint writer) work. The descriptor is
+        not closed; writes through it are direct only if it was opened with
+        ``O_DIRECT``.
+        """
+        target = _file_or_fd(filename, fd)
+        self._note_first_io(target)
+        self._h.async_pwrite(buffer, target, int(file_offset))
         return 0
 
     def _sync(self, read: bool, buffer: Any, filename: Any, offset: int) -> int:
         # DeepSpeed's synchronous calls also complete (and count) whatever
         # async work was pending.
-        n = self._h.wait()
+        self._note_first_io(filename)
+        n = self.wait()
         (self._h.sync_pread if read else self._h.sync_pwrite)(buffer, filename, int(offset))
         return n + 1
 
@@ -134,6 +181,9 @@ class DeepSpeedAioHandle:
     ) -> int:
         if async_op:
             (self.async_pread if read else self.async_pwrite)(buffer, filename, file_offset)
+            if validate:
+                # DeepSpeed validates an async request when wait() completes it.
+                self._to_validate.append((buffer, filename, int(file_offset), "read" if read else "write"))
             return 0
         n = self._sync(read, buffer, filename, file_offset)
         if validate:
@@ -141,16 +191,35 @@ class DeepSpeedAioHandle:
         return n
 
     def pread(
-        self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False, file_offset: int = 0
+        self,
+        buffer: Any,
+        filename: Any,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+        **kwargs: Any,
     ) -> int:
-        """Read: 0 when `async_op`, else the operations completed; `validate` re-checks the bytes."""
-        return self._combined(True, buffer, filename, validate, async_op, file_offset)
+        """Read: 0 when async, else the operations completed; `validate` re-checks the bytes.
+
+        DeepSpeed names the flag ``async`` (a Python keyword, so it arrives as
+        ``**{"async": True}`` or positionally); ``async_op`` is the same flag.
+        """
+        return self._combined(True, buffer, filename, validate, _async_flag(async_op, kwargs), file_offset)
 
     def pwrite(
-        self, buffer: Any, filename: Any, validate: bool = False, async_op: bool = False, file_offset: int = 0
+        self,
+        buffer: Any,
+        filename: Any,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+        **kwargs: Any,
     ) -> int:
-        """Write: 0 when `async_op`, else the operations completed; `validate` re-checks the bytes."""
-        return self._combined(False, buffer, filename, validate, async_op, file_offset)
+        """Write: 0 when async, else the operations completed; `validate` re-checks the bytes.
+
+        The flag may be passed as ``async`` (DeepSpeed's name) or ``async_op``.
+        """
+        return self._combined(False, buffer, filename, validate, _async_flag(async_op, kwargs), file_offset)
 
     def read(self, buffer: Any, filename: Any, validate: bool = False, file_offset: int = 0) -> int:
         """Older DeepSpeed name: synchronous read; returns 0."""
@@ -163,21 +232,38 @@ class DeepSpeedAioHandle:
         return 0
 
     def wait(self) -> int:
-        """Wait for every async request; returns how many completed (raises a failed one)."""
-        return self._h.wait()
+        """Wait for every async request; returns how many completed (raises a failed one).
+
+        Requests started with ``validate=True`` are checked here, once their
+        I/O is done.
+        """
+        checks, self._to_validate = self._to_validate, []
+        n = self._h.wait()
+        for buffer, filename, offset, what in checks:
+            self._h.verify(buffer, filename, offset, what)
+        return n
 
     # pinned memory
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
-        """A pinned 1-D CPU tensor of `num_elem` elements with example_tensor's dtype."""
-        return new_locked_tensor(int(num_elem), example_tensor.dtype)
+    def new_cpu_locked_tensor(
+        self, num_elem: int, example_tensor: Any = None, *, example_tenosr: Any = None
+    ) -> Any:
+        """A pinned 1-D CPU tensor of `num_elem` elements with example_tensor's dtype.
+
+        ``example_tenosr`` is the keyword DeepSpeed's binding declares (spelled
+        so there); either name is accepted.
+        """
+        if (example_tensor is None) == (example_tenosr is None):
+            raise TypeError("new_cpu_locked_tensor() needs exactly one of example_tensor / example_tenosr")
+        example = example_tensor if example_tensor is not None else example_tenosr
+        return new_locked_tensor(int(num_elem), example.dtype)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
         """Release a tensor from new_cpu_locked_tensor (safe against stale views)."""
         return free_locked_tensor(tensor)
 
-    def is_pinned(self, tensor: Any) -> bool:
+    def is_pinned(self, buffer: Any) -> bool:
         """True if the tensor's memory is pinned (by aio or by CUDA)."""
-        return is_locked(tensor)
+        return is_locked(buffer)
 
     # GPUDirect Storage entry points (gds_handle) are not offered.
     def pin_device_tensor(self, tensor: Any) -> bool:
@@ -187,9 +273,56 @@ class DeepSpeedAioHandle:
     unpin_device_tensor = pin_device_tensor
 
 
+def _one_shot(read: bool, buffer: Any, filename: Any, settings: tuple[Any, ...], validate: bool) -> int:
+    block_size, queue_depth, single_submit, overlap_events = settings
+    h = DeepSpeedAioHandle(block_size, queue_depth, single_submit, overlap_events)
+    try:
+        (h.read if read else h.write)(buffer, filename, validate)
+    finally:
+        h.handle.close()
+    return 0
+
+
+def aio_read(
+    buffer: Any,
+    filename: Any,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """The op's module-level read: whole `buffer` from offset 0 with a one-off handle; returns 0."""
+    settings = (block_size, queue_depth, single_submit, overlap_events)
+    return _one_shot(True, buffer, filename, settings, validate)
+
+
+def aio_write(
+    buffer: Any,
+    filename: Any,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """The op's module-level write: `buffer` at offset 0 with a one-off handle; returns 0."""
+    settings = (block_size, queue_depth, single_submit, overlap_events)
+    return _one_shot(False, buffer, filename, settings, validate)
+
+
+def deepspeed_memcpy(dest: Any, src: Any) -> int:
+    """The op's tensor copy (``dest.copy_(src)``); returns 0."""
+    dest.copy_(src)
+    return 0
+
+
 def _op_module() -> types.ModuleType:
     mod = types.ModuleType("aio_async_io_op")
     mod.aio_handle = DeepSpeedAioHandle  # type: ignore[attr-defined]
+    mod.aio_read = aio_read  # type: ignore[attr-defined]
+    mod.aio_write = aio_write  # type: ignore[attr-defined]
+    mod.deepspeed_memcpy = deepspeed_memcpy  # type: ignore[attr-defined]
     mod.__doc__ = "DeepSpeed async_io op interface, served by aio"
     return mod
 
@@ -258,9 +391,31 @@ def enable() -> None:
             "aio.integrations.deepspeed disabled to use DeepSpeed's own async_io op."
         )
     with _lock:
+        was_enabled = bool(_patched)
         _patch_builders()
         _patch_accelerator()
         _patch_load_checkpoint()
+    if not was_enabled:
+        _log_enabled(version)
+
+
+def _log_enabled(version: str) -> None:
+    """One INFO line saying what now serves DeepSpeed's async_io op."""
+    import warnings
+
+    # A throwaway handle tells which engine "auto" picks here; its fallback
+    # warning would repeat when the swappers open theirs, so silence it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with AsyncIOHandle(queue_depth=1) as probe:
+            engine, reason = probe.engine, probe.stats()["engine_reason"]
+    logger.getChild("deepspeed").info(
+        "DeepSpeed %s: async_io op served by aio (engine %s: %s) for the parameter swapper, "
+        "both optimizer swappers and the checkpoint writer; DeepSpeed's own op is not built",
+        version,
+        engine,
+        reason,
+    )
 
 
 _SWAPPER_MODULES = (

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._log import log_swap_handle
 from ..config import discover_state_spec
 from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease
@@ -111,6 +112,7 @@ class OptimizerSwapper:
         kw = dict(aio or {})
         self.reader = AsyncIOHandle(**kw)
         self.writer = AsyncIOHandle(**kw)
+        log_swap_handle(self.reader, self.storage.dir)
         self.groups: dict[int, _SubGroup] = {}
         self.pool: BufferPool | None = None
         self.optimizer: Any = None

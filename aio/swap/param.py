@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from .._log import log_swap_handle
 from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease, locked_nbytes, new_locked_tensor
 from .pool import BufferPool, PoolExhaustedError
@@ -104,6 +105,7 @@ class ParamSwapper:
         kw = dict(aio or {})
         self.reader = AsyncIOHandle(**kw)
         self.writer = AsyncIOHandle(**kw)
+        log_swap_handle(self.reader, self.storage.dir)
         self.parts: dict[Any, _Partition] = {}
         self.resident_numel = 0
         self._cpu_full = False  # a partition went past max_in_cpu: the rest go to the drive

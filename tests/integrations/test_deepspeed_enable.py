@@ -101,3 +101,36 @@ def test_run_module_wrapper_enables_for_a_plain_script(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ENABLED" in r.stdout and "ARGS ['--lr', '3']" in r.stdout
+
+
+def test_enable_and_first_io_each_log_one_info_line(caplog, tmp_path):
+    import logging
+
+    import torch
+
+    from aio import _log
+
+    _log._reset_for_tests()
+    caplog.set_level(logging.INFO, logger="aio")
+    aio_ds.disable()
+    try:
+        aio_ds.enable()
+        aio_ds.enable()  # already enabled: no second line
+        (rec,) = [r for r in caplog.records if r.name == "aio.deepspeed"]
+        assert rec.levelno == logging.INFO
+        assert "async_io op served by aio (engine " in rec.getMessage()
+        assert deepspeed.__version__ in rec.getMessage()
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        h = AsyncIOBuilder().load(verbose=False).aio_handle(block_size=8192, queue_depth=3)
+        folder = tmp_path / "swap"
+        folder.mkdir()
+        buf = h.new_cpu_locked_tensor(4096, torch.empty(0))
+        assert h.async_pwrite(buf, str(folder / "a.swp"), 0) == 0 and h.wait() == 1
+        assert h.sync_pread(buf, str(folder / "a.swp"), 0) == 1
+        (swap,) = [r for r in caplog.records if r.name == "aio.swap"]
+        msg = swap.getMessage()
+        assert "block_size 8192" in msg and "queue_depth 3" in msg and str(folder) in msg
+    finally:
+        aio_ds.disable()
+        _log._reset_for_tests()
