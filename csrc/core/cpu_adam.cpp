@@ -184,30 +184,36 @@ AIO_ALWAYS_INLINE bool mkl_sse_sqrt_128(const float* in, float* out, size_t n) {
   return _mm_movemask_epi8(rare) != 0;
 }
 
+// MKL's SSE sqrt of eight lanes (as mkl_sse_sqrt_128); `rare` gets the lanes
+// MKL hands to its rare-case code (not zeros: they give themselves).
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 mkl_sqrt_8(__m256 x,
+                                                                            __m256i* rare) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256 y = _mm256_rsqrt_ps(x);
+  const __m256 s = _mm256_mul_ps(x, y);
+  const __m256 h = _mm256_mul_ps(y, half);
+  const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+  const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
+  const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, e), h);
+  const __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
+  const __m256 root = _mm256_add_ps(_mm256_mul_ps(r, h1), s1);
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i special = _mm256_cmpgt_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7F800000)),
+                                             _mm256_set1_epi32(static_cast<int>(0xFEFFF000u)));
+  const __m256i zero = _mm256_cmpeq_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                          _mm256_setzero_si256());
+  *rare = _mm256_andnot_si256(zero, special);
+  return _mm256_blendv_ps(root, x, _mm256_castsi256_ps(special));
+}
+
 // The same, eight lanes at a time; n a multiple of 8. Not inlined (a call
 // per block): GCC inlines a target("avx2") function only into another.
 __attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float* out, size_t n) {
-  const __m256 half = _mm256_set1_ps(0.5f);
-  const __m256i bias = _mm256_set1_epi32(0x7F800000);
-  const __m256i limit = _mm256_set1_epi32(static_cast<int>(0xFEFFF000u));
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
   __m256i rare = _mm256_setzero_si256();
   for (size_t i = 0; i < n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(in + i);
-    const __m256 y = _mm256_rsqrt_ps(x);
-    const __m256 s = _mm256_mul_ps(x, y);
-    const __m256 h = _mm256_mul_ps(y, half);
-    const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
-    const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
-    const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, e), h);
-    const __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
-    const __m256 root = _mm256_add_ps(_mm256_mul_ps(r, h1), s1);
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i special = _mm256_cmpgt_epi32(_mm256_add_epi32(bits, bias), limit);
-    const __m256i zero =
-        _mm256_cmpeq_epi32(_mm256_and_si256(bits, abs_mask), _mm256_setzero_si256());
-    rare = _mm256_or_si256(rare, _mm256_andnot_si256(zero, special));
-    _mm256_storeu_ps(out + i, _mm256_blendv_ps(root, x, _mm256_castsi256_ps(special)));
+    __m256i r;
+    _mm256_storeu_ps(out + i, mkl_sqrt_8(_mm256_loadu_ps(in + i), &r));
+    rare = _mm256_or_si256(rare, r);
   }
   return !_mm256_testz_si256(rare, rare);
 }
@@ -221,28 +227,11 @@ __attribute__((target("avx2,fma"))) void apply_mkl_256(const Scalars& s, const V
                                                        const float* __restrict sq,
                                                        const float* __restrict m,
                                                        float* __restrict p, size_t n) {
-  const __m256 half = _mm256_set1_ps(0.5f);
-  const __m256i bias = _mm256_set1_epi32(0x7F800000);
-  const __m256i limit = _mm256_set1_epi32(static_cast<int>(0xFEFFF000u));
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
   const __m256 bc2 = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps);
   const __m256 decay = _mm256_set1_ps(s.decay), neg_step = _mm256_set1_ps(s.neg_step_size);
   for (size_t i = 0; i < n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(sq + i);
-    const __m256 y = _mm256_rsqrt_ps(x);
-    const __m256 sx = _mm256_mul_ps(x, y);
-    const __m256 h = _mm256_mul_ps(y, half);
-    const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(sx, h));
-    const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(sx, e), sx);
-    const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, e), h);
-    const __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
-    __m256 root = _mm256_add_ps(_mm256_mul_ps(r, h1), s1);
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i special = _mm256_cmpgt_epi32(_mm256_add_epi32(bits, bias), limit);
-    const __m256i zero =
-        _mm256_cmpeq_epi32(_mm256_and_si256(bits, abs_mask), _mm256_setzero_si256());
-    root = _mm256_blendv_ps(root, x, _mm256_castsi256_ps(special));
-    const __m256i rare = _mm256_andnot_si256(zero, special);
+    __m256i rare;
+    __m256 root = mkl_sqrt_8(_mm256_loadu_ps(sq + i), &rare);
     if (__builtin_expect(!_mm256_testz_si256(rare, rare), 0)) {
       alignas(32) float out[8];
       vs.fn(8, sq + i, out, vs.mode);
