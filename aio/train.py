@@ -107,7 +107,17 @@ def batch(step: int, micro: int, batch_size: int, seq: int, vocab: int) -> tuple
     return seqs[:, :-1], seqs[:, 1:]
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
+    """Bytes of this process's peak resident set since it started (VmHWM).
+    Not ru_maxrss: that survives execve, so a process started from a large
+    parent (pytest, a notebook) would report the parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -214,7 +224,7 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     finally:
         stats = trainer.stats()
         trainer.close()
-    run.update(params=n, peak_rss=_peak_rss(), pinned_bytes=stats["pinned_bytes"], setup_s=setup, stats=stats)
+    run.update(params=n, peak_rss=peak_rss(), pinned_bytes=stats["pinned_bytes"], setup_s=setup, stats=stats)
     return run
 
 
@@ -236,7 +246,7 @@ def _offloaded_steps(args: argparse.Namespace, trainer: Any, out: Any) -> dict[s
         rates.append(moved / dt / 1e9)
         print(
             f"step {step + 1:3d}  loss {loss.item():.4f}  {dt * 1000:7.0f} ms  "
-            f"{rates[-1]:5.2f} GB/s ({_gib(moved)})  peak RSS {_gib(_peak_rss())}",
+            f"{rates[-1]:5.2f} GB/s ({_gib(moved)})  peak RSS {_gib(peak_rss())}",
             file=out,
             flush=True,
         )

