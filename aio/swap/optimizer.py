@@ -443,7 +443,7 @@ class OptimizerSwapper:
                 leases = io.take_read(i)
                 self._step_subgroup(self.groups[i], leases, after, grad_scale)
                 io.done_stepping(i, leases, write_back)
-            io.carry_over(order[::-1])
+            io.carry_over(order[::-1], read_ahead=self.pipeline_read and write_back)
             self.steps += 1
             self._carry = io
         except BaseException as e:
@@ -839,30 +839,35 @@ class _StepIO:
         while self.writes and all(f.done() for f in self.writes[0][2]):
             self._finish_write(self.writes.popleft())
 
-    def carry_over(self, next_order: list[int]) -> None:
+    def carry_over(self, next_order: list[int], read_ahead: bool) -> None:
         """End of a step: wait for the write-backs in flight; every sub-group still
         in its buffers becomes one of the next step's reads, done already (the
         next step goes in `next_order`, the reverse of this one, so they come
-        first). With pipeline_read, start reading the sub-groups after them into
-        the buffers still free."""
+        first). With `read_ahead` (only when every gradient is held in memory:
+        a read started now must not fetch a gradient the next step will not
+        use), start reading the sub-groups after them into the buffers still free."""
         while self.writes:
             self._finish_write(self.writes.popleft())
         for i, (leases, dirty) in self.kept.items():
             self.reads[i] = (dict(zip(self.sw._saved_parts(), leases, strict=True)), [], dirty)
         self.kept.clear()
-        if self.sw.pipeline_read:
+        if read_ahead:
             for i in next_order:
                 if i not in self.reads and not self.start_read(i, must=False):
                     break
 
     def write_back(self) -> None:
-        """Write every carried sub-group not yet on the drive, and wait."""
+        """Write every carried sub-group not yet on the drive, and wait (the
+        writes are tracked in `writes`, so abort() drains them after a failure)."""
         parts = self.sw._saved_parts()
-        entries = [self._start_write(i, [r[0][n] for n in parts]) for i, r in self.reads.items() if r[2]]
-        for entry in entries:
-            _wait_all(entry[2])
-            self.sw.groups[entry[0]].valid = True
-        for i, _, _ in entries:
+        for i, (leases, _futs, dirty) in list(self.reads.items()):
+            if dirty:
+                self.writes.append(self._start_write(i, [leases[n] for n in parts]))
+        while self.writes:
+            i, _leases, futs = self.writes[0]
+            _wait_all(futs)
+            self.writes.popleft()
+            self.sw.groups[i].valid = True
             leases, futs, _ = self.reads[i]
             self.reads[i] = (leases, futs, False)
 

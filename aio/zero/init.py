@@ -76,15 +76,18 @@ class Init:
             def init(module: Any, *args: Any, **kwargs: Any) -> None:
                 depth = module.__dict__.get("_aio_init_depth", 0)
                 module.__dict__["_aio_init_depth"] = depth + 1
+                guard.building += depth == 0
                 try:
                     orig(module, *args, **kwargs)
                 finally:
                     module.__dict__["_aio_init_depth"] = depth
+                    guard.building -= depth == 0
                 if depth == 0:
                     del module.__dict__["_aio_init_depth"]
                     for name, p in module.named_parameters(recurse=False):
                         store.adopt(p, f"{type(module).__name__}.{name}")
-                    guard.close_opened()
+                    if guard.building == 0:  # the outermost module: no view of its build is still used
+                        guard.close_opened(build_only=True)
 
             init._aio_wrapped = True  # type: ignore[attr-defined]
             cls.__init__ = init  # type: ignore[misc]

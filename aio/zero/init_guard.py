@@ -18,9 +18,10 @@ parameter's placeholder:
 - ``.data``, and any operation whose result is a view of the parameter
   (``weight[padding_idx]``, ``.view``, ``.t()``...), fetches the parameter
   and leaves it fetched -- what is done through the view cannot be seen --
-  until the module being built ends, the ``Init`` block ends, or more than
-  half the parameter buffers are held that way (the oldest first); then it
-  is stored.
+  until the outermost module being built ends (a view taken during a build),
+  or the ``Init`` block ends; then it is stored. (Views held that way take parameter buffers: too many
+  at once end in a PoolExhaustedError naming ``buffer_count``.)
+- ``param.data = tensor`` (full size) stores the tensor as the new values.
 
 Conversions of the placeholder itself (``.to``, ``.float()``...) pass
 through: the store decides the parameter's dtype and device.
@@ -38,7 +39,7 @@ _PASS = {
     "to", "float", "half", "bfloat16", "double", "cpu", "cuda", "type", "requires_grad_",
     "dtype", "device", "requires_grad", "grad", "is_meta", "is_cuda", "layout", "names",
     "_is_view", "is_leaf", "grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks",
-    "__set__", "__repr__", "__format__", "__hash__", "__eq__", "__reduce_ex__", "__deepcopy__",
+    "__repr__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__",
     "data_ptr", "is_floating_point", "is_complex", "element_size",
 }  # fmt: skip
 _SHAPE = {"shape", "size", "dim", "ndim", "numel", "nelement", "__len__"}
@@ -46,22 +47,26 @@ _SHAPE = {"shape", "size", "dim", "ndim", "numel", "nelement", "__len__"}
 
 def _name(func: Any) -> tuple[str, bool]:
     """(name, is a property get) of a torch function: a property's getter and
-    setter are `__get__`/`__set__` of a descriptor named for the property."""
+    setter are `__get__`/`__set__` of a descriptor named for the property; a
+    setter's name is ``set:<property>``."""
     name = getattr(func, "__name__", "")
     owner = getattr(func, "__self__", None)
     if name in ("__get__", "__set__") and owner is not None and hasattr(owner, "__name__"):
-        return (owner.__name__ if name == "__get__" else "__set__"), name == "__get__"
+        return (owner.__name__ if name == "__get__" else f"set:{owner.__name__}"), name == "__get__"
     return name, False
 
 
 class PlaceholderGuard(TorchFunctionMode):
     """The torch function mode of one ``Init`` block over `store` (see the
-    module docstring). `opened` holds the parameters fetched through ``.data``."""
+    module docstring); `opened` and `opened_in_build` hold the parameters left
+    fetched because a view of them was handed out."""
 
     def __init__(self, store: Any) -> None:
         super().__init__()
         self.store = store
-        self.opened: list[Any] = []
+        self.opened: list[Any] = []  # views taken in the Init block itself
+        self.opened_in_build: list[Any] = []  # views taken while a module was being built
+        self.building = 0  # modules whose __init__ is running (Init's wrapper counts)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -70,7 +75,9 @@ class PlaceholderGuard(TorchFunctionMode):
         if not stored:
             return func(*args, **kwargs)
         name, getter = _name(func)
-        if name in _PASS:
+        if name == "set:data":
+            return self._set_data(args[0], args[1], func)
+        if name in _PASS or name.startswith("set:"):
             return func(*args, **kwargs)
         if name in _SHAPE and args and args[0] is stored[0] and len(stored) == 1:
             return _shape_answer(name, stored[0], args[1:], kwargs)
@@ -89,23 +96,31 @@ class PlaceholderGuard(TorchFunctionMode):
             self._keep_open(views)
         return out
 
+    def _set_data(self, p: Any, value: Any, func: Any) -> None:
+        """``p.data = value``: a full-size value is stored as the parameter's new
+        values (the placeholder stays); an empty one is the store's own
+        placeholder swap and goes through."""
+        if not self.store.is_placeholder(p) or value.numel() != p.aio_numel:
+            return func(p, value)
+        self.store.write(p, value.detach().reshape(-1).cpu(), async_op=False)
+        return None
+
     def _keep_open(self, params: list[Any]) -> None:
-        self.opened.extend(params)
-        limit = max(1, self.store.param_buffer_count() // 2)
-        while len(_unique(self.opened)) > limit:
-            self._close(self.opened[0])
+        # No limit: releasing a parameter whose view is still out would let the
+        # view write into a buffer reused for another parameter. Too many open
+        # views run the pool out, and acquire() says so (PoolExhaustedError).
+        # An open parameter is no placeholder, so it is never opened twice.
+        (self.opened_in_build if self.building else self.opened).extend(params)
 
-    def _close(self, p: Any) -> None:
-        """Store `p` and undo every acquire() it had from here."""
-        times = sum(1 for q in self.opened if q is p)
-        self.opened = [q for q in self.opened if q is not p]
-        self.store.put_back([p])
-        self.store.drop([p] * (times - 1))
-
-    def close_opened(self) -> None:
-        """Store every parameter left fetched (views handed out) and let it go."""
-        while self.opened:
-            self._close(self.opened[0])
+    def close_opened(self, build_only: bool = False) -> None:
+        """Store the parameters left fetched (views handed out) and let them go:
+        those opened while a module was being built (`build_only`: its build
+        is over), or all (the Init block is over)."""
+        done, self.opened_in_build = self.opened_in_build, []
+        if not build_only:
+            done, self.opened = done + self.opened, []
+        if done:
+            self.store.put_back(done)
 
 
 class PlaceholderCheck(TorchFunctionMode):
@@ -121,10 +136,11 @@ class PlaceholderCheck(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         for t in _shallow(args, kwargs):
-            if self.store.is_placeholder(t) and _name(func)[0] not in _PASS:
+            name = _name(func)[0]
+            if self.store.is_placeholder(t) and name not in _PASS and not name.startswith("set:"):
                 raise ValueError(
                     f"parameter {t.aio_name!r} (shape {tuple(t.aio_shape)}) is used by "
-                    f"{_name(func)[0]!r} while it is not fetched: a module's forward uses a parameter "
+                    f"{name!r} while it is not fetched: a module's forward uses a parameter "
                     "another module owns. Declare it for the module that uses it with "
                     "aio.zero.register_external_parameter(module, param)"
                 )
@@ -147,7 +163,9 @@ def _aliased(params: list[Any], out: Any) -> list[Any]:
     import torch
 
     flat, _ = tree_flatten(out)
-    ptrs = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+    # An in-place op returns the parameter itself: nothing of it escapes.
+    views = [t for t in flat if isinstance(t, torch.Tensor) and all(t is not p for p in params)]
+    ptrs = {t.untyped_storage().data_ptr() for t in views}
     return [p for p in params if p.untyped_storage().data_ptr() in ptrs]
 
 

@@ -232,8 +232,8 @@ class ParamStore:
                 for part_id in part_ids
                 if parts[part_id].lease is None and parts[part_id].state != State.RESIDENT
             )
-            self._make_room(need)
             try:
+                self._make_room(need)
                 tensors = self.swapper.swap_in(part_ids)
             except BaseException:
                 for p in params:
@@ -438,11 +438,6 @@ class ParamStore:
                     self.write(p, p.data.detach().reshape(-1).cpu(), async_op=False)
         finally:
             self.drop(params)
-
-    def param_buffer_count(self) -> int:
-        """How many parameters can be fetched at once (``offload_param.buffer_count``
-        on the drive; unbounded, as a large number, in memory)."""
-        return self.swapper.pool.count if self.swapper is not None else 1 << 30
 
     def is_placeholder(self, t: Any) -> bool:
         """Whether `t` is one of this store's parameters showing its empty

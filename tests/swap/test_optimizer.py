@@ -328,6 +328,24 @@ def test_held_gradients_carry_subgroups_across_steps(tmp_path):
     assert sw.pool.available() == count
 
 
+def test_gradient_held_after_a_drive_gradient_step_is_the_one_used(tmp_path):
+    """Reads started ahead at the end of a step that took gradients from the
+    drive must not feed the next step a stale drive gradient once the caller
+    holds gradients in memory."""
+    g = torch.Generator().manual_seed(9)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    want = _reference(torch.optim.Adam, {"lr": 1e-2}, init, steps=3)
+    hyper = {"lr": 1e-2}
+    sw, _ = _swapped(tmp_path, torch.optim.Adam, hyper, init, steps=1, pipe=(True, True), buffer_count=20)
+    mem = [torch.empty(n) for n in SIZES]
+    for i, m in enumerate(mem):
+        sw.hold_gradient(i, m)
+    _steps(sw, [1, 2], mem)
+    for i, w in enumerate(want):
+        assert torch.equal(sw.read_master(i), w)
+    sw.close()
+
+
 def test_prefetched_read_error_surfaces_at_the_next_step(tmp_path):
     init = [torch.randn(n) for n in SIZES]
     sw, _ = _swapped(tmp_path, torch.optim.Adam, {"lr": 1e-2}, init, steps=0, pipe=(True, True), held=True)

@@ -1,0 +1,72 @@
+"""aio.zero.init_guard: what construction code does to stored parameters
+inside ``Init`` happens to their real values, and views handed out stay
+valid until the outermost module is built."""
+
+import pytest
+import torch
+
+import aio.zero
+from aio.swap import PoolExhaustedError
+
+
+def _cfg(drive, buffers=4):
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(drive),
+                "buffer_count": buffers,
+                "buffer_size": 4096,
+                "max_in_cpu": 0,
+            },
+            "offload_optimizer": {"device": "cpu"},
+        }
+    }
+
+
+def _stored(init, p):
+    return init.store.read(p).view(p.aio_shape)
+
+
+def test_data_aliases_stay_valid_while_others_are_fetched(tmp_path):
+    with aio.zero.Init(_cfg(tmp_path)) as init:
+        ls = [torch.nn.Linear(8, 8, bias=False) for _ in range(3)]
+        aliases = [m.weight.data for m in ls]  # three of four buffers held
+        torch.nn.init.ones_(torch.nn.Linear(8, 8, bias=False).weight)  # the fourth comes and goes
+        aliases[0].fill_(7.0)
+    assert torch.equal(_stored(init, ls[0].weight), torch.full((8, 8), 7.0))
+    assert not torch.equal(_stored(init, ls[1].weight), torch.full((8, 8), 7.0))
+
+
+def test_view_taken_in_a_parent_survives_a_child_being_built(tmp_path):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            w = self.a.weight.data  # a view of a stored parameter
+            self.b = torch.nn.Linear(8, 8)  # a module finishing its build in between
+            w.fill_(5.0)
+
+    with aio.zero.Init(_cfg(tmp_path)) as init:
+        net = Net()
+    assert torch.equal(_stored(init, net.a.weight), torch.full((8, 8), 5.0))
+
+
+def test_assigning_data_stores_the_values(tmp_path):
+    with aio.zero.Init(_cfg(tmp_path)) as init:
+        m = torch.nn.Linear(4, 4)
+        m.weight.data = torch.full((4, 4), 3.0)
+        assert m.weight.shape == (4, 4) and bool((m.weight == 3.0).all())
+    assert torch.equal(_stored(init, m.weight), torch.full((4, 4), 3.0))
+
+
+def test_running_out_of_buffers_is_loud_and_leaves_nothing_fetched(tmp_path):
+    with aio.zero.Init(_cfg(tmp_path)) as init:
+        ls = [torch.nn.Linear(8, 8, bias=False) for _ in range(5)]
+        with pytest.raises(PoolExhaustedError, match="buffer_count"):
+            torch.stack([m.weight for m in ls])
+        assert init.store.refs == {}  # nothing left counted as in use
+        torch.nn.init.ones_(ls[4].weight)
+    assert torch.equal(_stored(init, ls[4].weight), torch.ones(8, 8))
