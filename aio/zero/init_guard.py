@@ -45,15 +45,15 @@ _PASS = {
 _SHAPE = {"shape", "size", "dim", "ndim", "numel", "nelement", "__len__"}
 
 
-def _name(func: Any) -> tuple[str, bool]:
-    """(name, is a property get) of a torch function: a property's getter and
-    setter are `__get__`/`__set__` of a descriptor named for the property; a
-    setter's name is ``set:<property>``."""
+def _name(func: Any) -> str:
+    """The name of a torch function: a property's getter and setter are
+    `__get__`/`__set__` of a descriptor named for the property; the getter is
+    named for the property, the setter ``set:<property>``."""
     name = getattr(func, "__name__", "")
     owner = getattr(func, "__self__", None)
     if name in ("__get__", "__set__") and owner is not None and hasattr(owner, "__name__"):
-        return (owner.__name__ if name == "__get__" else f"set:{owner.__name__}"), name == "__get__"
-    return name, False
+        return owner.__name__ if name == "__get__" else f"set:{owner.__name__}"
+    return name
 
 
 class PlaceholderGuard(TorchFunctionMode):
@@ -74,7 +74,7 @@ class PlaceholderGuard(TorchFunctionMode):
         stored = [t for t in flat if self.store.is_placeholder(t)]
         if not stored:
             return func(*args, **kwargs)
-        name, getter = _name(func)
+        name = _name(func)
         if name == "set:data":
             return self._set_data(args[0], args[1], func)
         if name in _PASS or name.startswith("set:"):
@@ -88,12 +88,11 @@ class PlaceholderGuard(TorchFunctionMode):
         except BaseException:
             self.store.put_back(stored)
             raise
-        if name == "data" and getter:
-            self._keep_open(stored)
-        else:
-            views = _aliased(stored, out)
-            self.store.put_back([p for p in stored if all(p is not v for v in views)])
-            self._keep_open(views)
+        # A result sharing a parameter's memory (``.data``, a slice, ``.t()``)
+        # keeps it fetched: what is done through it cannot be seen.
+        views = _aliased(stored, out)
+        self.store.put_back([p for p in stored if all(p is not v for v in views)])
+        self._keep_open(views)
         return out
 
     def _set_data(self, p: Any, value: Any, func: Any) -> None:
@@ -136,7 +135,7 @@ class PlaceholderCheck(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         for t in _shallow(args, kwargs):
-            name = _name(func)[0]
+            name = _name(func)
             if self.store.is_placeholder(t) and name not in _PASS and not name.startswith("set:"):
                 raise ValueError(
                     f"parameter {t.aio_name!r} (shape {tuple(t.aio_shape)}) is used by "
