@@ -83,6 +83,8 @@ def page_size() -> int: ...
 # rounded), 'external' (sqrt_fn: address of a vector square root with MKL
 # vmsSqrt's signature, sqrt_mode its mode) or 'mkl_sse' (MKL's SSE algorithm
 # in-line, sqrt_fn for its rare inputs); see SqrtKind in cpu_adam.h.
+# parallel_fn: address of an OpenMP runtime's GOMP_parallel to split the work
+# over its team (0: aio's own worker pool); see ParallelFn in cpu_adam.h.
 def adam_update(
     param_ptr: int,
     grad_ptr: int,
@@ -103,4 +105,5 @@ def adam_update(
     sqrt_kind: str = "exact",
     sqrt_fn: int = 0,
     sqrt_mode: int = 0,
+    parallel_fn: int = 0,
 ) -> None: ...

@@ -119,39 +119,103 @@ def adam_update(
     (TypeError for the wrong kind, ValueError for the wrong shape or layout);
     hyper-parameters out of range (e.g. beta1 outside [0, 1)) are ValueError.
     """
-    _check_fp32("param", param, None)
-    n = param.numel()
-    _check_fp32("grad", grad, n)
-    _check_fp32("exp_avg", exp_avg, n)
-    _check_fp32("exp_avg_sq", exp_avg_sq, n)
+    n = _check_tensors(param, grad, exp_avg, exp_avg_sq)
+    hyper = [step, lr, beta1, beta2, eps, weight_decay]
+    if not all(type(x) is float for x in hyper):  # the usual case needs no checks
+        hyper = [_number(k, x) for k, x in zip(_HYPER_NAMES, hyper, strict=True)]
     if grad_scale is not None:
         grad_scale = _number("grad_scale", grad_scale)
     lowp_ptr, lowp_kind = _check_lowp(lowp_out, n)
-    ptrs = {t.data_ptr() for t in (param, grad, exp_avg, exp_avg_sq)}
-    if n > 0 and len(ptrs) != 4:
-        raise ValueError("param, grad, exp_avg and exp_avg_sq must be four different tensors")
+    threads = _threads(threads)
     sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt()
+    # Positional: pybind11 matches keywords by name on every call (~2 us).
     _C.adam_update(
-        param.data_ptr(),
-        grad.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        n,
-        step=_number("step", step),
-        lr=_number("lr", lr),
-        beta1=_number("beta1", beta1),
-        beta2=_number("beta2", beta2),
-        eps=_number("eps", eps),
-        weight_decay=_number("weight_decay", weight_decay),
-        decoupled=bool(decoupled),
-        grad_scale=grad_scale,
-        lowp_ptr=lowp_ptr,
-        lowp_kind=lowp_kind,
-        threads=_threads(threads),
-        sqrt_kind=sqrt_kind,
-        sqrt_fn=sqrt_fn,
-        sqrt_mode=sqrt_mode,
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
+        hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5], bool(decoupled), grad_scale,
+        lowp_ptr, lowp_kind, threads, sqrt_kind, sqrt_fn, sqrt_mode,
+        _omp_parallel() if threads > 1 else 0,
+    )  # fmt: skip
+
+
+_HYPER_NAMES = ("step", "lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _fp32_ok(t: Any, n: int) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype is torch.float32
+        and t.layout is torch.strided
+        and t.is_cpu
+        and t.is_contiguous()
+        and t.numel() == n
     )
+
+
+def _check_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any) -> int:
+    """The element count of four valid, distinct update tensors, else the
+    TypeError/ValueError naming the first bad one. The step runs once per
+    parameter or sub-group: the common case is checked in one go."""
+    n = param.numel() if isinstance(param, torch.Tensor) else -1
+    if not (_fp32_ok(param, n) and _fp32_ok(grad, n) and _fp32_ok(exp_avg, n) and _fp32_ok(exp_avg_sq, n)):
+        _check_fp32("param", param, None)
+        n = param.numel()
+        _check_fp32("grad", grad, n)
+        _check_fp32("exp_avg", exp_avg, n)
+        _check_fp32("exp_avg_sq", exp_avg_sq, n)
+    ptrs = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+    if n > 0 and len(set(ptrs)) != 4:
+        raise ValueError("param, grad, exp_avg and exp_avg_sq must be four different tensors")
+    return int(n)
+
+
+# OpenMP runtimes, by file name, in the order preferred when several are in
+# the process (all export libgomp's GOMP_parallel).
+_OMP_RUNTIMES = ("libgomp", "libomp", "libiomp5")
+
+
+def _loaded_omp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes mapped into this process, torch's first."""
+    try:
+        with open("/proc/self/maps") as f:
+            fields = [line.split(None, 5) for line in f]
+        paths = {x[5].strip() for x in fields if len(x) == 6}
+    except OSError:  # not Linux: no runtime is used, aio's pool does the work
+        return []
+    found = [p for p in paths if os.path.basename(p).startswith(_OMP_RUNTIMES) and ".so" in p]
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    return sorted(found, key=lambda p: (not os.path.realpath(p).startswith(torch_dir), p))
+
+
+# Set in a child forked after this module was imported: it inherits the
+# OpenMP runtime's state but not its threads, and a team started there waits
+# for threads that do not exist, so a child uses aio's own pool.
+_forked = False
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = True
+    _omp_parallel.cache_clear()
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
+@functools.lru_cache(maxsize=1)
+def _omp_parallel() -> int:
+    """Address of GOMP_parallel in the OpenMP runtime torch already loaded, 0
+    if there is none or this is a forked child. The kernel then runs on the
+    threads torch's own kernels use (and spin on between jobs) instead of a
+    second pool competing with them for the cores."""
+    if _forked:
+        return 0
+    for path in _loaded_omp_runtimes():
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+            return ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0
+        except (OSError, AttributeError):
+            continue
+    return 0
 
 
 def _mkl_sqrt_address() -> int:

@@ -4,10 +4,14 @@ drop-in optimizers, their state_dicts and the options they refuse."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
-from aio import optim
+from aio import _C, optim
 from aio.optim import CPUAdam, CPUAdamW, adam_update, fast_cpu_optimizer
 
 pytestmark = pytest.mark.skipif(not optim.is_bit_exact(), reason="kernel does not reproduce torch here")
@@ -86,6 +90,67 @@ def test_threads_do_not_change_results(threads):
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
     want = _torch_run(p0, grads, decoupled=True, **hyper)
     _assert_same(_kernel_run(p0, grads, decoupled=True, threads=threads, **hyper), want)
+
+
+def _mapped_omp_runtimes() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return sorted({ln.split()[-1] for ln in f if "libgomp" in ln or "libiomp" in ln or "libomp" in ln})
+
+
+def test_kernel_runs_on_the_openmp_runtime_torch_loaded():
+    """Where torch brought an OpenMP runtime, the kernel splits its work over
+    that runtime's team (whose threads spin between torch's jobs) and not over
+    a second pool competing with them; the bits are the same either way."""
+    runtimes = _mapped_omp_runtimes()
+    address = optim._omp_parallel()
+    assert (address != 0) == bool(runtimes), runtimes
+    assert optim._loaded_omp_runtimes() == sorted(
+        optim._loaded_omp_runtimes(), key=lambda p: "torch" not in p
+    ), "torch's own runtime is preferred"
+    p0, grads = _data(1024 * 1024 + 5, 8, 2)
+    runs = []
+    for parallel in (address, 0):
+        p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+        for step, grad in enumerate(grads, start=1):
+            kind, fn, mode = optim._vector_sqrt()
+            _C.adam_update(
+                p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(),
+                float(step), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, None, 0, "none", 2,
+                kind, fn, mode, parallel,
+            )  # fmt: skip
+        runs.append((p, m, v))
+    _assert_same(runs[0], runs[1])
+    want = _torch_run(p0, grads, decoupled=True, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    _assert_same(runs[0], want)
+
+
+def test_forked_child_steps_on_its_own_pool():
+    """A forked child has the OpenMP runtime's state but none of its threads:
+    it must neither hang nor differ (run in a subprocess with a timeout)."""
+    # The child makes no torch op of its own: torch's parallel ops hang in a
+    # child forked after they ran in the parent (libgomp is not fork-safe).
+    script = textwrap.dedent(
+        """
+        import os, sys, torch
+        from aio.optim import adam_update
+        n = 1 << 20
+        def tensors():
+            return torch.ones(n), torch.full((n,), 0.5), torch.zeros(n), torch.zeros(n)
+        def run(p, g, m, v):
+            adam_update(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.0, decoupled=True, threads=2)
+            return p.numpy().tobytes()
+        want = run(*tensors())
+        fresh = tensors()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if run(*fresh) == want else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

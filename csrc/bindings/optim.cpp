@@ -56,7 +56,7 @@ void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t e
                  int64_t numel, double step, double lr, double beta1, double beta2, double eps,
                  double weight_decay, bool decoupled, py::object grad_scale, uintptr_t lowp,
                  const std::string& kind, int64_t threads, const std::string& sqrt,
-                 uintptr_t sqrt_fn, int64_t sqrt_mode) {
+                 uintptr_t sqrt_fn, int64_t sqrt_mode, uintptr_t parallel_fn) {
   const double inf = INFINITY;
   if (numel < 0) throw py::value_error("numel must be at least 0, got " + std::to_string(numel));
   if (threads < 1 || threads > 1024)
@@ -86,8 +86,9 @@ void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t e
   vs.kind = sqrt_kind(sqrt, sqrt_fn);
   vs.fn = reinterpret_cast<void (*)(int32_t, const float*, float*, int64_t)>(sqrt_fn);
   vs.mode = sqrt_mode;
+  const auto parallel = reinterpret_cast<aio::ParallelFn>(parallel_fn);
   py::gil_scoped_release nogil;
-  aio::adam_update(b, h, static_cast<unsigned>(threads), vs);
+  aio::adam_update(b, h, static_cast<unsigned>(threads), vs, parallel);
 }
 
 }  // namespace
@@ -99,5 +100,5 @@ void bind_optim(py::module_& m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("decoupled"), py::arg("grad_scale") = py::none(), py::arg("lowp_ptr") = 0,
         py::arg("lowp_kind") = "none", py::arg("threads") = 1, py::arg("sqrt_kind") = "exact",
-        py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0);
+        py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0, py::arg("parallel_fn") = 0);
 }

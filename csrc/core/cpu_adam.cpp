@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -218,34 +219,49 @@ __attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float
   return !_mm256_testz_si256(rare, rare);
 }
 
-// Pass two for a whole block with MKL's SSE sqrt (SqrtKind::MklSse) done
-// inline, eight lanes at a time, instead of into a separate root array: the
-// same operations as mkl_sse_sqrt_256 and apply(), so the same bits. A
-// vector with a rare lane takes the library's sqrt for those eight values.
-// n a multiple of 8. Writes p only; the low-precision copy follows.
-__attribute__((target("avx2,fma"))) void apply_mkl_256(const Scalars& s, const VectorSqrt& vs,
-                                                       const float* __restrict sq,
-                                                       const float* __restrict m,
-                                                       float* __restrict p, size_t n) {
+// A whole block in one pass, eight lanes at a time, with MKL's SSE sqrt
+// (SqrtKind::MklSse) inline: the operations of moments() and apply() in
+// their order (fma exactly where they use std::fma), so the same bits, but
+// each value is loaded and stored once and nothing goes through a scratch
+// array. A vector with a rare lane takes the library's sqrt for those eight
+// values. n a multiple of 8. Writes p, m and v; the low-precision copy
+// follows.
+template <bool kL2, bool kSmall>
+__attribute__((target("avx2,fma"))) void fused_mkl_256(const Scalars& s, const VectorSqrt& vs,
+                                                       const float* __restrict grad,
+                                                       float* __restrict p, float* __restrict m,
+                                                       float* __restrict v, size_t n) {
+  const __m256 scale = _mm256_set1_ps(s.scale), wd = _mm256_set1_ps(s.wd);
+  const __m256 w = _mm256_set1_ps(kSmall ? s.w : s.w_minus_1);
+  const __m256 b2 = _mm256_set1_ps(s.b2), c2 = _mm256_set1_ps(s.c2);
   const __m256 bc2 = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps);
   const __m256 decay = _mm256_set1_ps(s.decay), neg_step = _mm256_set1_ps(s.neg_step_size);
   for (size_t i = 0; i < n; i += 8) {
+    const __m256 pi = _mm256_loadu_ps(p + i);
+    __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), scale);
+    if (kL2) g = _mm256_fmadd_ps(wd, pi, g);
+    const __m256 mi = _mm256_loadu_ps(m + i);
+    const __m256 diff = _mm256_sub_ps(g, mi);
+    const __m256 mo = _mm256_fmadd_ps(w, diff, kSmall ? mi : g);
+    const __m256 vo =
+        _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
+    _mm256_storeu_ps(m + i, mo);
+    _mm256_storeu_ps(v + i, vo);
     __m256i rare;
-    __m256 root = mkl_sqrt_8(_mm256_loadu_ps(sq + i), &rare);
+    __m256 root = mkl_sqrt_8(vo, &rare);
     if (__builtin_expect(!_mm256_testz_si256(rare, rare), 0)) {
       alignas(32) float out[8];
-      vs.fn(8, sq + i, out, vs.mode);
+      vs.fn(8, v + i, out, vs.mode);
       root = _mm256_load_ps(out);
     }
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bc2), eps);
-    const __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
-    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step, _mm256_loadu_ps(m + i)), denom);
-    _mm256_storeu_ps(p + i, _mm256_add_ps(pi, step));
+    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step, mo), denom);
+    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_mul_ps(pi, decay), step));
   }
 }
 #endif
 
-// The low-precision copy of p[0, n) into lowp (after apply_mkl_256).
+// The low-precision copy of p[0, n) into lowp (after fused_mkl_256).
 template <LowpKind kLowp, size_t kFixed>
 AIO_ALWAYS_INLINE void lowp_copy(const float* __restrict p, void* __restrict lowp, size_t n) {
   uint16_t* __restrict out = static_cast<uint16_t*>(lowp);
@@ -281,16 +297,16 @@ AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* 
 template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2, size_t kFixed>
 AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
                                  size_t i, size_t n, float* __restrict sq, float* __restrict root) {
-  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);
   uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
 #ifdef AIO_ADAM_AVX2
   if (kAvx2 && kFixed != 0 && vs.kind == SqrtKind::MklSse) {
     static_assert(kFixed % 8 == 0, "whole vectors");
-    apply_mkl_256(s, vs, sq, b.exp_avg + i, b.param + i, n);
+    fused_mkl_256<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, n);
     if (kLowp != LowpKind::None) lowp_copy<kLowp, kFixed>(b.param + i, lowp, n);
     return;
   }
 #endif
+  moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);
   if (vs.kind != SqrtKind::CorrectlyRounded) {
     roots<kAvx2>(vs, sq, root, n);
     apply<kLowp, true, kFixed>(s, root, b.exp_avg + i, b.param + i, lowp, n);
@@ -358,15 +374,33 @@ RangeFn pick(const Scalars& s, LowpKind k) {
   return s.small_weight ? pick_lowp<false, true>(k) : pick_lowp<false, false>(k);
 }
 
-// A few workers that sleep on a condition variable between jobs (no
-// spinning: they share the cores with the I/O threads). One job at a time;
-// the caller runs part 0 itself.
+// Spins for up to kSpin waiting for done() before the caller blocks. A
+// sleeping thread takes tens of microseconds to wake on a virtual machine
+// (measured here: ~50 us per call, 7% of a 24-sub-group step), while calls
+// come back to back inside one optimizer step; a short spin bridges them.
+// OpenMP (DeepSpeedCPUAdam's threads) spins far longer by default.
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+template <class Done>
+bool spin_until(Done done) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  for (unsigned i = 1;; ++i) {
+    if (done()) return true;
+#ifdef AIO_ADAM_AVX2
+    _mm_pause();
+#endif
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return done();
+  }
+}
+
+// A few workers that spin briefly, then sleep on a condition variable
+// between jobs (they share the cores with the I/O threads). One job at a
+// time; the caller runs part 0 itself.
 class WorkerPool {
  public:
   // Calls fn(begin, end) over [0, n) in chunks of `chunk`, on the caller and
   // up to parts - 1 workers. Returns once every chunk is done; it never waits
-  // for a worker that has not woken up yet (a wake-up costs tens of
-  // microseconds on a busy machine; a late worker finds the job over).
+  // for a worker that has not joined yet (a late worker finds the job over).
   void run(unsigned parts, size_t n, size_t chunk, const std::function<void(size_t, size_t)>& fn) {
     std::lock_guard<std::mutex> job(job_mu_);
     grow(parts - 1);
@@ -377,13 +411,15 @@ class WorkerPool {
       chunk_ = chunk;
       parts_ = parts;
       next_.store(0, std::memory_order_relaxed);
-      ++generation_;
+      generation_.store(generation_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     }
-    wake_.notify_all();
+    wake_.notify_all();  // no system call when every worker is spinning
     take_chunks(fn);
+    // Every chunk is taken; wait for the workers still inside theirs.
+    spin_until([&] { return active_.load(std::memory_order_acquire) == 0; });
     std::unique_lock<std::mutex> lk(mu_);
     // Workers that joined finish the chunks they took; then none may join.
-    done_.wait(lk, [&] { return active_ == 0; });
+    done_.wait(lk, [&] { return active_.load(std::memory_order_relaxed) == 0; });
     fn_ = nullptr;
   }
 
@@ -405,29 +441,30 @@ class WorkerPool {
 
   void work(unsigned id) {
     uint64_t seen = 0;
-    std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
-      wake_.wait(lk, [&] { return generation_ != seen; });
-      seen = generation_;
+      spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
+      std::unique_lock<std::mutex> lk(mu_);
+      wake_.wait(lk, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+      seen = generation_.load(std::memory_order_relaxed);
       if (fn_ == nullptr || id >= parts_) continue;  // woke after the job ended
       const std::function<void(size_t, size_t)>* fn = fn_;
-      ++active_;
+      active_.fetch_add(1, std::memory_order_relaxed);
       lk.unlock();
       take_chunks(*fn);
       lk.lock();
-      if (--active_ == 0) done_.notify_one();
+      if (active_.fetch_sub(1, std::memory_order_release) == 1) done_.notify_one();
     }
   }
 
   std::mutex job_mu_;  // one job at a time
-  std::mutex mu_;      // guards everything below but next_
+  std::mutex mu_;      // guards the job's fields; the atomics change under it too
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
   const std::function<void(size_t, size_t)>* fn_ = nullptr;  // the running job
   size_t n_ = 0, chunk_ = 1;
   unsigned parts_ = 0;
-  unsigned active_ = 0;  // workers inside take_chunks
-  uint64_t generation_ = 0;
+  std::atomic<unsigned> active_{0};  // workers inside take_chunks
+  std::atomic<uint64_t> generation_{0};
   std::atomic<size_t> next_{0};
 };
 
@@ -445,6 +482,22 @@ WorkerPool& pool() {
   return *p;
 }
 
+// One job for an OpenMP team: every member takes chunks until none is left.
+struct TeamJob {
+  const std::function<void(size_t, size_t)>* fn;
+  size_t n, chunk;
+  std::atomic<size_t> next{0};
+};
+
+void team_member(void* data) {
+  auto* job = static_cast<TeamJob*>(data);
+  for (;;) {
+    const size_t begin = job->next.fetch_add(job->chunk, std::memory_order_relaxed);
+    if (begin >= job->n) return;
+    (*job->fn)(begin, std::min(job->n, begin + job->chunk));
+  }
+}
+
 }  // namespace
 
 bool mkl_sse_supported() {
@@ -456,7 +509,7 @@ bool mkl_sse_supported() {
 }
 
 void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
-                 const VectorSqrt& vsqrt_in) {
+                 const VectorSqrt& vsqrt_in, ParallelFn parallel) {
   if (buf.numel == 0) return;
   VectorSqrt vsqrt = vsqrt_in;
   if (vsqrt.fn == nullptr || (vsqrt.kind == SqrtKind::MklSse && !mkl_sse_supported()))
@@ -474,7 +527,15 @@ void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
   }
   // Small inputs still split in two or more: at least one chunk per part.
   const size_t chunk = std::min(kChunk, (n / parts + kBlock - 1) / kBlock * kBlock);
-  pool().run(parts, n, chunk, [&](size_t begin, size_t end) { fn(s, b, vsqrt, begin, end); });
+  const std::function<void(size_t, size_t)> body = [&](size_t begin, size_t end) {
+    fn(s, b, vsqrt, begin, end);
+  };
+  if (parallel) {
+    TeamJob job{&body, n, chunk};
+    parallel(&team_member, &job, parts, 0);  // returns when the whole team is done
+    return;
+  }
+  pool().run(parts, n, chunk, body);
 }
 
 }  // namespace aio

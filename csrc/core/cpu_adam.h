@@ -75,15 +75,22 @@ struct AdamHyper {
   double grad_scale = 1;  // multiplies the gradient first (as grad.mul_(scale))
 };
 
+// An OpenMP runtime's GOMP_parallel(fn, data, num_threads, flags): libgomp's
+// entry point, which LLVM's and Intel's runtimes export too. Found at run
+// time in the runtime the process already has (torch's), never linked.
+using ParallelFn = void (*)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+
 // Updates param, exp_avg and exp_avg_sq in place (and writes lowp). grad is
 // only read. threads <= 1, or fewer than about 64K elements, runs on the
-// calling thread; otherwise contiguous chunks run on the calling thread plus
-// threads - 1 pool workers. Concurrent calls are serialized on the pool.
-// The result does not depend on the thread count. Buffers must not overlap.
-// External and MklSse need vsqrt.fn (without one they fall back to
-// CorrectlyRounded).
+// calling thread; otherwise chunks run on the calling thread plus threads - 1
+// others: the OpenMP runtime's team when `parallel` is given (sharing the
+// threads torch's own kernels use, which spin between jobs: a second pool
+// would compete with them for the cores), else this library's pool, where
+// concurrent calls are serialized. The result does not depend on the thread
+// count. Buffers must not overlap. External and MklSse need vsqrt.fn
+// (without one they fall back to CorrectlyRounded).
 void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
-                 const VectorSqrt& vsqrt = VectorSqrt());
+                 const VectorSqrt& vsqrt = VectorSqrt(), ParallelFn parallel = nullptr);
 
 // Elements below which adam_update never uses the pool.
 constexpr size_t kAdamSerialBelow = size_t{1} << 16;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -120,6 +121,39 @@ TEST(adam_thread_count_changes_nothing) {
     CHECK(same(one.m, many.m));
     CHECK(same(one.v, many.v));
   }
+}
+
+static int fake_gomp_calls = 0;
+
+// Stands in for an OpenMP runtime's GOMP_parallel: runs fn on num_threads
+// threads (the caller one of them) and returns when all are done.
+static void fake_gomp_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned) {
+  fake_gomp_calls++;
+  std::vector<std::thread> team;
+  for (unsigned t = 1; t < num_threads; ++t) team.emplace_back([=] { fn(data); });
+  fn(data);
+  for (auto& t : team) t.join();
+}
+
+TEST(adam_openmp_team_changes_nothing) {
+  const size_t n = (size_t{1} << 19) + 7;
+  aio::AdamHyper h;
+  h.weight_decay = 0.01;
+  State one(n, 5);
+  aio::adam_update(one.buffers(), h, 1);
+  for (unsigned threads : {2u, 4u}) {
+    State team(n, 5);
+    const int before = fake_gomp_calls;
+    aio::adam_update(team.buffers(), h, threads, aio::VectorSqrt(), &fake_gomp_parallel);
+    CHECK(fake_gomp_calls == before + 1);
+    CHECK(same(one.p, team.p));
+    CHECK(same(one.m, team.m));
+    CHECK(same(one.v, team.v));
+  }
+  State serial(n, 5);  // one thread never starts a team
+  const int before = fake_gomp_calls;
+  aio::adam_update(serial.buffers(), h, 1, aio::VectorSqrt(), &fake_gomp_parallel);
+  CHECK(fake_gomp_calls == before);
 }
 
 TEST(adam_lowp_copies_known_encodings) {
