@@ -4,11 +4,15 @@
     aio-sweep /local_nvme --exhaustive       # every combination of the space
     aio-sweep /nvme0 /nvme1 --json trials.json --plot sweep.png
 
-Runs in-process: one AsyncIOHandle per configuration, O_DIRECT, one file per
-directory preallocated once and reused, removed at the end (also on Ctrl-C).
-The smart search measures block_size x queue_depth first, then threads and
-submission modes around the best two, then re-measures the top five with more
-repeats; it visits about a fifth of the full grid.
+Runs in-process: one AsyncIOHandle per directory and configuration, O_DIRECT,
+one file per directory preallocated once and reused, removed at the end (also
+on Ctrl-C). The smart search measures block_size x queue_depth first, then
+threads and submission modes around the best two, then re-measures the top
+five with more repeats; it visits about a fifth of the full grid.
+
+With several directories (one per drive) the search measures them together,
+each drive with its own handle and queue, and then, at the chosen settings,
+each drive alone and the set together: what the set gives over one drive.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -169,7 +174,8 @@ class Drive:
 
     Each is a fresh mkstemp file (unpredictable name, O_EXCL|O_NOFOLLOW, 0600)
     used only through its descriptor, so nothing another user plants in the
-    directory is ever opened or written.
+    directory is ever opened or written. Each directory has its own slice of
+    one locked buffer, and each trial gives each directory its own handle.
     """
 
     def __init__(self, dirs: Sequence[str], io_size: int, allow_buffered: bool) -> None:
@@ -178,22 +184,24 @@ class Drive:
         self.allow_buffered = allow_buffered
         self.paths: list[str] = []
         self.fds: list[int] = []
-        self.buffered = False
+        self.direct: list[bool] = []  # per directory, from the O_DIRECT probe
+        self.buffered = False  # some directory has no O_DIRECT
         self.locked = True
         self.buf: Any = None
+        self.bufs: list[Any] = []  # one io_size slice of buf per directory
 
     def check(self) -> None:
-        """Every check that can fail before any I/O."""
+        """Every check that can fail before any I/O; nothing is written until
+        every directory has passed the path and space checks."""
+        self._check_paths()
+        self.direct = []
         for d in self.dirs:
-            try:
-                check_directory(d, self.io_size, "--io-size")
-            except CliError as e:
-                raise SweepError(str(e)) from None
             try:
                 fd, probe, direct = open_scratch(d, ".aio-sweep-probe-")
             except CliError as e:
                 raise SweepError(str(e)) from None
             remove_scratch(fd, probe)
+            self.direct.append(direct)
             if not direct:
                 if not self.allow_buffered:
                     raise SweepError(
@@ -203,19 +211,43 @@ class Drive:
                     )
                 self.buffered = True
         try:
-            check_memory(self.io_size, "--io-size")
+            check_memory(self.io_size * len(self.dirs), "--io-size")
         except CliError as e:
             raise SweepError(str(e)) from None
 
+    def _check_paths(self) -> None:
+        """Each directory exists, is writable and has room for its file; no
+        directory is given twice; directories sharing a filesystem have room
+        for all of their files."""
+        seen: dict[str, str] = {}
+        for d in self.dirs:
+            try:
+                check_directory(d, self.io_size, "--io-size")
+            except CliError as e:
+                raise SweepError(str(e)) from None
+            real = os.path.realpath(d)
+            if real in seen:
+                raise SweepError(f"{d}: given twice (also as {seen[real]}); give one directory per drive")
+            seen[real] = d
+        for group in same_filesystem(self.dirs):
+            if len(group) > 1:
+                try:
+                    check_directory(group[0], self.io_size * len(group), "--io-size")
+                except CliError as e:
+                    raise SweepError(f"{e} (one file for each of {', '.join(group)})") from None
+
     def prepare(self, log: Any = print) -> None:
         """Allocate the I/O buffer and create, preallocate and fill one scratch file per directory."""
-        self.buf, self.locked = scratch_buffer(self.io_size, log)
+        n = self.io_size
+        self.buf, self.locked = scratch_buffer(n * len(self.dirs), log)
         self.buf.random_(0, 256)
+        self.bufs = [self.buf[i * n : (i + 1) * n] for i in range(len(self.dirs))]
+        direct = self.direct or [not self.buffered] * len(self.dirs)
         h = AsyncIOHandle(block_size=1 << 20, queue_depth=16)
         try:
-            for d in self.dirs:
+            for d, buf, dio in zip(self.dirs, self.bufs, direct, strict=True):
                 try:
-                    fd, p, _ = open_scratch(d, "aio-sweep-", direct=not self.buffered)
+                    fd, p, _ = open_scratch(d, "aio-sweep-", direct=dio)
                 except CliError as e:
                     raise SweepError(str(e)) from None
                 self.fds.append(fd)
@@ -227,28 +259,38 @@ class Drive:
                 except OSError as e:
                     if e.errno == errno.ENOSPC:
                         raise SweepError(f"{d}: no space left for {self.io_size} bytes") from None
-                h.sync_pwrite(self.buf, fd)
+                h.sync_pwrite(buf, fd)
         finally:
             h.close()
 
-    def run(self, s: Setting, direction: str) -> float:
-        """Seconds to move io_size bytes per directory with setting `s`."""
-        h = AsyncIOHandle(
-            block_size=s.block_size,
-            queue_depth=s.queue_depth,
-            thread_count=s.thread_count,
-            single_submit=s.single_submit,
-            overlap_events=s.overlap_events,
-        )
+    def run(self, s: Setting, direction: str, which: Sequence[int] | None = None) -> float:
+        """Seconds to move io_size bytes per directory with setting `s`: the
+        directories `which` (default all), each with its own handle, all
+        submitted at once; the time is the wall time until the last is done."""
+        idx = list(range(len(self.fds))) if which is None else list(which)
+        handles: list[AsyncIOHandle] = []
         try:
-            call = h.async_pread if direction == "read" else h.async_pwrite
+            for _ in idx:
+                handles.append(
+                    AsyncIOHandle(
+                        block_size=s.block_size,
+                        queue_depth=s.queue_depth,
+                        thread_count=s.thread_count,
+                        single_submit=s.single_submit,
+                        overlap_events=s.overlap_events,
+                    )
+                )
             t0 = time.perf_counter()
-            futs = [call(self.buf, fd) for fd in self.fds]  # drives run concurrently
+            futs = [
+                (h.async_pread if direction == "read" else h.async_pwrite)(self.bufs[i], self.fds[i])
+                for h, i in zip(handles, idx, strict=True)
+            ]  # drives run concurrently
             for f in futs:
                 f.result()
             return time.perf_counter() - t0
         finally:
-            h.close()  # waits for in-flight I/O, so the descriptors can be closed after
+            for h in handles:
+                h.close()  # waits for in-flight I/O, so the descriptors can be closed after
 
     def cleanup(self) -> None:
         """Close and remove the scratch files."""
@@ -256,6 +298,84 @@ class Drive:
             remove_scratch(fd, p)
         self.fds = []
         self.paths = []
+
+
+def same_filesystem(dirs: Sequence[str]) -> list[list[str]]:
+    """`dirs` grouped by filesystem (``os.stat().st_dev``), in the order given."""
+    groups: dict[int, list[str]] = {}
+    for d in dirs:
+        groups.setdefault(os.stat(d).st_dev, []).append(d)
+    return list(groups.values())
+
+
+def fs_type(path: str) -> str:
+    """The filesystem type of the mount holding `path` ('' when unknown)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, kind = mnt, parts[2]
+    return kind
+
+
+def disk_of(dev: int) -> str | None:
+    """The whole block device (``nvme0n1``) behind a filesystem's ``st_dev``,
+    from sysfs; None when there is none (tmpfs, overlay, network)."""
+    node = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if not os.path.isdir(node):
+        return None
+    if os.path.exists(os.path.join(node, "partition")):
+        node = os.path.dirname(node)
+    return os.path.basename(node)
+
+
+def device_notes(drive: Drive) -> list[str]:
+    """Why a set of directories cannot beat one drive: two on one filesystem
+    (same ``st_dev``), two filesystems on one disk, or a directory without
+    O_DIRECT (tmpfs and the like measure memory, not a drive)."""
+    notes = []
+    groups = same_filesystem(drive.dirs)
+    for g in groups:
+        if len(g) > 1:
+            dev = os.stat(g[0]).st_dev
+            notes.append(
+                f"{' and '.join(g)} are on the same device (st_dev {os.major(dev)}:{os.minor(dev)}): "
+                "they share one drive, so the set cannot beat one drive"
+            )
+    disks: dict[str, list[str]] = {}
+    for g in groups:
+        disk = disk_of(os.stat(g[0]).st_dev)
+        if disk is not None:
+            disks.setdefault(disk, []).append(g[0])
+    for disk, firsts in disks.items():
+        if len(firsts) > 1:
+            notes.append(
+                f"{' and '.join(firsts)} are different filesystems on the same disk ({disk}): "
+                "the set cannot beat one drive"
+            )
+    for d, direct in zip(drive.dirs, drive.direct, strict=False):
+        kind = fs_type(d)
+        if kind in ("tmpfs", "ramfs"):
+            notes.append(
+                f"{d} is on {kind} (memory{'' if direct else ', no O_DIRECT'}): its figures are "
+                "memory copies, not a drive, and say nothing about what drives give together"
+            )
+        elif not direct:
+            notes.append(
+                f"{d} ({kind or 'its filesystem'}) has no O_DIRECT and is measured through the page "
+                "cache: its figures are memory copies, not a drive"
+            )
+    return notes
 
 
 @dataclass
@@ -420,6 +540,78 @@ class Sweep:
         self.confirmed = {s: statistics.median(v) for s, v in rel.items()}
 
 
+def _harmonic(xs: Sequence[float]) -> float:
+    """Harmonic mean (the rate of equal amounts of each); 0.0 when any is 0."""
+    return 0.0 if not xs or any(x <= 0 for x in xs) else len(xs) / sum(1 / x for x in xs)
+
+
+@dataclass
+class Comparison:
+    """Each drive alone and the set together at one setting: GB/s samples
+    per direction. Figures are medians; ``score`` is their harmonic mean."""
+
+    dirs: list[str]
+    setting: Setting
+    directions: list[str]
+    rounds: int
+    alone: list[dict[str, list[float]]]
+    together: dict[str, list[float]]
+
+    def _row(self, samples: dict[str, list[float]]) -> dict[str, float]:
+        row = {d: statistics.median(samples[d]) if samples[d] else 0.0 for d in self.directions}
+        row["score"] = _harmonic([row[d] for d in self.directions])
+        return row
+
+    def columns(self) -> list[str]:
+        """The figures of each row: the directions, then ``score``."""
+        return [*self.directions, "score"]
+
+    def alone_rows(self) -> list[dict[str, float]]:
+        """Per drive alone: median GB/s per direction and the score."""
+        return [self._row(x) for x in self.alone]
+
+    def set_row(self) -> dict[str, float]:
+        """The set together: total bytes over the wall time of the concurrent phase, GB/s."""
+        return self._row(self.together)
+
+    def vs_best_single(self) -> dict[str, float]:
+        """The set's figures over the best single drive's (per column)."""
+        rows, st = self.alone_rows(), self.set_row()
+        return {c: st[c] / max(r[c] for r in rows) if max(r[c] for r in rows) > 0 else 0.0 for c in st}
+
+    def efficiency(self) -> dict[str, float]:
+        """Scaling efficiency: the set's figures over the sum of the singles' (per column)."""
+        rows, st = self.alone_rows(), self.set_row()
+        return {c: st[c] / sum(r[c] for r in rows) if sum(r[c] for r in rows) > 0 else 0.0 for c in st}
+
+
+def compare(drive: Drive, s: Setting, directions: list[str], rounds: int, seed: int = 0) -> Comparison:
+    """Measure each drive alone and all of them together at setting `s`.
+
+    Each round visits the entries (every drive alone, then the set) in a fresh
+    random order, so the drives' drift spreads over all of them. The set's
+    trial gives every drive its own handle and submits to all at once; its
+    rate is the total bytes over the wall time until the last drive is done.
+    """
+    rng = random.Random(seed)
+    n = len(drive.dirs)
+    entries: list[tuple[int, ...]] = [(i,) for i in range(n)] + [tuple(range(n))]
+    samples: dict[tuple[int, ...], dict[str, list[float]]] = {e: {d: [] for d in directions} for e in entries}
+    progress = Progress(rounds * len(entries) * len(directions), quiet=False)
+    for _ in range(rounds):
+        order = list(entries)
+        rng.shuffle(order)
+        for e in order:
+            for d in directions:
+                check_interrupt()
+                sec = drive.run(s, d, e)
+                samples[e][d].append(drive.io_size * len(e) / sec / 1e9)
+                progress.step("each drive alone and the set together")
+    progress.close()
+    alone = [samples[(i,)] for i in range(n)]
+    return Comparison(list(drive.dirs), s, list(directions), rounds, alone, samples[tuple(range(n))])
+
+
 def fio_reference(path: str, s: Setting, io_size: int, direction: str) -> float | None:
     """fio (libaio, O_DIRECT) at the same settings on the same file: GB/s."""
     fio = shutil.which("fio")
@@ -527,7 +719,10 @@ def build_parser() -> argparse.ArgumentParser:
         "dirs",
         nargs="*",
         metavar="DIR",
-        help="directory on each drive to measure (default: a temporary directory, removed after)",
+        help=(
+            "directory to measure, one per drive; with several, each drive alone and the set "
+            "together are compared (default: a temporary directory, removed after)"
+        ),
     )
     ap.add_argument("--block-sizes", type=_sizes, default=_sizes("128K,256K,512K,1M,2M,4M"))
     ap.add_argument("--queue-depths", type=_ints, default=_ints("4,8,16,32,64"))
@@ -613,8 +808,13 @@ def _sweep(a: argparse.Namespace, space: Space) -> int:
     drive = Drive(a.dirs, a.io_size, a.allow_buffered)
     try:
         drive.check()
-        if drive.buffered:
+        if drive.buffered and len(drive.dirs) == 1:
             log("aio-sweep: WARNING: no O_DIRECT here; measuring buffered I/O (--allow-buffered)")
+        elif drive.buffered:
+            which = ", ".join(d for d, ok in zip(drive.dirs, drive.direct, strict=True) if not ok)
+            log(
+                f"aio-sweep: WARNING: no O_DIRECT in {which}; measuring buffered I/O there (--allow-buffered)"
+            )
         mode = "exhaustive" if a.exhaustive else "smart"
         log(
             f"aio-sweep: {mode} search over {space.size()} configurations, "
@@ -628,14 +828,22 @@ def _sweep(a: argparse.Namespace, space: Space) -> int:
         t0 = time.monotonic()
         (sweep.exhaustive if a.exhaustive else sweep.smart)()
         sweep.progress.close()
-        return _report(a, sweep, mode, time.monotonic() - t0, log)
+        elapsed = time.monotonic() - t0
+        best = sweep.best()
+        comp = None
+        if best is not None and len(drive.dirs) > 1:
+            log(f"aio-sweep: measuring each drive alone and the set together at {best.short()}")
+            comp = compare(drive, best, directions, max(3, a.repeats), a.seed)
+        return _report(a, sweep, mode, elapsed, log, comp)
     finally:
         drive.cleanup()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _report(a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, log: Any) -> int:
+def _report(
+    a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, log: Any, comp: Comparison | None = None
+) -> int:
     directions = sweep.directions
     best = sweep.best()
     if best is None:
@@ -648,6 +856,8 @@ def _report(a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, log:
     log(f"\nmeasured {len(sweep.measured())} configurations, {len(sweep.trials)} trials in {elapsed:.0f} s")
     if sweep.out_of_budget:
         log(f"note: stopped at --budget-seconds {a.budget_seconds}; the search is incomplete")
+    if comp is not None:
+        log(f"(the search measured the {len(comp.dirs)} directories together: GB/s of the set)")
     hdr = "  ".join(f"{d:>14s}" for d in directions)
     log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]  head-to-head")
     for i, s in enumerate(ranking[: a.top], 1):
@@ -668,68 +878,172 @@ def _report(a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, log:
                 "  note: the top two overlap within their spread; on this drive they are "
                 "indistinguishable -- either is a good choice"
             )
-    ref = _fio(a, sweep, best, log)
+    notes = device_notes(sweep.drive) if comp is not None else []
+    if comp is not None:
+        _report_set(comp, notes, log)
+    ref = _fio(a, sweep, best, log, comp)
     if a.json:
-        _write_json(a, sweep, mode, elapsed, best, ref)
+        _write_json(a, sweep, mode, elapsed, best, ref, comp, notes)
     if a.plot:
         plot(sweep, a.plot)
         log(f"  plot written to {a.plot}")
-    block = json.dumps({"aio": best.aio_block()}, indent=2)
-    if not a.emit_config:
-        print("\nbest aio block (paste into your DeepSpeed config):")
-    print(block)
+    _print_block(a, sweep.drive, best, log)
     return 0
 
 
-def _fio(a: argparse.Namespace, sweep: Sweep, best: Setting, log: Any) -> dict[str, float]:
-    """fio's rate at the best setting, per direction (empty without fio)."""
+def _report_set(comp: Comparison, notes: list[str], log: Any) -> None:
+    """The per-drive and set table, the ratios, and why the set cannot beat one drive."""
+    cols = comp.columns()
+    width = max(24, *(len(d) for d in comp.dirs))
+    log(
+        f"\neach drive alone and the {len(comp.dirs)} together at {comp.setting.short()} "
+        f"(GB/s, median of {comp.rounds} rounds; score = harmonic mean of {' and '.join(comp.directions)}):"
+    )
+    log(f"  {'directory':{width}s}  " + "  ".join(f"{c:>8s}" for c in cols))
+    for d, row in zip(comp.dirs, comp.alone_rows(), strict=True):
+        log(f"  {d:{width}s}  " + "  ".join(f"{row[c]:8.2f}" for c in cols))
+    st, vs, eff = comp.set_row(), comp.vs_best_single(), comp.efficiency()
+    log(f"  {f'set of {len(comp.dirs)}, together':{width}s}  " + "  ".join(f"{st[c]:8.2f}" for c in cols))
+    log(f"  {'set / best single':{width}s}  " + "  ".join(f"{vs[c]:7.2f}x" for c in cols))
+    log(f"  {'set / sum of singles':{width}s}  " + "  ".join(f"{eff[c]:7.0%} " for c in cols).rstrip())
+    log("  (set / sum of singles is the scaling efficiency: 100% = every drive at its own full rate)")
+    for n in notes:
+        log(f"  note: {n}")
+    log(
+        f"  the set of {len(comp.dirs)} gives {vs['score']:.2f}x the best single drive "
+        f"({eff['score']:.0%} of the sum of the singles)"
+        + (
+            "; see the notes: these are not separate drives, so this is not what drives would give"
+            if notes
+            else ""
+        )
+    )
+
+
+def _print_block(a: argparse.Namespace, drive: Drive, best: Setting, log: Any) -> None:
+    """The config snippet: the aio block; with several directories also both
+    offload blocks' nvme_path as a list of them."""
+    snippet: dict[str, Any] = {"aio": best.aio_block()}
+    if len(drive.dirs) > 1:
+        nvme = {"device": "nvme", "nvme_path": list(drive.dirs)}
+        snippet["zero_optimization"] = {"offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
+        log(
+            "\nnote: aio.zero takes nvme_path as a list of directories (one per drive); "
+            "DeepSpeed takes one string only: under DeepSpeed keep one of these directories"
+        )
+    if not a.emit_config:
+        if len(drive.dirs) > 1:
+            print("\nbest aio block and the drives as nvme_path (merge into your config):")
+        else:
+            print("\nbest aio block (paste into your DeepSpeed config):")
+    print(json.dumps(snippet, indent=2))
+
+
+def _fio(
+    a: argparse.Namespace, sweep: Sweep, best: Setting, log: Any, comp: Comparison | None = None
+) -> dict[str, float]:
+    """fio's rate at the best setting, per direction (empty without fio), on
+    the first drive; with several drives, on each drive with O_DIRECT, each
+    compared with that drive measured alone. Keys: direction, or
+    ``directory:direction`` with several drives."""
     drive, directions = sweep.drive, sweep.directions
     ref: dict[str, float] = {}
-    if not a.no_fio and not drive.buffered:
+    if a.no_fio or (drive.buffered and comp is None):
+        return ref
+    if comp is None:
         for d in directions:
             r = fio_reference(drive.paths[0], best, a.io_size, d)
             if r:
                 ref[d] = r
-        if ref:
-            for d, r in ref.items():
-                log(
-                    f"  fio at the same settings, {d}: {r:.2f} GB/s -> "
-                    f"aio/fio = {sweep.median(best, d) / r:.2f}"
-                )
-        elif not shutil.which("fio"):
-            log("  (fio not installed: no device reference; apt-get install fio)")
+                ratio = sweep.median(best, d) / r
+                log(f"  fio at the same settings, {d}: {r:.2f} GB/s -> aio/fio = {ratio:.2f}")
+    else:
+        rows = comp.alone_rows()
+        for i, (path, direct) in enumerate(zip(drive.paths, drive.direct, strict=True)):
+            for d in directions if direct else []:
+                r = fio_reference(path, best, a.io_size, d)
+                if r:
+                    ref[f"{drive.dirs[i]}:{d}"] = r
+                    log(
+                        f"  fio at the same settings, {drive.dirs[i]} {d}: {r:.2f} GB/s -> "
+                        f"aio alone/fio = {rows[i][d] / r:.2f}"
+                    )
+    if not ref and not shutil.which("fio"):
+        log("  (fio not installed: no device reference; apt-get install fio)")
     return ref
 
 
+def _set_json(comp: Comparison, drive: Drive, notes: list[str]) -> dict[str, Any]:
+    """The per-drive and set figures for --json."""
+
+    def figures(row: dict[str, float]) -> dict[str, float]:
+        return {f"{c}_gbps": row[c] for c in comp.columns()}
+
+    drives = []
+    for i, d in enumerate(comp.dirs):
+        dev = os.stat(d).st_dev
+        drives.append(
+            {
+                "dir": d,
+                "st_dev": f"{os.major(dev)}:{os.minor(dev)}",
+                "disk": disk_of(dev),
+                "fs_type": fs_type(d),
+                "o_direct": drive.direct[i] if i < len(drive.direct) else not drive.buffered,
+                **figures(comp.alone_rows()[i]),
+                "samples_gbps": comp.alone[i],
+            }
+        )
+    together = {
+        "dirs": comp.dirs,
+        **figures(comp.set_row()),
+        "samples_gbps": comp.together,
+        "vs_best_single": comp.vs_best_single(),
+        "scaling_efficiency": comp.efficiency(),
+    }
+    return {
+        "compare_setting": comp.setting.aio_block(),
+        "compare_rounds": comp.rounds,
+        "drives": drives,
+        "set": together,
+        "notes": notes,
+    }
+
+
 def _write_json(
-    a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, best: Setting, ref: dict[str, float]
+    a: argparse.Namespace,
+    sweep: Sweep,
+    mode: str,
+    elapsed: float,
+    best: Setting,
+    ref: dict[str, float],
+    comp: Comparison | None = None,
+    notes: Sequence[str] = (),
 ) -> None:
     drive, space = sweep.drive, sweep.space
-    with open(a.json, "w") as f:
-        json.dump(
+    data: dict[str, Any] = {
+        "dirs": drive.dirs,
+        "io_size": a.io_size,
+        "mode": mode,
+        "elapsed_s": elapsed,
+        "space": asdict(space),
+        "best": best.aio_block(),
+        "fio_gbps": ref,
+        "trials": [
             {
-                "dirs": drive.dirs,
-                "io_size": a.io_size,
-                "mode": mode,
-                "elapsed_s": elapsed,
-                "space": asdict(space),
-                "best": best.aio_block(),
-                "fio_gbps": ref,
-                "trials": [
-                    {
-                        **asdict(t.setting),
-                        "direction": t.direction,
-                        "gbps": t.gbps,
-                        "seconds": t.seconds,
-                        "bytes": t.nbytes,
-                        "stage": t.stage,
-                    }
-                    for t in sweep.trials
-                ],
-            },
-            f,
-            indent=1,
-        )
+                **asdict(t.setting),
+                "direction": t.direction,
+                "gbps": t.gbps,
+                "seconds": t.seconds,
+                "bytes": t.nbytes,
+                "stage": t.stage,
+            }
+            for t in sweep.trials
+        ],
+    }
+    if comp is not None:
+        data.update(_set_json(comp, drive, list(notes)))
+    with open(a.json, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -216,3 +216,176 @@ def test_interrupt_cleans_up(tmp_path, monkeypatch, capsys):
     assert sw.main([str(tmp_path), *TINY]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert _leftovers(tmp_path) == []
+
+
+# -- several directories: each drive alone, the set together -------------------------
+
+
+# Two configurations: a real search (coarse pass and head to head) that stays
+# short, since every trial opens and closes one handle per drive.
+TWO = [*TINY, "--block-sizes", "1M", "--threads", "1", "--single-submit", "false", "--overlap-events", "true"]
+
+
+def _two_dirs(tmp_path):
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    d1.mkdir()
+    d2.mkdir()
+    return str(d1), str(d2)
+
+
+def test_two_dirs_same_device(tmp_path, capsys):
+    d1, d2 = _two_dirs(tmp_path)
+    j = tmp_path / "trials.json"
+    assert sw.main([d1, d2, *TWO, "--json", str(j)]) == 0
+    out = capsys.readouterr().out
+    # The table: each drive alone, the set, the two ratios; and the plain note.
+    assert "set of 2, together" in out and "set / best single" in out and "set / sum of singles" in out
+    assert "scaling efficiency" in out
+    assert f"{d1} and {d2} are on the same device" in out and "cannot beat one drive" in out
+    # The snippet: the aio block and both paths as nvme_path of both offload blocks.
+    block = json.loads(out[out.index('{\n  "aio"') :])
+    for key in ("offload_param", "offload_optimizer"):
+        assert block["zero_optimization"][key] == {"device": "nvme", "nvme_path": [d1, d2]}
+    assert load_config({"aio": block["aio"]}).aio.to_deepspeed()["block_size"] == block["aio"]["block_size"]
+    assert "DeepSpeed takes one string only" in out
+    # The JSON: both drives and the set, consistent with each other.
+    data = json.loads(j.read_text())
+    assert [x["dir"] for x in data["drives"]] == [d1, d2] and data["set"]["dirs"] == [d1, d2]
+    assert data["drives"][0]["st_dev"] == data["drives"][1]["st_dev"]
+    assert any("same device" in n for n in data["notes"])
+    for fig in [*data["drives"], data["set"]]:
+        assert fig["read_gbps"] > 0 and fig["write_gbps"] > 0 and fig["score_gbps"] > 0
+        assert len(fig["samples_gbps"]["read"]) == data["compare_rounds"] >= 3
+    best = max(x["score_gbps"] for x in data["drives"])
+    total = sum(x["score_gbps"] for x in data["drives"])
+    assert data["set"]["vs_best_single"]["score"] == pytest.approx(data["set"]["score_gbps"] / best)
+    assert data["set"]["scaling_efficiency"]["score"] == pytest.approx(data["set"]["score_gbps"] / total)
+    assert data["compare_setting"] == data["best"] == block["aio"]
+    assert _leftovers(d1) == [] and _leftovers(d2) == []
+
+
+def test_two_dirs_given_settings_emit_config(tmp_path, capsys):
+    """One setting given (no search): stdout is only the snippet, notes go to stderr."""
+    d1, d2 = _two_dirs(tmp_path)
+    fixed = ["--block-sizes", "1M", "--queue-depths", "8", "--threads", "1"]
+    fixed += ["--single-submit", "false", "--overlap-events", "true"]
+    assert sw.main([d1, d2, *TWO, *fixed, "--read-only", "--emit-config"]) == 0
+    cap = capsys.readouterr()
+    block = json.loads(cap.out)
+    assert block["aio"]["block_size"] == 1 << 20 and block["aio"]["queue_depth"] == 8
+    assert block["zero_optimization"]["offload_param"]["nvme_path"] == [d1, d2]
+    assert "set of 2, together" in cap.err and "same device" in cap.err
+
+
+def test_set_trial_gives_each_drive_its_own_handle(tmp_path, monkeypatch):
+    d1, d2 = _two_dirs(tmp_path)
+    submits = []
+
+    class Recording(sw.AsyncIOHandle):
+        def async_pread(self, buffer, path, file_offset=0):
+            submits.append((id(self), path, buffer.data_ptr()))
+            return super().async_pread(buffer, path, file_offset)
+
+    drive = sw.Drive([d1, d2], 1 << 20, allow_buffered=False)
+    drive.check()
+    drive.prepare(log=lambda *x: None)
+    try:
+        monkeypatch.setattr(sw, "AsyncIOHandle", Recording)
+        assert drive.run(sw.Setting(1 << 20, 4, 1, False, True), "read") > 0
+        assert len({h for h, _, _ in submits}) == 2  # one handle per drive
+        assert sorted(p for _, p, _ in submits) == sorted(drive.fds)  # each its own file
+        assert len({b for _, _, b in submits}) == 2  # and its own buffer
+        submits.clear()
+        drive.run(sw.Setting(1 << 20, 4, 1, False, True), "read", [1])  # one drive alone
+        assert [p for _, p, _ in submits] == [drive.fds[1]]
+    finally:
+        drive.cleanup()
+
+
+class TwoFakeDrives(sw.Drive):
+    """Drive 0 does 2 GB/s alone, drive 1 1 GB/s, the two together 2.7 GB/s."""
+
+    RATES = {(0,): 2.0, (1,): 1.0, (0, 1): 2.7}
+
+    def __init__(self) -> None:
+        super().__init__(["/fake0", "/fake1"], 1 << 30, False)
+        self.paths = ["/fake0/f", "/fake1/f"]
+        self.fds = [10, 11]
+        self.calls: list[tuple[int, ...]] = []
+
+    def run(self, s, direction, which=None):
+        which = tuple(range(2)) if which is None else tuple(which)
+        self.calls.append(which)
+        rate = self.RATES[which] * (0.5 if direction == "write" else 1.0)
+        return self.io_size * len(which) / (rate * 1e9)
+
+
+def test_compare_figures_and_ratios():
+    drive = TwoFakeDrives()
+    s = sw.Setting(1 << 20, 8, 1, False, True)
+    comp = sw.compare(drive, s, ["read", "write"], rounds=3)
+    assert sorted(set(drive.calls)) == [(0,), (0, 1), (1,)] and len(drive.calls) == 3 * 3 * 2
+    alone = comp.alone_rows()
+    assert alone[0]["read"] == pytest.approx(2.0) and alone[1]["write"] == pytest.approx(0.5)
+    st = comp.set_row()
+    assert st["read"] == pytest.approx(2.7) and st["write"] == pytest.approx(1.35)
+    assert st["score"] == pytest.approx(2 / (1 / 2.7 + 1 / 1.35))
+    assert comp.vs_best_single()["read"] == pytest.approx(2.7 / 2.0)
+    assert comp.efficiency()["read"] == pytest.approx(2.7 / 3.0)
+    assert comp.efficiency()["write"] == pytest.approx(1.35 / 1.5)
+
+
+def test_missing_second_dir_named_before_any_file(tmp_path, capsys, monkeypatch):
+    d1, _ = _two_dirs(tmp_path)
+    missing = str(tmp_path / "nope")
+    created = []
+    real_open = sw.open_scratch
+    monkeypatch.setattr(sw, "open_scratch", lambda *a, **k: created.append(a) or real_open(*a, **k))
+    assert sw.main([d1, missing, *TINY]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing}: no such directory" in err
+    assert created == [] and os.listdir(d1) == []  # not even the O_DIRECT probe in d1
+
+
+def test_unwritable_dir_named(tmp_path, capsys, monkeypatch):
+    d1, d2 = _two_dirs(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, **k: p != d2 and real_access(p, m, **k))
+    assert sw.main([d1, d2, *TINY]) == 2
+    assert f"{d2}: not writable by this user" in capsys.readouterr().err
+    assert os.listdir(d1) == [] and os.listdir(d2) == []
+
+
+def test_same_dir_twice_refused(tmp_path, capsys):
+    d1, _ = _two_dirs(tmp_path)
+    assert sw.main([d1, d1 + "/", *TINY]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert os.listdir(d1) == []
+
+
+def test_shared_filesystem_needs_room_for_every_file(tmp_path, capsys, monkeypatch):
+    """Each directory alone has room for its file, the two together do not."""
+    import shutil
+
+    d1, d2 = _two_dirs(tmp_path)
+    usage = shutil.disk_usage(d1)
+    room = (2 << 20) + (64 << 20) + (1 << 20)  # one 2M file plus headroom, not two
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=room))
+    assert sw.main([d1, d2, *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "--io-size" in err and f"one file for each of {d1}, {d2}" in err
+    assert os.listdir(d1) == [] and os.listdir(d2) == []
+
+
+def test_notes_name_no_o_direct_and_memory(tmp_path, monkeypatch):
+    d1, d2 = _two_dirs(tmp_path)
+    _no_o_direct(monkeypatch)
+    drive = sw.Drive([d1, d2], 1 << 20, allow_buffered=True)
+    drive.check()
+    assert drive.direct == [False, False]
+    notes = sw.device_notes(drive)
+    assert any("same device" in n for n in notes)
+    assert any(n.startswith(d2) and "no O_DIRECT" in n for n in notes)
+    assert sw.fs_type("/proc/self") == "proc"
+    monkeypatch.setattr(sw, "fs_type", lambda p: "tmpfs")
+    assert any("is on tmpfs (memory, no O_DIRECT)" in n for n in sw.device_notes(drive))
