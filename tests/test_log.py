@@ -51,7 +51,7 @@ def test_param_swapper_logs_its_folder(caplog, tmp_path):
     s2 = ParamSwapper(str(tmp_path), dtype=torch.float32, buffer_count=1, buffer_size=1024)
     try:
         (rec,) = swap_records(caplog)  # the second swapper logs nothing
-        assert s1.storage.dir in rec.getMessage()
+        assert s1.space.dirs[0] in rec.getMessage()
     finally:
         s1.close()
         s2.close()

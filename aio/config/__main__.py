@@ -165,6 +165,15 @@ def _run(a: argparse.Namespace) -> int:
         print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
         for n in notes:
             print(f"aio-config: note: {n.message}", file=sys.stderr)
+        for key in ("offload_param", "offload_optimizer"):
+            blk = getattr(cfg.offload, key)
+            if blk is not None and len(blk.nvme_dirs()) > 1:
+                print(
+                    f"aio-config: note: zero_optimization.{key}.nvme_path lists "
+                    f"{len(blk.nvme_dirs())} drives: aio.zero stripes over them; DeepSpeed's own "
+                    "engine takes one directory (give it one, or a RAID-0 mount)",
+                    file=sys.stderr,
+                )
         print("config OK", file=sys.stderr)
         return 0
     dtype, source = estimate_dtype(a.config, a.dtype)

@@ -283,6 +283,13 @@ def estimate_memory(
     return est
 
 
+def _spread(est: MemoryEstimate, dirs: list[str], nbytes: int) -> None:
+    """Drive bytes striped evenly over the directories of one nvme_path."""
+    for i, path in enumerate(dirs):
+        share = nbytes // len(dirs) + (1 if i < nbytes % len(dirs) else 0)
+        est.nvme[path] = est.nvme.get(path, 0) + share
+
+
 def _estimate_params(est: MemoryEstimate, z: Any, numels: list[int] | None) -> None:
     p, n, b = z.offload_param, est.num_params, est.dtype_bytes
     if p is not None and p.device == "nvme":
@@ -296,8 +303,7 @@ def _estimate_params(est: MemoryEstimate, z: Any, numels: list[int] | None) -> N
             bucket["offload_param buffers"] = p.buffer_count * _round(p.buffer_size * b, _page())
         if locked:
             bucket["offload_param in CPU (max_in_cpu, small)"] = locked
-        path = str(p.nvme_path)
-        est.nvme[path] = est.nvme.get(path, 0) + (n - resident) * b
+        _spread(est, p.nvme_dirs(), (n - resident) * b)
     elif p is not None and p.device == "cpu":
         key = "offload_param (all in CPU; pinned for a GPU model)"
         (est.pinned if p.pin_memory else est.cpu)[key] = n * b
@@ -309,7 +315,6 @@ def _estimate_optimizer(est: MemoryEstimate, z: Any, sub: int, states: int) -> N
     if o is not None and o.device == "nvme":
         slot = _round(_round(sub * 4, _ALIGN), _page())
         (est.pinned if o.pin_memory else est.cpu)["offload_optimizer buffers"] = o.buffer_count * slot
-        path = str(o.nvme_path)
-        est.nvme[path] = est.nvme.get(path, 0) + n * per_elem
+        _spread(est, o.nvme_dirs(), n * per_elem)
     elif o is not None and o.device == "cpu":
         est.cpu["offload_optimizer (all in CPU)"] = n * per_elem

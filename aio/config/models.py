@@ -156,9 +156,30 @@ def _as_path(v: Any) -> Any:
     raise ValueError(f"expected a directory path, got {type(v).__name__}")
 
 
+def _as_paths(v: Any) -> Any:
+    """One directory (DeepSpeed's format) or a list of them, one per drive."""
+    if isinstance(v, (list, tuple)):
+        if not v:
+            raise ValueError("an empty list: give a directory, or a list of directories (one per drive)")
+        out = []
+        for i, item in enumerate(v):
+            try:
+                out.append(_as_path(item))
+            except ValueError as e:
+                raise ValueError(f"item {i}: {e}") from None
+            if out[-1] is None:
+                raise ValueError(f"item {i}: expected a directory path, got None")
+        dup = sorted({p for p in out if out.count(p) > 1})
+        if dup:
+            raise ValueError(f"{dup[0]!r} is listed twice; list each drive once")
+        return out if len(out) > 1 else out[0]
+    return _as_path(v)
+
+
 Int = Annotated[int, BeforeValidator(strict_int)]
 Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_as_device)]
 PathStr = Annotated[str | None, BeforeValidator(_as_path)]
+PathList = Annotated[str | list[str] | None, BeforeValidator(_as_paths)]
 Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v, "true or false"), v)[1])]
 Ratio = Annotated[float, BeforeValidator(strict_float), Field(ge=0.0, le=1.0)]
 
@@ -236,8 +257,18 @@ class AioConfig(_Block):
 
 class _OffloadBase(_Block):
     device: Device = Field("none", description="none | cpu | nvme")
-    nvme_path: PathStr = Field(None, description="directory on a fast local drive (device nvme)")
+    nvme_path: PathList = Field(
+        None,
+        description="directory on a fast local drive (device nvme), or a list of them, one per "
+        "drive, to stripe over (aio.zero; DeepSpeed takes one)",
+    )
     pin_memory: Bool = Field(True, description="page-locked CPU buffers")
+
+    def nvme_dirs(self) -> list[str]:
+        """``nvme_path`` as a list (one entry per drive; empty when unset)."""
+        if self.nvme_path is None:
+            return []
+        return [self.nvme_path] if isinstance(self.nvme_path, str) else list(self.nvme_path)
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> _OffloadBase:
@@ -331,6 +362,6 @@ class OffloadConfig(BaseModel):
         (parameters' first); empty when nothing goes to a drive."""
         out: list[str] = []
         for blk in (self.offload_param, self.offload_optimizer):
-            if blk is not None and blk.device == "nvme" and blk.nvme_path not in out:
-                out.append(str(blk.nvme_path))
+            if blk is not None and blk.device == "nvme":
+                out.extend(p for p in blk.nvme_dirs() if p not in out)
         return out

@@ -33,18 +33,16 @@ import json
 import os
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._log import log_swap_handle
 from ..config import discover_state_spec
-from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease
+from .drives import IOFuture, SwapSpace
 from .param import SwapStateError
 from .pool import BufferPool
 from .storage import (
-    SwapStorage,
     align_up,
     checkpoint_dir,
     load_plain,
@@ -65,7 +63,7 @@ class _SubGroup:
     nbytes: int  # of its extent
     scalars: dict[str, Any] | None = None  # None until its first step
     valid: bool = False  # drive copy holds a complete state
-    grad_future: AioFuture | None = None
+    grad_future: IOFuture | None = None
     grad_mem: Any = None  # fp32 CPU tensor holding the gradient instead of the drive
     proxy: Any = None
     history: list[str] = field(default_factory=list)
@@ -85,7 +83,7 @@ class OptimizerSwapper:
 
     def __init__(
         self,
-        nvme_path: str,
+        nvme_path: str | Sequence[str],
         optimizer_cls: Any,
         hyper: dict[str, Any] | None = None,
         *,
@@ -107,12 +105,7 @@ class OptimizerSwapper:
         self.pipeline_write = pipeline_write
         self.pin_memory = pin_memory
         self.sub_group_size = sub_group_size
-        self.storage = SwapStorage(nvme_path, "optimizer", job_id, rank)
-        self.file = self.storage.file("optimizer.swp")
-        kw = dict(aio or {})
-        self.reader = AsyncIOHandle(**kw)
-        self.writer = AsyncIOHandle(**kw)
-        log_swap_handle(self.reader, self.storage.dir)
+        self.space = SwapSpace(nvme_path, "optimizer", "optimizer.swp", aio, job_id, rank)
         self.groups: dict[int, _SubGroup] = {}
         self.pool: BufferPool | None = None
         self.optimizer: Any = None
@@ -139,7 +132,7 @@ class OptimizerSwapper:
                 "zero_optimization.offload_optimizer.device must be 'nvme' for an OptimizerSwapper"
             )
         return cls(
-            str(o.nvme_path),
+            o.nvme_dirs(),
             optimizer_cls,
             hyper,
             buffer_count=o.buffer_count,
@@ -191,7 +184,7 @@ class OptimizerSwapper:
                     "were sized at the first step; register every sub-group before stepping"
                 )
             self.pool = None  # still setting up and idle: re-size on next use
-        off = self.file.allocate(nbytes)
+        off = self.space.allocate(nbytes)
         g = _SubGroup(index, numel, off, parts, nbytes)
         g.proxy = torch.nn.Parameter(torch.empty(0))
         self.groups[index] = g
@@ -265,10 +258,10 @@ class OptimizerSwapper:
 
     def _write_part(self, g: _SubGroup, name: str, lease: Lease) -> None:
         off, n = self._part_io(g, name)
-        self.writer.sync_pwrite(lease.buffer()[:n], self.file.path, off)
+        self.space.sync_write(lease.buffer()[:n], off)
         self.counters["bytes_written"] += n
 
-    def write_gradient(self, index: int, grad: Any, async_op: bool = True) -> AioFuture:
+    def write_gradient(self, index: int, grad: Any, async_op: bool = True) -> IOFuture:
         """Write a sub-group's fp32 gradient (e.g. during backward). The
         future keeps `grad` alive; the next step waits for it."""
         import torch
@@ -284,7 +277,7 @@ class OptimizerSwapper:
         if g.grad_future is not None:
             g.grad_future.result()
         g.grad_mem = None  # the drive copy is the gradient from here on
-        fut = self.writer.async_pwrite(src.contiguous(), self.file.path, g.offset + g.parts["grad"][0])
+        fut = self.space.write(src.contiguous(), g.offset + g.parts["grad"][0])
         self.counters["bytes_written"] += g.numel * 4
         g.grad_future = fut
         if not async_op:
@@ -304,7 +297,7 @@ class OptimizerSwapper:
                 f"got {out.numel()} of {out.dtype}"
             )
         self._settle_grad(g)
-        self.reader.sync_pread(out, self.file.path, g.offset + g.parts["grad"][0])
+        self.space.sync_read(out, g.offset + g.parts["grad"][0])
         self.counters["bytes_read"] += g.numel * 4
 
     def discard_gradients(self) -> None:
@@ -478,7 +471,7 @@ class OptimizerSwapper:
         g = self.groups[index]
         self.drop_cached()  # the drive copy must be current
         out = torch.empty(g.numel, dtype=torch.float32)
-        self.reader.sync_pread(out, self.file.path, g.offset + g.parts["param"][0])
+        self.space.sync_read(out, g.offset + g.parts["param"][0])
         return out
 
     # -- checkpoint ----------------------------------------------------------------------
@@ -511,8 +504,8 @@ class OptimizerSwapper:
                     for name in self._saved_parts():
                         off, n = self._part_io(g, name)
                         buf = lease.buffer()[:n]
-                        self.reader.sync_pread(buf, self.file.path, off)
-                        self.writer.sync_pwrite(buf, path, off - g.offset - p_off)
+                        self.space.sync_read(buf, off)
+                        self.space.handle.sync_pwrite(buf, path, off - g.offset - p_off)
                         crc = zlib.crc32(buf, crc)
                 manifest["groups"][str(i)] = {
                     "numel": g.numel,
@@ -589,7 +582,7 @@ class OptimizerSwapper:
         for name, lease in zip(self._saved_parts(), leases, strict=True):
             off, n = self._part_io(g, name)
             buf = lease.buffer()[:n]
-            self.reader.sync_pread(buf, path, off - base)
+            self.space.handle.sync_pread(buf, path, off - base)
             crc = zlib.crc32(buf, crc)
             out.append((off, buf))
         if crc != meta["crc32"]:
@@ -608,7 +601,7 @@ class OptimizerSwapper:
                 g.valid = False
                 with self._leases(len(self._saved_parts())) as leases:
                     for off, buf in self._read_verified(directory, g, manifest["groups"][str(i)], leases):
-                        self.writer.sync_pwrite(buf, self.file.path, off)
+                        self.space.sync_write(buf, off)
                 g.valid = True
         except BaseException as e:
             self.broken = (
@@ -640,9 +633,10 @@ class OptimizerSwapper:
             "steps": self.steps,
             "state_tensors": [n for n, _ in self.spec],
             "pinned_buffer_bytes": self.pinned_bytes(),
-            "drive_bytes": self.file.size,
+            "drive_bytes": self.space.size,
             "broken": self.broken,
-            "swap_dir": self.storage.dir,
+            "swap_dir": self.space.dirs[0],
+            "drives": self.space.stats(),
         }
 
     def _check_open(self) -> None:
@@ -663,9 +657,7 @@ class OptimizerSwapper:
         for g in self.groups.values():
             if g.grad_future is not None:
                 g.grad_future.exception()
-        self.reader.close()
-        self.writer.close()
-        self.storage.close()
+        self.space.close()
 
     def __enter__(self) -> OptimizerSwapper:
         return self
@@ -714,8 +706,8 @@ def _check_buffer_count(
         )
 
 
-_Read = tuple[dict[str, Lease], list[AioFuture], bool]  # buffers, reads in flight, dirty
-_Write = tuple[int, list[Lease], list[AioFuture]]
+_Read = tuple[dict[str, Lease], list[IOFuture], bool]  # buffers, reads in flight, dirty
+_Write = tuple[int, list[Lease], list[IOFuture]]
 
 
 class _StepIO:
@@ -745,7 +737,7 @@ class _StepIO:
         futs = []
         for name, lease in zip(sw._saved_parts(), leases, strict=True):
             off, n = sw._part_io(g, name)
-            futs.append(sw.writer.async_pwrite(lease.buffer()[:n], sw.file.path, off))
+            futs.append(sw.space.write(lease.buffer()[:n], off))
             sw.counters["bytes_written"] += n
         return (i, leases, futs)
 
@@ -807,12 +799,12 @@ class _StepIO:
         leases = self._lease(len(names), must)
         if leases is None:
             return False
-        futs: list[AioFuture] = []
+        futs: list[IOFuture] = []
         self.reads[i] = (dict(zip(names, leases, strict=True)), futs, False)
         sw._settle_grad(g)
         for name, lease in zip(names, leases, strict=True):
             off, n = sw._part_io(g, name)
-            futs.append(sw.reader.async_pread(lease.buffer()[:n], sw.file.path, off))
+            futs.append(sw.space.read(lease.buffer()[:n], off))
             sw.counters["bytes_read"] += n
         return True
 
@@ -890,7 +882,7 @@ class _StepIO:
         self.kept.clear()
 
 
-def _wait_all(futs: list[AioFuture]) -> None:
+def _wait_all(futs: list[IOFuture]) -> None:
     """Wait for every future, then raise the first failure (none left in flight)."""
     errors = [fut.exception() for fut in futs]
     for e in errors:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._log import log_swap_handle
-from ..handle import AioFuture, AsyncIOHandle
 from ..pinned import Lease, locked_nbytes, new_locked_tensor
+from .drives import IOFuture, SwapSpace
 from .pool import BufferPool, PoolExhaustedError
-from .storage import SwapStorage, checkpoint_dir, crc32_of, require_complete, write_manifest
+from .storage import checkpoint_dir, crc32_of, require_complete, write_manifest
 
 
 class SwapStateError(RuntimeError):
@@ -49,7 +49,7 @@ class _Partition:
     offset: int = -1
     lease: Lease | None = None
     tensor: Any = None  # resident tensor, or view of the leased buffer
-    future: AioFuture | None = None
+    future: IOFuture | None = None
     written: bool = False  # has the drive copy ever been written?
     releasing: bool = False  # release the buffer once the pending write lands
 
@@ -74,7 +74,7 @@ class ParamSwapper:
 
     def __init__(
         self,
-        nvme_path: str,
+        nvme_path: str | Sequence[str],
         *,
         dtype: Any,
         buffer_count: int = 5,
@@ -100,12 +100,7 @@ class ParamSwapper:
             "zero_optimization.offload_param.buffer_count",
             "zero_optimization.offload_param.buffer_size",
         )
-        self.storage = SwapStorage(nvme_path, "param", job_id, rank)
-        self.file = self.storage.file("params.swp")
-        kw = dict(aio or {})
-        self.reader = AsyncIOHandle(**kw)
-        self.writer = AsyncIOHandle(**kw)
-        log_swap_handle(self.reader, self.storage.dir)
+        self.space = SwapSpace(nvme_path, "param", "params.swp", aio, job_id, rank)
         self.parts: dict[Any, _Partition] = {}
         self.resident_numel = 0
         self._cpu_full = False  # a partition went past max_in_cpu: the rest go to the drive
@@ -132,7 +127,7 @@ class ParamSwapper:
         if p is None or p.device != "nvme":
             raise ValueError("zero_optimization.offload_param.device must be 'nvme' for a ParamSwapper")
         return cls(
-            str(p.nvme_path),
+            p.nvme_dirs(),
             dtype=dtype,
             buffer_count=p.buffer_count,
             buffer_size=p.buffer_size,
@@ -170,7 +165,7 @@ class ParamSwapper:
                 f"buffer holds ({self.buffer_size} elements of {self.dtype}); raise "
                 f"zero_optimization.offload_param.buffer_size to at least {need}"
             )
-        off = self.file.allocate(nbytes)
+        off = self.space.allocate(nbytes)
         self.parts[part_id] = _Partition(part_id, numel, dtype, nbytes, State.ON_DRIVE, offset=off)
         return State.ON_DRIVE
 
@@ -192,7 +187,7 @@ class ParamSwapper:
             p.tensor.copy_(src)  # keep the buffered copy coherent; write from it
             src = p.tensor
         # The future holds `src` alive until the write lands.
-        p.future = self.writer.async_pwrite(src.contiguous(), self.file.path, p.offset)
+        p.future = self.space.write(src.contiguous(), p.offset)
         p.state = State.WRITING
         p.releasing = False
         self.counters["writes"] += 1
@@ -262,7 +257,7 @@ class ParamSwapper:
             lease = self.pool.try_acquire()
         p.lease = lease
         p.tensor = BufferPool.view(lease, p.dtype, p.numel)
-        p.future = self.reader.async_pread(p.tensor, self.file.path, p.offset)
+        p.future = self.space.read(p.tensor, p.offset)
         p.state = State.IN_FLIGHT
         self.counters["swap_in"] += 1
         self.counters["bytes_read"] += p.nbytes
@@ -299,7 +294,7 @@ class ParamSwapper:
                 raise SwapStateError(
                     f"partition {part_id!r} is {p.state.value}, not available; nothing to swap out"
                 )
-            p.future = self.writer.async_pwrite(p.tensor, self.file.path, p.offset)
+            p.future = self.space.write(p.tensor, p.offset)
             p.state = State.WRITING
             p.releasing = True
             self.counters["writes"] += 1
@@ -391,9 +386,9 @@ class ParamSwapper:
                     src = p.tensor.contiguous()
                 else:
                     src = torch.empty(p.numel, dtype=p.dtype)
-                    self.reader.sync_pread(src, self.file.path, p.offset)
+                    self.space.sync_read(src, p.offset)
                 raw = src.view(torch.uint8).numpy()
-                self.writer.sync_pwrite(src, data, off)
+                self.space.handle.sync_pwrite(src, data, off)
                 entries.append(
                     {
                         "id": p.part_id,
@@ -436,7 +431,7 @@ class ParamSwapper:
         import os
 
         t = _empty(p.numel, p.dtype)
-        self.reader.sync_pread(t, os.path.join(directory, "params.bin"), e["offset"])
+        self.space.handle.sync_pread(t, os.path.join(directory, "params.bin"), e["offset"])
         if crc32_of(t) != e["crc32"]:
             raise OSError(5, f"checkpoint partition {p.part_id!r} fails its checksum", directory)
         return t
@@ -495,8 +490,9 @@ class ParamSwapper:
             "buffers_free": self.pool.available(),
             "pinned_buffer_bytes": self.pool.pinned_bytes,
             "pinned_bytes": self.pinned_bytes(),
-            "drive_bytes": self.file.size,
-            "swap_dir": self.storage.dir,
+            "drive_bytes": self.space.size,
+            "swap_dir": self.space.dirs[0],
+            "drives": self.space.stats(),
         }
 
     def _part(self, part_id: Any) -> _Partition:
@@ -521,9 +517,7 @@ class ParamSwapper:
                     pass
         finally:
             self.closed = True
-            self.reader.close()
-            self.writer.close()
-            self.storage.close()
+            self.space.close()
 
     def __enter__(self) -> ParamSwapper:
         return self

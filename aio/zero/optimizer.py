@@ -22,8 +22,8 @@ from ..swap import OptimizerSwapper
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
-    from ..handle import AioFuture
     from ..pinned import Lease
+    from ..swap.drives import IOFuture
 
 
 class GradientBuffer:
@@ -48,7 +48,7 @@ class PendingWrite:
 
     __slots__ = ("lease", "future")
 
-    def __init__(self, lease: Lease, future: AioFuture) -> None:
+    def __init__(self, lease: Lease, future: IOFuture) -> None:
         self.lease = lease
         self.future = future
 

@@ -107,7 +107,7 @@ class ParamStore:
             set_mmap_threshold(BUILD_MMAP_THRESHOLD)
             p = cfg.offload.offload_param
             self.swapper = ParamSwapper(
-                str(p.nvme_path),
+                p.nvme_dirs(),
                 dtype=self.dtype,
                 buffer_count=p.buffer_count,
                 buffer_size=p.buffer_size,
@@ -370,7 +370,7 @@ class ParamStore:
         if part.state == State.RESIDENT or part.lease is not None:
             return part.tensor.clone()
         out = torch.empty(part.numel, dtype=self.dtype)
-        self.swapper.reader.sync_pread(out, self.swapper.file.path, part.offset)
+        self.swapper.space.sync_read(out, part.offset)
         return out
 
     def write(self, param: Any, flat: Any, async_op: bool = True) -> None:

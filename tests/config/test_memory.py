@@ -253,3 +253,25 @@ def test_cli_estimate_auto_threshold_is_named(tmp_path, capsys):
     assert config_main(["estimate", str(p), "--param-numels", "1e6x3"]) == 2
     err = capsys.readouterr().err
     assert "zero_optimization.stage3_param_persistence_threshold: 'auto'" in err and "hidden_size" in err
+
+
+def test_estimate_spreads_drive_bytes_over_a_list_of_drives():
+    cfg = json.loads(json.dumps(CFG))
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = ["/o1", "/o2", "/o3"]
+    est = estimate_memory(cfg, 1e9 + 1, "bf16")
+    total = (10**9 + 1) * 16
+    assert [est.nvme[p] for p in ("/o1", "/o2", "/o3")] == [total // 3 + 1, total // 3 + 1, total // 3]
+    assert sum(est.nvme[p] for p in ("/o1", "/o2", "/o3")) == total
+    assert load_config(cfg).nvme_paths() == ["/p", "/o1", "/o2", "/o3"]
+
+
+def test_cli_validate_says_deepspeed_takes_one_directory(tmp_path, capsys):
+    cfg = json.loads(json.dumps(CFG))
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = ["/o1", "/o2"]
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(cfg))
+    assert config_main(["validate", str(p)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["zero_optimization"]["offload_optimizer"]["nvme_path"] == ["/o1", "/o2"]
+    assert "offload_optimizer.nvme_path lists 2 drives" in out.err and "DeepSpeed" in out.err
+    assert "offload_param.nvme_path lists" not in out.err

@@ -381,3 +381,22 @@ def test_auto_message_names_what_hf_fills():
     assert "hidden_size" in auto_message("zero_optimization.stage3_prefetch_bucket_size")
     for path in ("zero_optimization.sub_group_size", "zero_optimization.offload_param.buffer_size"):
         assert path not in AUTO_FILLED and "not filled in by anyone" in auto_message(path)
+
+
+def test_nvme_path_takes_one_directory_or_a_list():
+    import copy
+
+    from aio.config import ConfigError
+
+    cfg = copy.deepcopy(NVME_DS_CONFIG)
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = ["/a", "/b"]
+    c = load_config(cfg)
+    assert c.offload_param.nvme_dirs() == ["/a", "/b"]
+    assert c.offload_optimizer.nvme_dirs() == ["/local_nvme"]
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = ["/a"]
+    assert load_config(cfg).offload_param.nvme_path == "/a"  # a list of one is one directory
+    for bad, why in (([], "empty list"), (["/a", "/a"], "listed twice"), (["/a", ""], "item 1")):
+        cfg["zero_optimization"]["offload_param"]["nvme_path"] = bad
+        with pytest.raises(ConfigError, match=why) as ei:
+            load_config(cfg)
+        assert "zero_optimization.offload_param.nvme_path" in str(ei.value)

@@ -272,7 +272,7 @@ def test_fault_mid_step_surfaces_and_poisons(tmp_path, where, pipe):
     sw.export_checkpoint(ck)
     for i, t in enumerate(init):
         sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
-    handle = sw.reader if where == "read" else sw.writer
+    handle = sw.space.drives[0].reader if where == "read" else sw.space.drives[0].writer
     handle._c.inject_fault("error", errno.EIO, where, 3, 1)
     with pytest.raises(OSError) as ei:
         sw.step()
@@ -350,16 +350,16 @@ def test_prefetched_read_error_surfaces_at_the_next_step(tmp_path):
     init = [torch.randn(n) for n in SIZES]
     sw, _ = _swapped(tmp_path, torch.optim.Adam, {"lr": 1e-2}, init, steps=0, pipe=(True, True), held=True)
     # Step 1 reads 3 tensors per sub-group; the next read is one started ahead for step 2.
-    sw.reader._c.inject_fault("error", errno.EIO, "read", 3 * len(SIZES) + 1, 1)
+    sw.space.drives[0].reader._c.inject_fault("error", errno.EIO, "read", 3 * len(SIZES) + 1, 1)
     for i in range(len(SIZES)):
         sw.groups[i].grad_mem.fill_(1.0)
     sw.step()  # the failing read is in flight or done, its error not yet taken
     assert not sw.broken
     with pytest.raises(OSError) as ei:
         sw.step()
-    assert sw.reader._c.fault_hits() == 1
+    assert sw.space.drives[0].reader._c.fault_hits() == 1
     assert ei.value.errno == errno.EIO and sw.broken
-    sw.reader._c.clear_fault()
+    sw.space.drives[0].reader._c.clear_fault()
     assert sw.pool.available() == sw.pool.count
     sw.close()
 
@@ -420,7 +420,7 @@ def test_checkpoint_corruption_and_mismatch_detected(tmp_path):
 def test_two_optimizer_swappers_one_path_and_cleanup(tmp_path):
     a = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3})
     b = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3})
-    assert a.storage.dir != b.storage.dir
+    assert a.space.dirs[0] != b.space.dirs[0]
     for sw, v in ((a, 1.0), (b, 2.0)):
         sw.register_subgroup(0, 100)
         sw.initialize(0, torch.full((100,), v))

@@ -137,14 +137,14 @@ def test_write_failure_marks_invalid_and_reads_refuse(tmp_path):
         s.register(0, 50000)
         good = rand(50000, torch.float16)
         s.write(0, good)
-        s.writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
+        s.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
         with pytest.raises(SwapStateError, match="invalid") as ei:
             s.write(0, torch.zeros(50000, dtype=torch.float16))
         assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.EIO
         assert s.status(0) == "invalid"
         with pytest.raises(SwapStateError, match="invalid"):
             s.swap_in([0])
-        s.writer._c.clear_fault()
+        s.space.drives[0].writer._c.clear_fault()
         s.write(0, good)  # a successful write makes it valid again
         (t,) = s.swap_in([0])
         assert torch.equal(t, good)
@@ -155,7 +155,7 @@ def test_read_failure_raises_and_keeps_drive_copy(tmp_path):
         s.register(0, 50000)
         good = rand(50000, torch.float16)
         s.write(0, good)
-        s.reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
+        s.space.drives[0].reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
         with pytest.raises(OSError):
             s.swap_in([0])
         assert s.status(0) == "on_drive" and s.stats()["buffers_free"] == 3
@@ -174,7 +174,7 @@ def test_close_removes_everything(tmp_path):
     s = make(tmp_path)
     s.register(0, 1000)
     s.write(0, torch.zeros(1000, dtype=torch.float16))
-    d = s.storage.dir
+    d = s.space.dirs[0]
     s.close()
     assert not os.path.exists(d) and os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="closed"):
@@ -197,7 +197,7 @@ def test_from_config(tmp_path):
     }
     with ParamSwapper.from_config(cfg, torch.bfloat16) as s:
         assert s.pool.count == 2 and s.buffer_size == 10000
-        assert s.reader.get_block_size() == 262144
+        assert s.space.drives[0].reader.get_block_size() == 262144
     with pytest.raises(ValueError, match="must be 'nvme'"):
         ParamSwapper.from_config({"zero_optimization": {"stage": 3}}, torch.float16)
 
@@ -208,7 +208,7 @@ def test_two_swappers_share_nvme_path(tmp_path):
             s.register(0, 5000)
             s.write(0, torch.full((5000,), val, dtype=torch.float16))
         assert (a.swap_in([0])[0] == 1).all() and (b.swap_in([0])[0] == 2).all()
-        assert a.storage.dir != b.storage.dir
+        assert a.space.dirs[0] != b.space.dirs[0]
 
 
 def test_checkpoint_roundtrip_and_corruption(tmp_path):

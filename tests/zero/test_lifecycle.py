@@ -27,12 +27,12 @@ def test_gradient_write_error_drops_the_step_and_loses_nothing(tmp_path, referen
     # Gradients written to the drive (aio_zero.gradients: nvme); held in memory, none are written.
     with aio.zero.initialize(gpt(), cfg_for(tmp_path, aio_zero={"gradients": "nvme"})) as engine:
         first = train_engine(engine, 5)
-        engine.opt.writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
+        engine.opt.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
         with pytest.raises(OSError) as ei:
             _micro(engine, 5, 0)
             _micro(engine, 5, 1)
         assert ei.value.errno == errno.EIO and "optimizer.swp" in str(ei.value.filename)
-        engine.opt.writer._c.clear_fault()
+        engine.opt.space.drives[0].writer._c.clear_fault()
         st = engine.stats()
         assert st["abandoned_windows"] == 1 and st["global_steps"] == 5 and st["micro_steps"] == 10
         assert engine.opt.pool.available() == engine.opt.pool.count  # no buffer leaked
@@ -51,11 +51,11 @@ def test_optimizer_write_error_poisons_until_checkpoint_restore(tmp_path, refere
         engine.step()
         engine.backward(loss_of_step(engine, 5, 1))
         engine._settle_writes()  # gradient writes done; the next write is the step's
-        engine.opt.writer._c.inject_fault("error", errno.ENOSPC, "write", 1, 1)
+        engine.opt.space.drives[0].writer._c.inject_fault("error", errno.ENOSPC, "write", 1, 1)
         with pytest.raises(OSError) as ei:
             engine.step()
         assert ei.value.errno == errno.ENOSPC
-        engine.opt.writer._c.clear_fault()
+        engine.opt.space.drives[0].writer._c.clear_fault()
         # The optimizer state is partly stepped: it refuses rather than continue wrongly.
         with pytest.raises(SwapStateError, match="partly updated"):
             train_engine(engine, 1, start=5)
@@ -75,11 +75,11 @@ def test_kept_state_write_back_error_poisons_until_checkpoint_restore(tmp_path, 
         engine.save_checkpoint(ckpt)
         assert train_engine(engine, 1, start=5) == reference[5:6]
         assert engine.stats()["optimizer"]["cached_subgroups"] > 0
-        engine.opt.writer._c.inject_fault("error", errno.ENOSPC, "write", 1, 1)
+        engine.opt.space.drives[0].writer._c.inject_fault("error", errno.ENOSPC, "write", 1, 1)
         with pytest.raises(OSError) as ei:
             engine.save_checkpoint(str(tmp_path / "ck2"))
         assert ei.value.errno == errno.ENOSPC
-        engine.opt.writer._c.clear_fault()
+        engine.opt.space.drives[0].writer._c.clear_fault()
         assert not any((tmp_path / "ck2").iterdir())  # no partial checkpoint left
         with pytest.raises(SwapStateError, match="incomplete"):
             train_engine(engine, 1, start=6)
@@ -96,12 +96,12 @@ def loss_of_step(engine, step, micro):
 def test_parameter_read_error_names_the_file(tmp_path):
     with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=1)) as engine:
         train_engine(engine, 1, gas=1)
-        engine.store.swapper.reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
+        engine.store.swapper.space.drives[0].reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
         with pytest.raises(OSError) as ei:
             for _ in range(3):  # prefetched buffers may serve the first modules
                 train_engine(engine, 1, gas=1)
         assert ei.value.errno == errno.EIO and "params.swp" in str(ei.value.filename)
-        engine.store.swapper.reader._c.clear_fault()
+        engine.store.swapper.space.drives[0].reader._c.clear_fault()
 
 
 def test_exit_mid_training_leaves_no_swap_files(tmp_path):

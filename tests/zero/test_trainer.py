@@ -48,6 +48,48 @@ def test_fp32_bit_identical_to_in_memory(tmp_path, reference, param, opt, pipeli
         assert (o["cached_subgroups"] > 0) == (grads == "cpu")
 
 
+def test_two_drives_train_bit_identical_to_one_and_use_both(tmp_path, reference):
+    """nvme_path as a list (one directory on the disk, one on tmpfs where there
+    is one): the same losses as one directory (and as memory), every drive
+    read and written by both swappers, the folders gone at close."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    shm = f"/dev/shm/aio-test-two-drives-{os.getpid()}" if os.access("/dev/shm", os.W_OK) else None
+    second = shm or str(tmp_path / "second")
+    os.makedirs(second)
+    try:
+        cfg = cfg_for(tmp_path / "unused")
+        for key in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][key]["nvme_path"] = [str(disk), second]
+        with aio.zero.initialize(gpt(), cfg) as engine:
+            got = train_engine(engine, 20)
+            st = engine.stats()
+            dirs = [d["swap_dir"] for d in st["params"]["drives"] + st["optimizer"]["drives"]]
+            assert all(os.path.isdir(d) for d in dirs)
+        assert got == reference
+        for part in ("params", "optimizer"):
+            drives = st[part]["drives"]
+            assert [d["nvme_path"] for d in drives] == [str(disk), second]
+            for d in drives:
+                assert d["bytes_written"] > 0 and d["bytes_read"] > 0, (part, d)
+        assert not any(os.path.exists(d) for d in dirs)
+    finally:
+        if shm:
+            import shutil
+
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_nvme_path_list_errors_name_the_drive(tmp_path):
+    cfg = cfg_for(tmp_path)
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = [str(tmp_path), str(tmp_path / "nope")]
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path\[1\].*nope"):
+        aio.zero.initialize(gpt(), cfg)
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = [str(tmp_path), str(tmp_path)]
+    with pytest.raises(ConfigError, match="listed twice"):
+        aio.zero.initialize(gpt(), cfg)
+
+
 def test_without_accumulation_or_clipping(tmp_path):
     ref = train_in_memory(6, gas=1, clip=0)
     with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=1, clip=0)) as engine:
@@ -137,7 +179,7 @@ def test_adamw_steps_through_the_fused_kernel(tmp_path, reference, opt):
 
 def test_closed_engine_refuses_and_cleans_up(tmp_path):
     engine = aio.zero.initialize(gpt(), cfg_for(tmp_path))
-    swap_dir = engine.store.swapper.storage.dir
+    swap_dir = engine.store.swapper.space.dirs[0]
     assert os.path.isdir(swap_dir)
     engine.close()
     assert not os.path.exists(swap_dir)
