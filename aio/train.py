@@ -131,11 +131,11 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def make_config(args: argparse.Namespace, nvme_path: str) -> dict[str, Any]:
+def make_config(args: argparse.Namespace, nvme_path: str | list[str]) -> dict[str, Any]:
     """The DeepSpeed-format config dict for this run: the ``--config`` file as
     read (not validated here; the size and offload flags then do not change
     it), else one built from the flags, with both offload blocks on
-    `nvme_path` for ``--offload nvme``."""
+    `nvme_path` (one directory, or a list striped over) for ``--offload nvme``."""
     if args.config:
         from .config import read_config_data
 
@@ -309,7 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     big = 1 << 40
     ap = CliParser(prog="aio-train", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--nvme-path", help="directory on the drive (default: a temporary directory)")
+    ap.add_argument(
+        "--nvme-path",
+        nargs="+",
+        metavar="DIR",
+        help="directory on the drive, or several (one per drive, striped); default: a temporary directory",
+    )
     ap.add_argument("--config", help="DeepSpeed-format JSON config (replaces the built-in one)")
     ap.add_argument("--offload", choices=["nvme", "cpu", "none"], default="nvme")
     ap.add_argument("--steps", type=int_in(1, big), default=10)
@@ -341,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.width % args.heads:
         ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
-    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
-        ap.error(f"--nvme-path {args.nvme_path} is not a directory")
+    for path in args.nvme_path or []:
+        if not os.path.isdir(path):
+            ap.error(f"--nvme-path {path} is not a directory")
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json) or not os.path.isdir(parent):
@@ -352,14 +358,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     tmp = None
-    nvme = args.nvme_path
-    if nvme is None:
+    nvme: str | list[str]
+    if args.nvme_path is None:
         tmp = tempfile.mkdtemp(prefix="aio-train-", dir=os.environ.get("AIO_TRAIN_DIR"))
         nvme = tmp
+    else:
+        nvme = args.nvme_path[0] if len(args.nvme_path) == 1 else list(args.nvme_path)
     out = sys.stdout
     try:
         cfg = make_config(args, nvme)
-        print(f"aio-train: offload={args.offload} drive={nvme} dtype={args.dtype}", file=out)
+        drives = nvme if isinstance(nvme, str) else " ".join(nvme)
+        print(f"aio-train: offload={args.offload} drive={drives} dtype={args.dtype}", file=out)
         off = train_offloaded(args, cfg, out)
         result: dict[str, Any] = {"offloaded": off, "args": vars(args)}
         if args.baseline:

@@ -31,6 +31,20 @@ def test_aio_train_default_matches_in_memory(tmp_path):
     assert [p for p in os.listdir(tmp_path) if p.startswith("aio-train-")] == []
 
 
+def test_aio_train_on_two_drives(tmp_path):
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    d1.mkdir()
+    d2.mkdir()
+    args = ["--steps", "2", "--layers", "2", "--width", "64", "--vocab", "256"]
+    args += ["--nvme-path", str(d1), str(d2)]
+    stdout, res = run_train(args, tmp_path)
+    assert f"drive={d1} {d2}" in stdout and res["identical"] is True
+    for part in ("params", "optimizer"):
+        drives = res["offloaded"]["stats"][part]["drives"]
+        assert [d["nvme_path"] for d in drives] == [str(d1), str(d2)]
+        assert all(d["bytes_written"] > 0 for d in drives)
+
+
 def test_bad_arguments_are_refused(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "aio.train", "--width", "100", "--heads", "3"],
