@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import os
 import warnings
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import discover_state_spec
 from ..pinned import Lease
+from .copy import Chunk, copy_chunks
 from .drives import IOFuture, SwapSpace
 from .param import SwapStateError
 from .pool import BufferPool
@@ -490,27 +491,18 @@ class OptimizerSwapper:
                 "groups": {},
             }
             scalars = {}
-            self.drop_cached()
-            pool = self._pool()
+            chunks = []
+            for i in sorted(self.groups):
+                self._settle_grad(self.groups[i])
+                path = os.path.join(tmp, f"subgroup_{i}.bin")
+                chunks += self._chunks(self.groups[i], path, to_checkpoint=True)
+            crcs = self._copy(chunks)
             for i in sorted(self.groups):
                 g = self.groups[i]
-                self._settle_grad(g)
-                p_off = g.parts["param"][0]
-                path = os.path.join(tmp, f"subgroup_{i}.bin")
-                crc = 0
-                # Master weights and states back to back, as on the drive: the
-                # file is the extent after the gradient, one tensor at a time.
-                with pool.acquire() as lease:
-                    for name in self._saved_parts():
-                        off, n = self._part_io(g, name)
-                        buf = lease.buffer()[:n]
-                        self.space.sync_read(buf, off)
-                        self.space.handle.sync_pwrite(buf, path, off - g.offset - p_off)
-                        crc = zlib.crc32(buf, crc)
                 manifest["groups"][str(i)] = {
                     "numel": g.numel,
-                    "bytes": g.nbytes - p_off,
-                    "crc32": crc,
+                    "bytes": g.nbytes - g.parts["param"][0],
+                    "crc32": crcs[i],
                 }
                 scalars[i] = g.scalars
             save_plain(
@@ -555,39 +547,50 @@ class OptimizerSwapper:
             or not isinstance(manifest.get("steps"), int)
         ):
             raise ValueError(f"{directory}: scalars.pt or the manifest does not describe these sub-groups")
+        chunks = []
         for i in sorted(self.groups):
             g = self.groups[i]
             meta = manifest["groups"][str(i)]
             if meta["numel"] != g.numel or meta["bytes"] != g.nbytes - g.parts["param"][0]:
                 raise ValueError(f"checkpoint sub-group {i} has a different size")
-            with self._leases(len(self._saved_parts())) as leases:
-                self._read_verified(directory, g, meta, leases)
+            chunks += self._chunks(g, os.path.join(directory, f"subgroup_{i}.bin"), to_checkpoint=None)
+        self._check_crcs(directory, manifest, self._copy(chunks))
         return {"manifest": manifest, "extra": extra}
 
-    @contextlib.contextmanager
-    def _leases(self, count: int) -> Any:
-        """`count` buffers, all given back on exit."""
+    def _chunks(self, g: _SubGroup, path: str, to_checkpoint: bool | None) -> list[Chunk]:
+        """The copy of sub-group `g`'s saved tensors (master weights, then the
+        states: the checkpoint file is its extent after the gradient) from
+        the swap space to the checkpoint file `path` (to_checkpoint True),
+        back (False), or only read from the file (None: a verify pass)."""
+        base = g.offset + g.parts["param"][0]
+        handle = self.space.handle
+        out = []
+        for name in self._saved_parts():
+            off, n = self._part_io(g, name)
+            at = off - base
+            if to_checkpoint:
+                c = Chunk(n, g.index, read=functools.partial(self.space.read, offset=off))
+                c.write = functools.partial(handle.async_pwrite, path=path, file_offset=at)
+            else:
+                c = Chunk(n, g.index, read=functools.partial(handle.async_pread, path=path, file_offset=at))
+                if to_checkpoint is False:
+                    c.write = functools.partial(self.space.write, offset=off)
+            out.append(c)
+        return out
+
+    def _copy(self, chunks: list[Chunk]) -> dict[Any, int]:
+        """copy_chunks() through two of the swapper's buffers (the step's are
+        free: cached sub-groups are written back first). Not counted in the
+        swap counters, which are the training's I/O."""
         self.drop_cached()
         with contextlib.ExitStack() as stack:
-            yield [stack.enter_context(self._pool().acquire()) for _ in range(count)]
+            leases = [stack.enter_context(self._pool().acquire()) for _ in range(2)]
+            return copy_chunks(chunks, [lease.buffer() for lease in leases])
 
-    def _read_verified(
-        self, directory: str, g: _SubGroup, meta: dict[str, Any], leases: list[Lease]
-    ) -> list[tuple[int, memoryview]]:
-        """Read sub-group `g` of a checkpoint, one tensor per buffer, and check its
-        checksum; returns (swap-file offset, bytes) of each tensor."""
-        path = os.path.join(directory, f"subgroup_{g.index}.bin")
-        base = g.offset + g.parts["param"][0]
-        out, crc = [], 0
-        for name, lease in zip(self._saved_parts(), leases, strict=True):
-            off, n = self._part_io(g, name)
-            buf = lease.buffer()[:n]
-            self.space.handle.sync_pread(buf, path, off - base)
-            crc = zlib.crc32(buf, crc)
-            out.append((off, buf))
-        if crc != meta["crc32"]:
-            raise OSError(5, f"checkpoint sub-group {g.index} fails its checksum", directory)
-        return out
+    def _check_crcs(self, directory: str, manifest: dict[str, Any], crcs: dict[Any, int]) -> None:
+        for i in sorted(self.groups):
+            if crcs[i] != manifest["groups"][str(i)]["crc32"]:
+                raise OSError(5, f"checkpoint sub-group {i} fails its checksum", directory)
 
     def apply_checkpoint(self, directory: str, verified: dict[str, Any]) -> None:
         """Load a checkpoint that verify_checkpoint() accepted into the swap
@@ -596,12 +599,14 @@ class OptimizerSwapper:
         self._check_open()
         manifest, extra = verified["manifest"], verified["extra"]
         try:
+            chunks = []
             for i in sorted(self.groups):
-                g = self.groups[i]
-                g.valid = False
-                with self._leases(len(self._saved_parts())) as leases:
-                    for off, buf in self._read_verified(directory, g, manifest["groups"][str(i)], leases):
-                        self.space.sync_write(buf, off)
+                self.groups[i].valid = False
+                path = os.path.join(directory, f"subgroup_{i}.bin")
+                chunks += self._chunks(self.groups[i], path, to_checkpoint=False)
+            # The file was verified; a checksum failing now means it changed since.
+            self._check_crcs(directory, manifest, self._copy(chunks))
+            for g in self.groups.values():
                 g.valid = True
         except BaseException as e:
             self.broken = (

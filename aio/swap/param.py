@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..pinned import Lease, locked_nbytes, new_locked_tensor
+from .copy import Chunk, copy_chunks
 from .drives import IOFuture, SwapSpace
 from .pool import BufferPool, PoolExhaustedError
 from .storage import checkpoint_dir, crc32_of, require_complete, write_manifest
@@ -363,17 +365,16 @@ class ParamSwapper:
     def export_checkpoint(self, directory: str) -> None:
         """Write every partition's values (resident or on the drive) to
         `directory`: one data file at aligned offsets plus a manifest with
-        CRC32s, created under a temporary name and renamed into place."""
+        CRC32s, created under a temporary name and renamed into place. Drive
+        partitions go drive to drive through two pinned buffers (the next
+        read while the last is written)."""
         import os
-        import zlib
-
-        import torch
 
         self._check_open()
         self.synchronize()
         with checkpoint_dir(directory) as tmp:
             data = os.path.join(tmp, "params.bin")
-            entries = []
+            entries, chunks = [], []
             off = 0
             for p in self.parts.values():
                 if p.state == State.INVALID:
@@ -382,24 +383,39 @@ class ParamSwapper:
                     raise TypeError(
                         f"checkpoint needs int or str partition ids, got {type(p.part_id).__name__}"
                     )
+                write = functools.partial(self.space.handle.async_pwrite, path=data, file_offset=off)
                 if p.state == State.RESIDENT or p.lease is not None:
-                    src = p.tensor.contiguous()
+                    chunks.append(Chunk(p.nbytes, p.part_id, data=p.tensor.contiguous(), write=write))
                 else:
-                    src = torch.empty(p.numel, dtype=p.dtype)
-                    self.space.sync_read(src, p.offset)
-                raw = src.view(torch.uint8).numpy()
-                self.space.handle.sync_pwrite(src, data, off)
+                    read = functools.partial(self.space.read, offset=p.offset)
+                    chunks.append(Chunk(p.nbytes, p.part_id, read=read, write=write))
                 entries.append(
                     {
                         "id": p.part_id,
                         "numel": p.numel,
                         "dtype": str(p.dtype).removeprefix("torch."),
                         "offset": off,
-                        "crc32": zlib.crc32(raw),
                     }
                 )
                 off += -(-p.nbytes // 4096) * 4096
+            crcs = self._copy(chunks)
+            for e in entries:
+                e["crc32"] = crcs[e["id"]]
             write_manifest(tmp, {"version": 1, "kind": "aio-params", "partitions": entries})
+
+    def _copy(self, chunks: list[Chunk]) -> dict[Any, int]:
+        """copy_chunks() through up to two free pool buffers (a scratch
+        buffer when every one is in use). Not counted in the swap counters."""
+        leases = [x for x in (self.pool.try_acquire(), self.pool.try_acquire()) if x is not None]
+        try:
+            if leases:
+                buffers = [lease.buffer() for lease in leases]
+            else:
+                buffers = [memoryview(bytearray(max((c.nbytes for c in chunks), default=1)))]
+            return copy_chunks(chunks, buffers)
+        finally:
+            for lease in leases:
+                lease.release()
 
     def verify_checkpoint(self, directory: str) -> dict[Any, Any]:
         """Check a checkpoint from export_checkpoint() completely -- marker,
@@ -419,13 +435,31 @@ class ParamSwapper:
         if set(entries) != set(self.parts):
             raise ValueError("checkpoint partitions do not match the registered partitions")
         plan: dict[Any, Any] = {}
+        on_drive = []
         for part_id, e in entries.items():
             p = self.parts[part_id]
             if e["numel"] != p.numel or e["dtype"] != str(p.dtype).removeprefix("torch."):
                 raise ValueError(f"checkpoint partition {part_id!r} has a different size or dtype")
-            t = self._read_verified(directory, p, e)
-            plan[part_id] = (e, t if p.state == State.RESIDENT else None)
+            if p.state == State.RESIDENT:
+                plan[part_id] = (e, self._read_verified(directory, p, e))
+            else:
+                plan[part_id] = (e, None)
+                on_drive.append(self._from_checkpoint(directory, p, e, into_swap=False))
+        self._check_crcs(directory, plan, self._copy(on_drive))
         return plan
+
+    def _from_checkpoint(self, directory: str, p: _Partition, e: dict[str, Any], into_swap: bool) -> Chunk:
+        import os
+
+        path = os.path.join(directory, "params.bin")
+        read = functools.partial(self.space.handle.async_pread, path=path, file_offset=e["offset"])
+        write = functools.partial(self.space.write, offset=p.offset) if into_swap else None
+        return Chunk(p.nbytes, p.part_id, read=read, write=write)
+
+    def _check_crcs(self, directory: str, plan: dict[Any, Any], crcs: dict[Any, int]) -> None:
+        for part_id, got in crcs.items():
+            if got != plan[part_id][0]["crc32"]:
+                raise OSError(5, f"checkpoint partition {part_id!r} fails its checksum", directory)
 
     def _read_verified(self, directory: str, p: _Partition, e: dict[str, Any]) -> Any:
         import os
@@ -442,9 +476,22 @@ class ParamSwapper:
         invalid (no mix of old and new values is ever read or exported)."""
         self._check_open()
         try:
+            self.synchronize()
+            chunks = []
             for part_id, (e, t) in verified.items():
-                if t is None:
-                    self.write(part_id, self._read_verified(directory, self.parts[part_id], e))
+                p = self.parts[part_id]
+                if t is not None:
+                    continue
+                if p.lease is not None:  # in a buffer too: keep that copy coherent
+                    self.write(part_id, self._read_verified(directory, p, e))
+                    continue
+                chunks.append(self._from_checkpoint(directory, p, e, into_swap=True))
+                p.state, p.written = State.INVALID, False  # until its copy has landed
+            # The file was verified; a checksum failing now means it changed since.
+            self._check_crcs(directory, verified, self._copy(chunks))
+            for c in chunks:
+                p = self.parts[c.key]
+                p.state, p.written = State.ON_DRIVE, True
         except BaseException:
             self._invalidate_drive_partitions()
             raise
