@@ -171,6 +171,8 @@ def make_config(args: argparse.Namespace, nvme_path: str | list[str]) -> dict[st
             "pipeline_read": True,
             "pipeline_write": True,
         }
+        if args.optimizer_states != "fp32":
+            cfg["aio_zero"] = {"optimizer_states": args.optimizer_states}
     elif args.offload == "cpu":
         z["offload_param"] = {"device": "cpu"}
         z["offload_optimizer"] = {"device": "cpu"}
@@ -329,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=_number_arg(0.0), default=1e-3)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--sub-group-size", type=int_in(1, big), default=1_000_000)
+    ap.add_argument(
+        "--optimizer-states",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="optimizer states on the drive (--offload nvme): bf16 halves their bytes, not bit-identical",
+    )
     ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     ap.add_argument("--no-init", dest="init", action="store_false", help="build the model in memory first")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
@@ -346,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.width % args.heads:
         ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    if args.optimizer_states != "fp32" and args.offload != "nvme":
+        ap.error("--optimizer-states bf16 stores the states on the drive: it needs --offload nvme")
     for path in args.nvme_path or []:
         if not os.path.isdir(path):
             ap.error(f"--nvme-path {path} is not a directory")

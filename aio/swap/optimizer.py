@@ -96,10 +96,18 @@ class OptimizerSwapper:
         aio: dict[str, Any] | None = None,
         job_id: str | None = None,
         rank: int | None = None,
+        state_dtype: str = "fp32",
     ) -> None:
+        import torch
+
+        if state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"aio_zero.optimizer_states must be 'fp32' or 'bf16', got {state_dtype!r}")
         self.optimizer_cls = optimizer_cls
         self.hyper = dict(hyper or {})
         self.spec = discover_state_spec(optimizer_cls, **self.hyper)
+        self.state_dtype = state_dtype
+        # float32 states kept as bfloat16 on the drive (widened in their buffer for the step)
+        self.narrowed = [n for n, dt in self.spec if state_dtype == "bf16" and dt == torch.float32]
         _check_buffer_count(buffer_count, optimizer_cls, self.spec, pipeline_read, pipeline_write)
         self.buffer_count = buffer_count
         self.pipeline_read = pipeline_read
@@ -152,6 +160,8 @@ class OptimizerSwapper:
         parts: dict[str, tuple[int, Any]] = {}
         off = 0
         for name, dtype in [("grad", torch.float32), ("param", torch.float32), *self.spec]:
+            if name in self.narrowed:
+                dtype = torch.bfloat16
             parts[name] = (off, dtype)
             off += _part_bytes(numel, dtype)
         return parts, off
@@ -218,7 +228,12 @@ class OptimizerSwapper:
         return self._pool().try_acquire()
 
     def _views(self, g: _SubGroup, leases: dict[str, Lease]) -> dict[str, Any]:
-        return {name: BufferPool.view(leases[name], g.parts[name][1], g.numel) for name in leases}
+        import torch
+
+        def dtype(name: str) -> Any:  # a narrowed state is float32 in its buffer
+            return torch.float32 if name in self.narrowed else g.parts[name][1]
+
+        return {name: BufferPool.view(leases[name], dtype(name), g.numel) for name in leases}
 
     def _part_io(self, g: _SubGroup, name: str) -> tuple[int, int]:
         """(offset in the swap file, bytes) of one tensor of `g`, whole aligned blocks."""
@@ -455,10 +470,18 @@ class OptimizerSwapper:
         after: Callable[[int, Any], None] | None,
         grad_scale: Any,
     ) -> None:
+        import torch
+
+        from .lowp import narrow_bf16, widen_bf16
+
+        for name in self.narrowed:  # bfloat16 from the drive (or kept so): float32 to step
+            widen_bf16(leases[name].tensor(torch.uint8), g.numel)
         views = self._views(g, leases)
         if "grad" not in views:
             views["grad"] = g.grad_mem
         self._apply(g, views, grad_scale)
+        for name in self.narrowed:  # as the drive holds it: kept buffers are the same bytes
+            narrow_bf16(leases[name].tensor(torch.uint8), g.numel)
         # The drive copy is stale from here until the write lands.
         g.valid = False
         self.counters["subgroup_steps"] += 1
@@ -487,6 +510,7 @@ class OptimizerSwapper:
                 "version": CHECKPOINT_VERSION,
                 "optimizer": f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}",
                 "spec": [[n, str(d)] for n, d in self.spec],
+                "state_dtype": self.state_dtype,
                 "steps": self.steps,
                 "groups": {},
             }
@@ -535,6 +559,11 @@ class OptimizerSwapper:
         if manifest["spec"] != spec:
             raise ValueError(
                 f"checkpoint optimizer state {manifest['spec']} does not match this optimizer's {spec}"
+            )
+        if manifest.get("state_dtype", "fp32") != self.state_dtype:
+            raise ValueError(
+                f"checkpoint holds {manifest.get('state_dtype', 'fp32')} optimizer states, this swapper "
+                f"stores {self.state_dtype} (aio_zero.optimizer_states); load it with the same setting"
             )
         if sorted(int(i) for i in manifest["groups"]) != sorted(self.groups):
             raise ValueError("checkpoint sub-groups do not match the registered sub-groups")
@@ -637,6 +666,7 @@ class OptimizerSwapper:
             "subgroups": len(self.groups),
             "steps": self.steps,
             "state_tensors": [n for n, _ in self.spec],
+            "state_dtype": self.state_dtype,
             "pinned_buffer_bytes": self.pinned_bytes(),
             "drive_bytes": self.space.size,
             "broken": self.broken,

@@ -234,7 +234,9 @@ def make_optimizer(cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any]) 
     """The optimizer backend ``zero_optimization.offload_optimizer.device`` asks for."""
     if cfg.optimizer_device == "nvme":
         # from_config is typed as returning its base class; it builds a cls.
-        swapped: SwappedOptimizer = SwappedOptimizer.from_config(cfg.offload, optimizer_cls, hyper)  # type: ignore[assignment]
+        swapped: SwappedOptimizer = SwappedOptimizer.from_config(  # type: ignore[assignment]
+            cfg.offload, optimizer_cls, hyper, state_dtype=cfg.aio_zero.optimizer_states
+        )
         swapped.gradients_on_drive = cfg.aio_zero.gradients == "nvme"
         return swapped
     from .optim import MemoryOptimizer

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../core/bf16_inplace.h"
 #include "../core/cpu_adam.h"
 
 namespace py = pybind11;
@@ -101,4 +102,21 @@ void bind_optim(py::module_& m) {
         py::arg("decoupled"), py::arg("grad_scale") = py::none(), py::arg("lowp_ptr") = 0,
         py::arg("lowp_kind") = "none", py::arg("threads") = 1, py::arg("sqrt_kind") = "exact",
         py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0, py::arg("parallel_fn") = 0);
+  // aio/swap/lowp.py checks the buffer (4 * numel bytes, CPU, contiguous).
+  m.def(
+      "bf16_widen_inplace",
+      [](uintptr_t buf, int64_t numel) {
+        if (numel < 0) throw py::value_error("numel must be at least 0");
+        py::gil_scoped_release nogil;
+        aio::bf16_widen_inplace(reinterpret_cast<void*>(buf), static_cast<size_t>(numel));
+      },
+      py::arg("buf_ptr"), py::arg("numel"));
+  m.def(
+      "bf16_narrow_inplace",
+      [](uintptr_t buf, int64_t numel) {
+        if (numel < 0) throw py::value_error("numel must be at least 0");
+        py::gil_scoped_release nogil;
+        aio::bf16_narrow_inplace(reinterpret_cast<void*>(buf), static_cast<size_t>(numel));
+      },
+      py::arg("buf_ptr"), py::arg("numel"));
 }

@@ -1,0 +1,20 @@
+// bfloat16 <-> float32 in one buffer, in place: the optimizer swapper keeps
+// bf16 states on the drive and widens them in the fp32 buffer they are read
+// into (aio/swap/lowp.py). The two layouts overlap, so the passes run in an
+// order in which no value is overwritten before it is read.
+#pragma once
+
+#include <cstddef>
+
+namespace aio {
+
+// The n bfloat16 values in bytes [0, 2n) of buf become n float32 values in
+// bytes [0, 4n) (exact: a bfloat16 is the top half of a float32).
+void bf16_widen_inplace(void* buf, size_t n);
+
+// The n float32 values in bytes [0, 4n) of buf become n bfloat16 values in
+// bytes [0, 2n), rounded to nearest even (NaN stays NaN), as torch's
+// tensor.to(torch.bfloat16) rounds.
+void bf16_narrow_inplace(void* buf, size_t n);
+
+}  // namespace aio

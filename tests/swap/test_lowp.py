@@ -1,0 +1,49 @@
+"""In-place bfloat16 <-> float32 of a swap buffer (bf16 optimizer states):
+equal to torch's .to(torch.bfloat16) and back, at every size around the
+C++ block, for ties, subnormals, infinities and NaN; bad buffers refused."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aio.swap.lowp import narrow_bf16, widen_bf16  # noqa: E402
+
+
+def _values(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 20)
+    edge = torch.tensor([0.0, -0.0, 1e-40, -1e-42, float("inf"), -float("inf"), 3.4e38, 1.00390625])
+    edge = torch.cat([edge, torch.tensor([0x3F808000, 0x3F818000], dtype=torch.int32).view(torch.float32)])
+    k = min(n, edge.numel())
+    x[:k] = edge[:k]  # ties to even included (the last two)
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 255, 256, 257, 513, 100_003])
+def test_round_trip_equals_torch(n):
+    x = _values(n)
+    raw = torch.full((4 * n + 16,), 0xAB, dtype=torch.uint8)
+    raw[: 4 * n].view(torch.float32).copy_(x)
+    narrow_bf16(raw, n)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(raw[: 2 * n].view(torch.int16), want.view(torch.int16))
+    widen_bf16(raw, n)
+    assert torch.equal(raw[: 4 * n].view(torch.float32), want.float())
+    assert (raw[4 * n :] == 0xAB).all(), "nothing past the values is touched"
+
+
+def test_nan_stays_nan():
+    raw = torch.zeros(16, dtype=torch.uint8)
+    raw[:8].view(torch.float32).copy_(torch.tensor([float("nan"), -float("nan")]))
+    narrow_bf16(raw, 2)
+    widen_bf16(raw, 2)
+    assert raw[:8].view(torch.float32).isnan().all()
+
+
+def test_bad_buffers_are_refused():
+    with pytest.raises(ValueError, match="need 40 bytes"):
+        widen_bf16(torch.zeros(39, dtype=torch.uint8), 10)
+    with pytest.raises(TypeError):
+        narrow_bf16(torch.zeros(10, dtype=torch.float32), 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        narrow_bf16(torch.zeros(80, dtype=torch.uint8)[::2], 5)
