@@ -20,12 +20,13 @@ shows up at registration, naming that drive's file.
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._log import log_swap_handle
+from .._log import log_swap_handle, logger
 from ..handle import AioFuture, AsyncIOHandle
 from .storage import ALIGN, SwapFile, SwapStorage, align_up
 
@@ -56,6 +57,21 @@ def nvme_path_list(nvme_path: str | os.PathLike[str] | Sequence[Any]) -> list[st
             )
         seen[real] = p
     return paths
+
+
+def _takes_o_direct(path: str) -> bool:
+    """Whether the swap file at `path` (just created) opens with O_DIRECT."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    os.close(fd)
+    return True
 
 
 def _bytes_of(buf: Any) -> Any:
@@ -92,6 +108,7 @@ class _Drive:
     file: SwapFile
     reader: AsyncIOHandle
     writer: AsyncIOHandle
+    direct: bool  # the file system takes O_DIRECT (else I/O is buffered)
     bytes_read: int = 0
     bytes_written: int = 0
 
@@ -193,8 +210,15 @@ class SwapSpace:
         storage = SwapStorage(path, kind, job_id, rank)
         try:
             f = storage.file(name)
+            direct = _takes_o_direct(f.path)
+            if not direct:
+                logger.getChild("swap").warning(
+                    "swap drive %s: the file system has no O_DIRECT; its swap I/O is buffered "
+                    "(through the page cache)",
+                    path,
+                )
             kw = dict(aio or {})
-            return _Drive(path, storage, f, AsyncIOHandle(**kw), AsyncIOHandle(**kw))
+            return _Drive(path, storage, f, AsyncIOHandle(**kw), AsyncIOHandle(**kw), direct)
         except BaseException:
             storage.close()
             raise
@@ -311,6 +335,7 @@ class SwapSpace:
                 "nvme_path": d.nvme_path,
                 "swap_dir": d.storage.dir,
                 "drive_bytes": d.file.size,
+                "o_direct": d.direct,
                 "bytes_read": d.bytes_read,
                 "bytes_written": d.bytes_written,
             }

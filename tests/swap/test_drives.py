@@ -113,6 +113,7 @@ def test_training_io_uses_every_drive(two_dirs):
         assert [d["nvme_path"] for d in drives] == [os.path.abspath(p) for p in two_dirs]
         for d in drives:
             assert d["bytes_written"] > 0 and d["bytes_read"] > 0 and os.path.isdir(d["swap_dir"])
+        assert drives[0]["o_direct"] is True  # the disk (tmpfs, the second, may not take it)
         total = sum(d["bytes_written"] for d in drives)
         assert total == sum(v.numel() * 4 for v in vals.values())
 
@@ -157,3 +158,20 @@ def test_full_drive_fails_at_allocation_naming_its_file(tmp_path):
             sp.allocate(1 << 62)
         assert ei.value.errno in (errno.ENOSPC, errno.EFBIG, errno.EINVAL)
         assert ei.value.filename.startswith(sp.drives[0].storage.dir)
+
+
+def test_a_drive_without_o_direct_is_said_up_front(tmp_path, monkeypatch, caplog):
+    import aio.swap.drives as drives
+
+    dirs = [str(tmp_path / f"d{i}") for i in range(2)]
+    for d in dirs:
+        os.mkdir(d)
+    real = drives._takes_o_direct
+    monkeypatch.setattr(
+        drives, "_takes_o_direct", lambda path: False if "/d1/" in os.path.realpath(path) else real(path)
+    )
+    with caplog.at_level("WARNING", logger="aio.swap"):
+        with SwapSpace(dirs, "param", "x.swp") as sp:
+            assert [d["o_direct"] for d in sp.stats()] == [True, False]
+    said = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert len(said) == 1 and dirs[1] in said[0]
