@@ -27,10 +27,7 @@ def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: 
     tag = tag or f"global_step{trainer.global_steps}"
     if not tag or "/" in tag or tag.startswith("."):
         raise ValueError(f"bad checkpoint tag {tag!r}")
-    created = not os.path.isdir(save_dir)
-    os.makedirs(save_dir, exist_ok=True)
-    if created:
-        fsync_dir(os.path.dirname(os.path.abspath(save_dir)))
+    _make_dirs_durably(os.path.abspath(save_dir))
     trainer.store.synchronize()
     path = os.path.join(save_dir, tag)
     with checkpoint_dir(path) as tmp:
@@ -120,3 +117,18 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_dirs_durably(path: str) -> None:
+    """os.makedirs(path), and each folder it creates fsynced into its parent
+    (a crash must not lose the entry of a new folder above a checkpoint)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for p in reversed(missing):
+        os.makedirs(p, exist_ok=True)
+        fsync_dir(os.path.dirname(p))
