@@ -101,6 +101,15 @@ def estimate_dtype(path: str, flag: str | None) -> tuple[str, str]:
     return "fp32", "the config enables neither bf16 nor fp16"
 
 
+def _state_bytes(path: str) -> int:
+    """Bytes per optimizer state on the drive: 2 with ``aio_zero.optimizer_states: bf16``."""
+    from .load import read_config_data
+
+    data, _ = read_config_data(path)
+    blk = data.get("aio_zero")
+    return 2 if isinstance(blk, dict) and blk.get("optimizer_states") == "bf16" else 4
+
+
 def _and_keys(keys: list[str]) -> str:
     return " and ".join(f"{k}.enabled" for k in keys)
 
@@ -184,6 +193,7 @@ def _run(a: argparse.Namespace) -> int:
         a.optimizer_states,
         largest_subgroup_numel=a.largest_subgroup,
         param_numels=a.param_numels,
+        state_bytes=_state_bytes(a.config),
     )
     if a.json:
         print(json.dumps({"dtype": dtype, "dtype_source": source, **est.as_dict()}, indent=2))

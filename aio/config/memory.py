@@ -248,6 +248,7 @@ def estimate_memory(
     *,
     largest_subgroup_numel: int | float | None = None,
     param_numels: list[int] | None = None,
+    state_bytes: int = 4,
 ) -> MemoryEstimate:
     """Pinned bytes per process and drive space per ``nvme_path`` for `config`.
 
@@ -259,6 +260,8 @@ def estimate_memory(
     (default: from `param_numels`, else ``min(sub_group_size, num_params)``).
     ``param_numels``: every parameter's element count in model order, for an
     exact figure (what ``trainer.pinned_bytes()`` reports after a step).
+    ``state_bytes``: bytes of each state on the drive (2 with
+    ``aio_zero.optimizer_states: bf16``; the buffers stay float32).
     """
     cfg = load_config(config)
     numels = None if param_numels is None else [_positive_int("param_numels[]", n) for n in param_numels]
@@ -279,7 +282,9 @@ def estimate_memory(
         sub = largest_subgroup(numels, z.sub_group_size)
     else:
         sub = min(z.sub_group_size, n)
-    _estimate_optimizer(est, z, sub, optimizer_states)
+    if state_bytes not in (2, 4):
+        raise ValueError(f"state_bytes must be 2 (bf16 states) or 4, got {state_bytes!r}")
+    _estimate_optimizer(est, z, sub, optimizer_states, state_bytes)
     return est
 
 
@@ -309,12 +314,12 @@ def _estimate_params(est: MemoryEstimate, z: Any, numels: list[int] | None) -> N
         (est.pinned if p.pin_memory else est.cpu)[key] = n * b
 
 
-def _estimate_optimizer(est: MemoryEstimate, z: Any, sub: int, states: int) -> None:
+def _estimate_optimizer(est: MemoryEstimate, z: Any, sub: int, states: int, state_bytes: int) -> None:
     o, n = z.offload_optimizer, est.num_params
-    per_elem = 4 * (2 + states)  # fp32 gradient + master + states
     if o is not None and o.device == "nvme":
         slot = _round(_round(sub * 4, _ALIGN), _page())
         (est.pinned if o.pin_memory else est.cpu)["offload_optimizer buffers"] = o.buffer_count * slot
-        _spread(est, o.nvme_dirs(), n * per_elem)
+        # fp32 gradient slot + master, then the states as stored
+        _spread(est, o.nvme_dirs(), n * (8 + state_bytes * states))
     elif o is not None and o.device == "cpu":
-        est.cpu["offload_optimizer (all in CPU)"] = n * per_elem
+        est.cpu["offload_optimizer (all in CPU)"] = n * 4 * (2 + states)
