@@ -13,38 +13,50 @@ namespace {
 
 constexpr size_t kBlock = 256;
 
-uint16_t round_bf16(uint32_t u) {
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u)
-    return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+// Round to nearest even; a NaN stays a NaN (quiet, sign and top payload
+// kept). Selects only, so the fixed-size loops below vectorize.
+inline uint16_t round_bf16(uint32_t u) {
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
+}
+
+// One block of `count` values (kCount: known at compile time for whole
+// blocks, so the compiler vectorizes the loop at -O2; 0 for the last one).
+template <size_t kCount>
+inline void widen_block(unsigned char* bytes, size_t begin, size_t n) {
+  const size_t count = kCount ? kCount : n;
+  uint16_t in[kBlock];
+  uint32_t out[kBlock];
+  std::memcpy(in, bytes + 2 * begin, 2 * count);
+  for (size_t i = 0; i < count; ++i) out[i] = static_cast<uint32_t>(in[i]) << 16;
+  std::memcpy(bytes + 4 * begin, out, 4 * count);
+}
+
+template <size_t kCount>
+inline void narrow_block(unsigned char* bytes, size_t begin, size_t n) {
+  const size_t count = kCount ? kCount : n;
+  uint32_t in[kBlock];
+  uint16_t out[kBlock];
+  std::memcpy(in, bytes + 4 * begin, 4 * count);
+  for (size_t i = 0; i < count; ++i) out[i] = round_bf16(in[i]);
+  std::memcpy(bytes + 2 * begin, out, 2 * count);
 }
 
 }  // namespace
 
 void bf16_widen_inplace(void* buf, size_t n) {
   auto* bytes = static_cast<unsigned char*>(buf);
-  uint16_t in[kBlock];
-  uint32_t out[kBlock];
-  for (size_t end = n; end > 0;) {
-    const size_t begin = end > kBlock ? end - kBlock : 0;
-    const size_t count = end - begin;
-    std::memcpy(in, bytes + 2 * begin, 2 * count);
-    for (size_t i = 0; i < count; ++i) out[i] = static_cast<uint32_t>(in[i]) << 16;
-    std::memcpy(bytes + 4 * begin, out, 4 * count);
-    end = begin;
-  }
+  size_t end = n;
+  for (; end >= kBlock; end -= kBlock) widen_block<kBlock>(bytes, end - kBlock, kBlock);
+  if (end > 0) widen_block<0>(bytes, 0, end);
 }
 
 void bf16_narrow_inplace(void* buf, size_t n) {
   auto* bytes = static_cast<unsigned char*>(buf);
-  uint32_t in[kBlock];
-  uint16_t out[kBlock];
-  for (size_t begin = 0; begin < n; begin += kBlock) {
-    const size_t count = n - begin < kBlock ? n - begin : kBlock;
-    std::memcpy(in, bytes + 4 * begin, 4 * count);
-    for (size_t i = 0; i < count; ++i) out[i] = round_bf16(in[i]);
-    std::memcpy(bytes + 2 * begin, out, 2 * count);
-  }
+  size_t begin = 0;
+  for (; n - begin >= kBlock; begin += kBlock) narrow_block<kBlock>(bytes, begin, kBlock);
+  if (begin < n) narrow_block<0>(bytes, begin, n - begin);
 }
 
 }  // namespace aio
