@@ -54,23 +54,32 @@ def copy_chunks(chunks: Sequence[Chunk], buffers: Sequence[memoryview]) -> dict[
     crcs: dict[Hashable, int] = {}
     writes: list[IOFuture | None] = [None] * len(buffers)
     reads: dict[int, tuple[Any, IOFuture | None]] = {}  # chunk -> (source, read in flight)
+    direct: list[IOFuture] = []  # a write from the caller's memory, while it is waited for
+    # Every future stays in one of these until it has settled, so the except
+    # branch waits for it even when a wait is interrupted (Ctrl-C).
     try:
         for k, c in enumerate(chunks):
             for j in range(k, min(len(chunks), k + len(buffers))):  # keep the reads ahead started
                 if j not in reads:
                     reads[j] = _start_read(chunks[j], buffers, writes, j)
-            src, fut = reads.pop(k)
+            src, fut = reads[k]
             if fut is not None:
                 fut.result()
+            del reads[k]
             crcs[c.key] = _crc(src, crcs.get(c.key, 0))
-            if c.write is not None:
-                w = c.write(src)
-                if c.read is None:
-                    w.result()  # the source is the caller's memory: done before we return
-                else:
-                    writes[k % len(buffers)] = w
+            if c.write is None:
+                continue
+            if c.read is None:  # the source is the caller's memory: done before we return
+                direct.append(c.write(src))
+                direct[-1].result()
+                direct.clear()
+            else:
+                writes[k % len(buffers)] = c.write(src)
     except BaseException:
-        _settle([f for _, f in reads.values()] + writes, quiet=True)
+        in_flight: list[IOFuture | None] = [f for _, f in reads.values()]
+        in_flight.extend(writes)
+        in_flight.extend(direct)
+        _settle(in_flight, quiet=True)
         raise
     _settle(writes)
     return crcs
@@ -80,9 +89,10 @@ def _start_read(c: Chunk, buffers: Sequence[memoryview], writes: list[IOFuture |
     if c.read is None:
         return c.data, None
     b = j % len(buffers)
-    pending, writes[b] = writes[b], None
+    pending = writes[b]
     if pending is not None:
         pending.result()  # the buffer is free once its last write has landed
+        writes[b] = None
     if c.nbytes > len(buffers[b]):
         raise ValueError(f"chunk of {c.nbytes} bytes does not fit a {len(buffers[b])}-byte buffer")
     view = buffers[b][: c.nbytes]

@@ -218,7 +218,12 @@ class SwapSpace:
                     path,
                 )
             kw = dict(aio or {})
-            return _Drive(path, storage, f, AsyncIOHandle(**kw), AsyncIOHandle(**kw), direct)
+            reader = AsyncIOHandle(**kw)
+            try:
+                return _Drive(path, storage, f, reader, AsyncIOHandle(**kw), direct)
+            except BaseException:
+                reader.close()
+                raise
         except BaseException:
             storage.close()
             raise
@@ -240,11 +245,16 @@ class SwapSpace:
         n = len(self.drives)
         # Small extents still go to every drive, in smaller stripes.
         unit = min(self.stripe, align_up(-(-size // n)))
-        rows = -(-size // (unit * n))
-        bases = []
-        for d in self.drives:
-            share = size if n == 1 else rows * unit
-            bases.append(d.file.allocate(share))
+        stripes = -(-size // unit)
+        bases: list[int] = []
+        try:
+            for i, d in enumerate(self.drives):
+                share = -(-(stripes - i) // n) * unit  # drive i holds stripes i, i + n, ...
+                bases.append(d.file.allocate(share) if share > 0 else d.file.size)
+        except BaseException:
+            for d, base in zip(self.drives, bases, strict=False):
+                d.file.shrink_to(base)  # the drives that grew give their share back
+            raise
         ext = _Extent(self.size, size, unit, bases)
         self._extents.append(ext)
         self._starts.append(ext.start)
@@ -298,10 +308,12 @@ class SwapSpace:
     def _piece(self, write: bool, i: int, buf: Any, phys: int, length: int) -> AioFuture:
         d = self.drives[i]
         if write:
+            fut = d.writer.async_pwrite(buf, d.file.path, phys)
             d.bytes_written += length
-            return d.writer.async_pwrite(buf, d.file.path, phys)
-        d.bytes_read += length
-        return d.reader.async_pread(buf, d.file.path, phys)
+        else:
+            fut = d.reader.async_pread(buf, d.file.path, phys)
+            d.bytes_read += length
+        return fut
 
     def read(self, buf: Any, offset: int) -> IOFuture:
         """Start reading len(buf) bytes at logical `offset` into `buf` (a

@@ -40,6 +40,7 @@ def widen_bf16(raw: Any, n: int) -> None:
 def narrow_bf16(raw: Any, n: int) -> None:
     """Turn the `n` float32 values in bytes [0, 4n) of the contiguous CPU
     uint8 tensor `raw` into `n` bfloat16 values in bytes [0, 2n), rounded to
-    nearest even as ``tensor.to(torch.bfloat16)`` rounds (NaN stays NaN)."""
+    nearest even as ``tensor.to(torch.bfloat16)`` rounds (a NaN stays a NaN,
+    its bits may differ from torch's)."""
     _check(raw, n)
     _C.bf16_narrow_inplace(raw.data_ptr(), n)

@@ -28,7 +28,6 @@ ahead and writes behind only as far as free buffers allow (one warning).
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import json
 import os
@@ -608,13 +607,22 @@ class OptimizerSwapper:
         return out
 
     def _copy(self, chunks: list[Chunk]) -> dict[Any, int]:
-        """copy_chunks() through two of the swapper's buffers (the step's are
-        free: cached sub-groups are written back first). Not counted in the
-        swap counters, which are the training's I/O."""
+        """copy_chunks() through two of the swapper's free buffers (cached
+        sub-groups are written back first; one buffer: no overlap). Not
+        counted in the swap counters, which are the training's I/O."""
         self.drop_cached()
-        with contextlib.ExitStack() as stack:
-            leases = [stack.enter_context(self._pool().acquire()) for _ in range(2)]
+        pool = self._pool()
+        leases = [x for x in (pool.try_acquire(), pool.try_acquire()) if x is not None]
+        try:
+            if not leases:  # never wait: nothing in this thread would give one back
+                raise ValueError(
+                    f"every optimizer swap buffer is in use ({BUFFER_COUNT_KEY}={pool.count}); "
+                    "release the buffers taken with acquire_buffer() before a checkpoint"
+                )
             return copy_chunks(chunks, [lease.buffer() for lease in leases])
+        finally:
+            for lease in leases:
+                lease.release()
 
     def _check_crcs(self, directory: str, manifest: dict[str, Any], crcs: dict[Any, int]) -> None:
         for i in sorted(self.groups):

@@ -406,6 +406,8 @@ class ParamSwapper:
     def _copy(self, chunks: list[Chunk]) -> dict[Any, int]:
         """copy_chunks() through up to two free pool buffers (a scratch
         buffer when every one is in use). Not counted in the swap counters."""
+        if not any(c.read is not None for c in chunks):  # all in memory: no buffer, nothing pinned
+            return copy_chunks(chunks, [memoryview(bytearray(1))])
         leases = [x for x in (self.pool.try_acquire(), self.pool.try_acquire()) if x is not None]
         try:
             if leases:

@@ -434,6 +434,16 @@ class SwapFile:
                 ) from None
             return off
 
+    def shrink_to(self, size: int) -> None:
+        """Give back the space past `size` (an offset allocate() returned, or
+        the size before it): undoes the last allocations when a multi-drive
+        extent could not be reserved on every drive."""
+        with self._lock:
+            if self._fd < 0 or size > self.size:
+                return
+            os.ftruncate(self._fd, size)
+            self.size = size
+
     def close(self) -> None:
         """Close the file's descriptor (the folder removal deletes it). Idempotent."""
         with self._lock:

@@ -13,8 +13,8 @@ namespace aio {
 void bf16_widen_inplace(void* buf, size_t n);
 
 // The n float32 values in bytes [0, 4n) of buf become n bfloat16 values in
-// bytes [0, 2n), rounded to nearest even (NaN stays NaN), as torch's
-// tensor.to(torch.bfloat16) rounds.
+// bytes [0, 2n), rounded to nearest even as torch's tensor.to(torch.bfloat16)
+// rounds; a NaN stays a NaN (its bits may differ from torch's 0xFFFF).
 void bf16_narrow_inplace(void* buf, size_t n);
 
 }  // namespace aio

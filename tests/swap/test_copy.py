@@ -183,3 +183,62 @@ def test_optimizer_checkpoint_from_two_drives_resumes_exactly(tmp_path):
     for i, w in enumerate(want):
         assert torch.equal(b.read_master(i), w)
     b.close()
+
+
+class InterruptedFuture(FakeFuture):
+    """Its first wait is interrupted (Ctrl-C) while the I/O goes on."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.interrupt = True
+
+    def exception(self, timeout=None):
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return super().exception(timeout)
+
+
+@pytest.mark.parametrize("victim", ["read0", "write0", "memory-write"])
+def test_ctrl_c_leaves_nothing_in_flight(victim):
+    log, futs = [], []
+
+    def fut(name, action=None):
+        cls = InterruptedFuture if name == victim else FakeFuture
+        futs.append(cls(log, name, action))
+        return futs[-1]
+
+    chunks = [Chunk(8, "m", data=b"m" * 8, write=lambda src: fut("memory-write"))]
+    for k in range(3):
+        chunks.append(
+            Chunk(8, k, read=lambda view, k=k: fut(f"read{k}"), write=lambda view, k=k: fut(f"write{k}"))
+        )
+    if victim != "memory-write":
+        chunks = chunks[1:]
+    with pytest.raises(KeyboardInterrupt):
+        copy_chunks(chunks, [memoryview(bytearray(8)) for _ in range(2)])
+    assert all(f.settled for f in futs), [f.name for f in futs if not f.settled]
+
+
+def test_optimizer_checkpoint_with_every_buffer_taken_says_so(tmp_path):
+    sw = OptimizerSwapper(str(tmp_path), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, buffer_count=3)
+    sw.register_subgroup(0, 1000)
+    sw.initialize(0, torch.zeros(1000))
+    held = [sw.acquire_buffer(0) for _ in range(3)]
+    with pytest.raises(ValueError, match="buffer_count"):
+        sw.export_checkpoint(str(tmp_path / "ck"))
+    for lease in held:
+        lease.release()
+    sw.export_checkpoint(str(tmp_path / "ck"))
+    sw.close()
+
+
+def test_param_checkpoint_of_resident_partitions_pins_no_buffer(tmp_path):
+    with _param_swapper(str(tmp_path), max_in_cpu=10**9) as s:
+        for i in range(3):
+            s.register(i, 20_000)
+            s.write(i, torch.ones(20_000))
+        assert s.stats()["pinned_buffer_bytes"] == 0
+        s.export_checkpoint(str(tmp_path / "ck"))
+        s.import_checkpoint(str(tmp_path / "ck"))
+        assert s.stats()["pinned_buffer_bytes"] == 0

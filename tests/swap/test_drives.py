@@ -175,3 +175,45 @@ def test_a_drive_without_o_direct_is_said_up_front(tmp_path, monkeypatch, caplog
             assert [d["o_direct"] for d in sp.stats()] == [True, False]
     said = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
     assert len(said) == 1 and dirs[1] in said[0]
+
+
+@pytest.mark.parametrize("ndirs", [2, 3, 4])
+@pytest.mark.parametrize("nbytes", [4096, 5 * STRIPE_BYTES, 4 * STRIPE_BYTES + 4096, 13_100_000])
+def test_each_drive_reserves_only_its_stripes(tmp_path, ndirs, nbytes):
+    dirs = [str(tmp_path / f"d{i}") for i in range(ndirs)]
+    for d in dirs:
+        os.mkdir(d)
+    with SwapSpace(dirs, "param", "x.swp") as sp:
+        off = sp.allocate(nbytes)
+        (ext,) = sp._extents
+        stripes = -(-ext.size // ext.unit)
+        assert sum(s["drive_bytes"] for s in sp.stats()) == stripes * ext.unit < ext.size + ext.unit
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        sp.sync_write(data, off)
+        back = torch.empty_like(data)
+        sp.sync_read(back, off)
+        assert torch.equal(back, data)
+
+
+def test_allocation_failing_on_one_drive_gives_the_others_back(tmp_path, monkeypatch):
+    dirs = [str(tmp_path / f"d{i}") for i in range(2)]
+    for d in dirs:
+        os.mkdir(d)
+    with SwapSpace(dirs, "param", "x.swp") as sp:
+        sp.allocate(2 * STRIPE_BYTES)
+        before = [s["drive_bytes"] for s in sp.stats()]
+
+        def full(nbytes):
+            raise OSError(errno.ENOSPC, "cannot reserve", "x")
+
+        monkeypatch.setattr(sp.drives[1].file, "allocate", full)
+        with pytest.raises(OSError):
+            sp.allocate(8 * STRIPE_BYTES)
+        assert [s["drive_bytes"] for s in sp.stats()] == before
+        assert [os.path.getsize(d.file.real_path) for d in sp.drives] == before
+        monkeypatch.undo()
+        off = sp.allocate(STRIPE_BYTES * 2)  # the next extent starts where it should
+        assert sp.pieces(off, 2 * STRIPE_BYTES) == [
+            (0, STRIPE_BYTES, 0, STRIPE_BYTES),
+            (1, STRIPE_BYTES, STRIPE_BYTES, STRIPE_BYTES),
+        ]
