@@ -85,6 +85,7 @@ def page_size() -> int: ...
 # in-line, sqrt_fn for its rare inputs); see SqrtKind in cpu_adam.h.
 # parallel_fn: address of an OpenMP runtime's GOMP_parallel to split the work
 # over its team (0: aio's own worker pool); see ParallelFn in cpu_adam.h.
+# state_kind 'bfloat16': exp_avg/exp_avg_sq hold bfloat16 (AdamBuffers).
 def adam_update(
     param_ptr: int,
     grad_ptr: int,
@@ -106,6 +107,7 @@ def adam_update(
     sqrt_fn: int = 0,
     sqrt_mode: int = 0,
     parallel_fn: int = 0,
+    state_kind: str = "float32",
 ) -> None: ...
 
 # bfloat16 <-> float32 in place over numel elements at buf_ptr (csrc/core/

@@ -41,13 +41,14 @@ _VML_MODE = 0x2 | 0x140000 | 0x100
 _LOWP_KINDS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _check_fp32(name: str, t: Any, numel: int | None) -> None:
+def _check_fp32(name: str, t: Any, numel: int | None, dtype: Any = torch.float32) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise TypeError(f"{name} must be a CPU tensor, got device {t.device}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if t.dtype != dtype:
+        want = "float32" if dtype == torch.float32 else "float32 or bfloat16 (both moments alike)"
+        raise TypeError(f"{name} must be {want}, got {t.dtype}")
     if t.is_sparse:
         raise TypeError(f"{name} must be dense, got a sparse tensor")
     if not t.is_contiguous():
@@ -115,9 +116,14 @@ def adam_update(
     ``threads`` defaults to ``torch.get_num_threads()``; below 64K elements
     the calling thread does all the work.
 
-    All tensors must be contiguous float32 CPU tensors of one size
-    (TypeError for the wrong kind, ValueError for the wrong shape or layout);
-    hyper-parameters out of range (e.g. beta1 outside [0, 1)) are ValueError.
+    ``exp_avg`` and ``exp_avg_sq`` may both be bfloat16 (aio's extension, for
+    bf16 optimizer states): they are widened, updated in float32 exactly as
+    above and rounded back to nearest even, in the same pass.
+
+    All tensors must be contiguous CPU tensors of one size, float32 but for
+    bfloat16 moments (TypeError for the wrong kind, ValueError for the wrong
+    shape or layout); hyper-parameters out of range (e.g. beta1 outside
+    [0, 1)) are ValueError.
     """
     n = _check_tensors(param, grad, exp_avg, exp_avg_sq)
     hyper = [step, lr, beta1, beta2, eps, weight_decay]
@@ -134,16 +140,17 @@ def adam_update(
         hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5], bool(decoupled), grad_scale,
         lowp_ptr, lowp_kind, threads, sqrt_kind, sqrt_fn, sqrt_mode,
         _omp_parallel() if threads > 1 else 0,
+        "bfloat16" if exp_avg.dtype is torch.bfloat16 else "float32",
     )  # fmt: skip
 
 
 _HYPER_NAMES = ("step", "lr", "beta1", "beta2", "eps", "weight_decay")
 
 
-def _fp32_ok(t: Any, n: int) -> bool:
+def _fp32_ok(t: Any, n: int, dtype: Any = torch.float32) -> bool:
     return (
         isinstance(t, torch.Tensor)
-        and t.dtype is torch.float32
+        and t.dtype is dtype
         and t.layout is torch.strided
         and t.is_cpu
         and t.is_contiguous()
@@ -156,12 +163,14 @@ def _check_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any) -> int:
     TypeError/ValueError naming the first bad one. The step runs once per
     parameter or sub-group: the common case is checked in one go."""
     n = param.numel() if isinstance(param, torch.Tensor) else -1
-    if not (_fp32_ok(param, n) and _fp32_ok(grad, n) and _fp32_ok(exp_avg, n) and _fp32_ok(exp_avg_sq, n)):
+    states = exp_avg.dtype if getattr(exp_avg, "dtype", None) is torch.bfloat16 else torch.float32
+    ok = _fp32_ok(param, n) and _fp32_ok(grad, n)
+    if not (ok and _fp32_ok(exp_avg, n, states) and _fp32_ok(exp_avg_sq, n, states)):
         _check_fp32("param", param, None)
         n = param.numel()
         _check_fp32("grad", grad, n)
-        _check_fp32("exp_avg", exp_avg, n)
-        _check_fp32("exp_avg_sq", exp_avg_sq, n)
+        _check_fp32("exp_avg", exp_avg, n, states)
+        _check_fp32("exp_avg_sq", exp_avg_sq, n, states)
     ptrs = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
     if n > 0 and len(set(ptrs)) != 4:
         raise ValueError("param, grad, exp_avg and exp_avg_sq must be four different tensors")

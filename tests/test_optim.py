@@ -406,3 +406,29 @@ def test_square_root_edges_match_torch():
                 weight_decay=0.0, decoupled=False)  # fmt: skip
     same = p.view(torch.int32) == ref.detach().view(torch.int32)
     assert torch.equal(same | (p.isnan() & ref.isnan()), torch.ones(n, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("n", [7, 64 * 1024 + 3, 1024 * 1024 + 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_moments_equal_widen_update_round(n, threads):
+    """bfloat16 moments (bf16 optimizer states): the same bits as widening
+    them, the float32 update, and rounding back to nearest even."""
+    p0, grads = _data(n, 11, 3)
+    pa, ma, va = p0.clone(), torch.zeros(n), torch.zeros(n)
+    pb, mb, vb = p0.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    for step, grad in enumerate(grads, start=1):
+        kw = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+        adam_update(pa, grad, ma, va, threads=threads, **kw)
+        ma.copy_(ma.to(torch.bfloat16))
+        va.copy_(va.to(torch.bfloat16))
+        adam_update(pb, grad, mb, vb, threads=threads, **kw)
+    _assert_same((pa, ma, va), (pb, mb.float(), vb.float()))
+
+
+def test_moments_of_two_dtypes_are_refused():
+    p, g = torch.zeros(8), torch.zeros(8)
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        adam_update(p, g, torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8), **kw)
+    with pytest.raises(TypeError, match="must be float32"):
+        adam_update(p.bfloat16(), g, torch.zeros(8), torch.zeros(8), **kw)

@@ -226,11 +226,11 @@ class OptimizerSwapper:
         self.drop_cached()
         return self._pool().try_acquire()
 
-    def _views(self, g: _SubGroup, leases: dict[str, Lease]) -> dict[str, Any]:
+    def _views(self, g: _SubGroup, leases: dict[str, Lease], widened: bool = True) -> dict[str, Any]:
         import torch
 
-        def dtype(name: str) -> Any:  # a narrowed state is float32 in its buffer
-            return torch.float32 if name in self.narrowed else g.parts[name][1]
+        def dtype(name: str) -> Any:  # a narrowed state is float32 in its buffer once widened
+            return torch.float32 if widened and name in self.narrowed else g.parts[name][1]
 
         return {name: BufferPool.view(leases[name], dtype(name), g.numel) for name in leases}
 
@@ -471,16 +471,23 @@ class OptimizerSwapper:
     ) -> None:
         import torch
 
+        from ..optim import CPUAdam
         from .lowp import narrow_bf16, widen_bf16
 
-        for name in self.narrowed:  # bfloat16 from the drive (or kept so): float32 to step
+        # aio's Adam kernel steps bfloat16 moments itself (widening and rounding
+        # each block in its one pass); any other optimizer gets them widened to
+        # float32 in their buffers, and rounded back after: the same bits.
+        widen = bool(self.narrowed) and not isinstance(self.optimizer, CPUAdam)
+        for name in self.narrowed if widen else []:
             widen_bf16(leases[name].tensor(torch.uint8), g.numel)
-        views = self._views(g, leases)
+        views = self._views(g, leases, widened=widen)
         if "grad" not in views:
             views["grad"] = g.grad_mem
         self._apply(g, views, grad_scale)
-        for name in self.narrowed:  # as the drive holds it: kept buffers are the same bytes
-            narrow_bf16(leases[name].tensor(torch.uint8), g.numel)
+        for name in self.narrowed if widen else []:  # as the drive holds them
+            raw = leases[name].tensor(torch.uint8)
+            narrow_bf16(raw, g.numel)
+            raw[2 * g.numel : self._part_io(g, name)[1]].zero_()  # padding: no float32 leftovers
         # The drive copy is stale from here until the write lands.
         g.valid = False
         self.counters["subgroup_steps"] += 1

@@ -57,7 +57,8 @@ void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t e
                  int64_t numel, double step, double lr, double beta1, double beta2, double eps,
                  double weight_decay, bool decoupled, py::object grad_scale, uintptr_t lowp,
                  const std::string& kind, int64_t threads, const std::string& sqrt,
-                 uintptr_t sqrt_fn, int64_t sqrt_mode, uintptr_t parallel_fn) {
+                 uintptr_t sqrt_fn, int64_t sqrt_mode, uintptr_t parallel_fn,
+                 const std::string& state_kind) {
   const double inf = INFINITY;
   if (numel < 0) throw py::value_error("numel must be at least 0, got " + std::to_string(numel));
   if (threads < 1 || threads > 1024)
@@ -65,8 +66,15 @@ void adam_update(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t e
   aio::AdamBuffers b;
   b.param = fptr("param", param, numel);
   b.grad = fptr("grad", grad, numel);
-  b.exp_avg = fptr("exp_avg", exp_avg, numel);
-  b.exp_avg_sq = fptr("exp_avg_sq", exp_avg_sq, numel);
+  if (state_kind == "bfloat16") {
+    b.exp_avg_bf16 = reinterpret_cast<uint16_t*>(fptr("exp_avg", exp_avg, numel));
+    b.exp_avg_sq_bf16 = reinterpret_cast<uint16_t*>(fptr("exp_avg_sq", exp_avg_sq, numel));
+  } else if (state_kind == "float32") {
+    b.exp_avg = fptr("exp_avg", exp_avg, numel);
+    b.exp_avg_sq = fptr("exp_avg_sq", exp_avg_sq, numel);
+  } else {
+    throw py::value_error("state_kind must be 'float32' or 'bfloat16', got '" + state_kind + "'");
+  }
   b.lowp_kind = lowp_kind(kind);
   if ((b.lowp_kind == aio::LowpKind::None) != (lowp == 0))
     throw py::value_error("lowp_ptr must be given exactly when lowp_kind is not 'none'");
@@ -101,7 +109,8 @@ void bind_optim(py::module_& m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("decoupled"), py::arg("grad_scale") = py::none(), py::arg("lowp_ptr") = 0,
         py::arg("lowp_kind") = "none", py::arg("threads") = 1, py::arg("sqrt_kind") = "exact",
-        py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0, py::arg("parallel_fn") = 0);
+        py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0, py::arg("parallel_fn") = 0,
+        py::arg("state_kind") = "float32");
   // aio/swap/lowp.py checks the buffer (4 * numel bytes, CPU, contiguous).
   m.def(
       "bf16_widen_inplace",

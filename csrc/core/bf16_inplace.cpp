@@ -13,14 +13,6 @@ namespace {
 
 constexpr size_t kBlock = 256;
 
-// Round to nearest even; a NaN stays a NaN (quiet, sign and top payload
-// kept). Selects only, so the fixed-size loops below vectorize.
-inline uint16_t round_bf16(uint32_t u) {
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
-}
-
 // One block of `count` values (kCount: known at compile time for whole
 // blocks, so the compiler vectorizes the loop at -O2; 0 for the last one).
 template <size_t kCount>
@@ -39,7 +31,7 @@ inline void narrow_block(unsigned char* bytes, size_t begin, size_t n) {
   uint32_t in[kBlock];
   uint16_t out[kBlock];
   std::memcpy(in, bytes + 4 * begin, 4 * count);
-  for (size_t i = 0; i < count; ++i) out[i] = round_bf16(in[i]);
+  for (size_t i = 0; i < count; ++i) out[i] = bf16_from_bits(in[i]);
   std::memcpy(bytes + 2 * begin, out, 2 * count);
 }
 

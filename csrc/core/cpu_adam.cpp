@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_inplace.h"
+
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
@@ -369,6 +371,34 @@ RangeFn pick_lowp(LowpKind k) {
   return pick_isa<kL2, kSmall, LowpKind::None>();
 }
 
+// [begin, end) with bfloat16 moments: per block, the moments are widened into
+// float32 arrays, updated by the float32 range function `fn` (the same
+// operations, so the same bits as widening the whole tensor first), and
+// rounded back. Memory sees 2 bytes per moment each way instead of 4.
+void range_bf16_states(RangeFn fn, const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
+                       size_t begin, size_t end) {
+  alignas(64) float m[kBlock];
+  alignas(64) float v[kBlock];
+  for (size_t i = begin; i < end; i += kBlock) {
+    const size_t n = std::min(kBlock, end - i);
+    for (size_t k = 0; k < n; ++k)
+      m[k] = float_of(static_cast<uint32_t>(b.exp_avg_bf16[i + k]) << 16);
+    for (size_t k = 0; k < n; ++k)
+      v[k] = float_of(static_cast<uint32_t>(b.exp_avg_sq_bf16[i + k]) << 16);
+    AdamBuffers block;
+    block.param = b.param + i;
+    block.grad = b.grad + i;
+    block.exp_avg = m;
+    block.exp_avg_sq = v;
+    block.lowp = b.lowp ? static_cast<unsigned char*>(b.lowp) + 2 * i : nullptr;
+    block.lowp_kind = b.lowp_kind;
+    block.numel = n;
+    fn(s, block, vs, 0, n);
+    for (size_t k = 0; k < n; ++k) b.exp_avg_bf16[i + k] = bf16_from_bits(bits_of(m[k]));
+    for (size_t k = 0; k < n; ++k) b.exp_avg_sq_bf16[i + k] = bf16_from_bits(bits_of(v[k]));
+  }
+}
+
 RangeFn pick(const Scalars& s, LowpKind k) {
   if (s.l2) return s.small_weight ? pick_lowp<true, true>(k) : pick_lowp<true, false>(k);
   return s.small_weight ? pick_lowp<false, true>(k) : pick_lowp<false, false>(k);
@@ -521,15 +551,19 @@ void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
   const size_t n = b.numel;
   const size_t most = std::max<size_t>(1, n / (kAdamSerialBelow / 2));
   const unsigned parts = static_cast<unsigned>(std::min<size_t>(std::max(threads, 1u), most));
+  const bool bf16 = b.exp_avg_bf16 != nullptr;
+  const std::function<void(size_t, size_t)> body = [&](size_t begin, size_t end) {
+    if (bf16)
+      range_bf16_states(fn, s, b, vsqrt, begin, end);
+    else
+      fn(s, b, vsqrt, begin, end);
+  };
   if (parts <= 1 || n < kAdamSerialBelow) {
-    fn(s, b, vsqrt, 0, n);
+    body(0, n);
     return;
   }
   // Small inputs still split in two or more: at least one chunk per part.
   const size_t chunk = std::min(kChunk, (n / parts + kBlock - 1) / kBlock * kBlock);
-  const std::function<void(size_t, size_t)> body = [&](size_t begin, size_t end) {
-    fn(s, b, vsqrt, begin, end);
-  };
   if (parallel) {
     TeamJob job{&body, n, chunk};
     parallel(&team_member, &job, parts, 0);  // returns when the whole team is done

@@ -61,6 +61,11 @@ struct AdamBuffers {
   void* lowp = nullptr;  // numel elements of lowp_kind, or nullptr
   LowpKind lowp_kind = LowpKind::None;
   size_t numel = 0;
+  // bfloat16 moments instead of exp_avg/exp_avg_sq (both set, or neither):
+  // each block is widened, updated in float32 exactly as above, and rounded
+  // back to nearest even (bf16_from_bits), in the same pass.
+  uint16_t* exp_avg_bf16 = nullptr;
+  uint16_t* exp_avg_sq_bf16 = nullptr;
 };
 
 struct AdamHyper {

@@ -2,6 +2,7 @@
 or not), configuration errors up front, faults mid-step, checkpoints."""
 
 import errno
+import json
 import os
 
 import pytest
@@ -446,3 +447,33 @@ def test_from_config(tmp_path):
     }
     with OptimizerSwapper.from_config(cfg, torch.optim.Adam, {"lr": 1e-3}) as sw:
         assert sw.pipeline_read and sw.pipeline_write and sw.sub_group_size == 10**6
+
+
+def test_bf16_states_fused_in_the_kernel_equal_widened_steps(tmp_path):
+    """bf16 moments: aio's Adam kernel steps them directly (widening and
+    rounding per block); torch's AdamW gets them widened in the buffer and
+    rounded back after. Same bits: masters, and the checkpointed states."""
+    from aio.optim import CPUAdamW
+
+    sizes = [70_001, 300_000]
+    gen = torch.Generator().manual_seed(7)
+    grads = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(3)]
+    crcs, masters = [], []
+    for cls, kw in ((CPUAdamW, {}), (torch.optim.AdamW, {"foreach": False})):
+        d = tmp_path / cls.__name__
+        d.mkdir()
+        sw = OptimizerSwapper(str(d), cls, {"lr": 1e-2, **kw}, buffer_count=4, state_dtype="bf16")
+        for i, n in enumerate(sizes):
+            sw.register_subgroup(i, n)
+            sw.initialize(i, torch.linspace(-1, 1, n))
+        for step in grads:
+            for i, g in enumerate(step):
+                sw.write_gradient(i, g, async_op=False)
+            sw.step()
+        masters.append([sw.read_master(i) for i in range(len(sizes))])
+        sw.export_checkpoint(str(d / "ck"))
+        manifest = json.loads((d / "ck" / "manifest.json").read_text())
+        crcs.append({i: g["crc32"] for i, g in manifest["groups"].items()})
+        sw.close()
+    assert all(torch.equal(a, b) for a, b in zip(*masters, strict=True))
+    assert crcs[0] == crcs[1]
