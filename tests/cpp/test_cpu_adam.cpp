@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_inplace.h"
 #include "check.h"
 #include "cpu_adam.h"
 
@@ -237,4 +238,39 @@ TEST(adam_mkl_sse_uses_fn_only_for_rare_inputs) {
   h.step = 2;
   aio::adam_update(ours.buffers(), h, 1, vs);
   CHECK_EQ(g_sqrt_calls, size_t{1});
+}
+
+TEST(adam_bf16_moments_equal_widen_update_round) {
+  // Sizes around the block, one and several threads: the float32 update of
+  // the widened moments, rounded back, bit for bit.
+  for (size_t n : {size_t{5}, size_t{256}, size_t{1000}, (size_t{1} << 17) + 3}) {
+    for (unsigned threads : {1u, 3u}) {
+      aio::AdamHyper h;
+      h.weight_decay = 0.01;
+      h.decoupled = true;
+      State ref(n, 9), fused(n, 9);
+      std::vector<uint16_t> m16(n, 0), v16(n, 0);
+      for (int step = 1; step <= 3; ++step) {
+        h.step = step;
+        aio::adam_update(ref.buffers(), h, threads);
+        for (size_t i = 0; i < n; ++i) {
+          ref.m[i] = from_bits(static_cast<uint32_t>(aio::bf16_from_bits(bits(ref.m[i]))) << 16);
+          ref.v[i] = from_bits(static_cast<uint32_t>(aio::bf16_from_bits(bits(ref.v[i]))) << 16);
+        }
+        aio::AdamBuffers b = fused.buffers();
+        b.exp_avg = b.exp_avg_sq = nullptr;
+        b.exp_avg_bf16 = m16.data();
+        b.exp_avg_sq_bf16 = v16.data();
+        aio::adam_update(b, h, threads);
+      }
+      bool same_m = true, same_v = true;
+      for (size_t i = 0; i < n; ++i) {
+        same_m = same_m && bits(ref.m[i]) == static_cast<uint32_t>(m16[i]) << 16;
+        same_v = same_v && bits(ref.v[i]) == static_cast<uint32_t>(v16[i]) << 16;
+      }
+      CHECK(same(ref.p, fused.p));
+      CHECK(same_m);
+      CHECK(same_v);
+    }
+  }
 }
