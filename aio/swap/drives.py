@@ -246,10 +246,13 @@ class SwapSpace:
         # Small extents still go to every drive, in smaller stripes.
         unit = min(self.stripe, align_up(-(-size // n)))
         stripes = -(-size // unit)
+        short = stripes * unit - size  # the last stripe is only partly used
         bases: list[int] = []
         try:
             for i, d in enumerate(self.drives):
                 share = -(-(stripes - i) // n) * unit  # drive i holds stripes i, i + n, ...
+                if (stripes - 1) % n == i:
+                    share -= short
                 bases.append(d.file.allocate(share) if share > 0 else d.file.size)
         except BaseException:
             for d, base in zip(self.drives, bases, strict=False):
