@@ -11,8 +11,9 @@ is given, two or more for overlap.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,24 @@ class Chunk:
     read: Callable[[Any], IOFuture] | None = None
     data: Any = None
     write: Callable[[Any], IOFuture] | None = None
+
+
+@contextlib.contextmanager
+def free_buffers(pool: Any, most: int = 2) -> Iterator[list[memoryview]]:
+    """Up to `most` buffers of a BufferPool that are free right now (none if
+    all are in use: a copy never waits for one, nothing in the calling thread
+    would give it back); given back on exit."""
+    leases = []
+    try:
+        for _ in range(most):
+            lease = pool.try_acquire()
+            if lease is None:
+                break
+            leases.append(lease)
+        yield [lease.buffer() for lease in leases]
+    finally:
+        for lease in leases:
+            lease.release()
 
 
 def _crc(src: Any, crc: int) -> int:

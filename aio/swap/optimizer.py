@@ -38,7 +38,7 @@ from typing import Any
 
 from ..config import discover_state_spec
 from ..pinned import Lease
-from .copy import Chunk, copy_chunks
+from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
 from .param import SwapStateError
 from .pool import BufferPool
@@ -619,17 +619,13 @@ class OptimizerSwapper:
         counted in the swap counters, which are the training's I/O."""
         self.drop_cached()
         pool = self._pool()
-        leases = [x for x in (pool.try_acquire(), pool.try_acquire()) if x is not None]
-        try:
-            if not leases:  # never wait: nothing in this thread would give one back
+        with free_buffers(pool) as buffers:
+            if not buffers:
                 raise ValueError(
                     f"every optimizer swap buffer is in use ({BUFFER_COUNT_KEY}={pool.count}); "
                     "release the buffers taken with acquire_buffer() before a checkpoint"
                 )
-            return copy_chunks(chunks, [lease.buffer() for lease in leases])
-        finally:
-            for lease in leases:
-                lease.release()
+            return copy_chunks(chunks, buffers)
 
     def _check_crcs(self, directory: str, manifest: dict[str, Any], crcs: dict[Any, int]) -> None:
         for i in sorted(self.groups):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..pinned import Lease, locked_nbytes, new_locked_tensor
-from .copy import Chunk, copy_chunks
+from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
 from .pool import BufferPool, PoolExhaustedError
 from .storage import checkpoint_dir, crc32_of, require_complete, write_manifest
@@ -408,16 +408,10 @@ class ParamSwapper:
         buffer when every one is in use). Not counted in the swap counters."""
         if not any(c.read is not None for c in chunks):  # all in memory: no buffer, nothing pinned
             return copy_chunks(chunks, [memoryview(bytearray(1))])
-        leases = [x for x in (self.pool.try_acquire(), self.pool.try_acquire()) if x is not None]
-        try:
-            if leases:
-                buffers = [lease.buffer() for lease in leases]
-            else:
+        with free_buffers(self.pool) as buffers:
+            if not buffers:
                 buffers = [memoryview(bytearray(max((c.nbytes for c in chunks), default=1)))]
             return copy_chunks(chunks, buffers)
-        finally:
-            for lease in leases:
-                lease.release()
 
     def verify_checkpoint(self, directory: str) -> dict[Any, Any]:
         """Check a checkpoint from export_checkpoint() completely -- marker,
