@@ -110,6 +110,10 @@ def adam_update(
     state_kind: str = "float32",
 ) -> None: ...
 
+# The instruction set adam_update runs with: 'avx512', 'avx2' or 'portable'
+# (capped by AIO_MAX_CPU_ISA; ValueError when that names none of them).
+def adam_isa() -> str: ...
+
 # bfloat16 <-> float32 in place over numel elements at buf_ptr (csrc/core/
 # bf16_inplace.h; aio/swap/lowp.py checks the buffer holds 4 * numel bytes).
 def bf16_widen_inplace(buf_ptr: int, numel: int) -> None: ...

@@ -32,7 +32,7 @@ import torch
 
 from . import _C
 
-__all__ = ["CPUAdam", "CPUAdamW", "adam_update", "fast_cpu_optimizer"]
+__all__ = ["CPUAdam", "CPUAdamW", "adam_update", "fast_cpu_optimizer", "is_bit_exact", "kernel_isa"]
 
 # MKL VML mode torch passes (ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF |
 # VML_ERRMODE_IGNORE.
@@ -290,6 +290,15 @@ def _choose_sqrt() -> tuple[_Sqrt, bool]:
 
 def _vector_sqrt() -> _Sqrt:
     return _choose_sqrt()[0]
+
+
+def kernel_isa() -> str:
+    """The instruction set :func:`adam_update` runs with here: ``"avx512"``,
+    ``"avx2"`` or ``"portable"``, the best the CPU supports unless the
+    environment variable ``AIO_MAX_CPU_ISA`` (read once, on first use) names
+    a lower one. Every choice gives the same bits; a value of the variable
+    naming none of the three is a ValueError here and in every update."""
+    return str(_C.adam_isa())
 
 
 def is_bit_exact() -> bool:

@@ -4,6 +4,7 @@ drop-in optimizers, their state_dicts and the options they refuse."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -151,6 +152,88 @@ def test_forked_child_steps_on_its_own_pool():
     )
     r = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# Steps every kernel variant (Adam/AdamW, lerp formulas, grad scale, both
+# low-precision copies, bfloat16 moments; block tails and the thread split)
+# on values over many magnitudes, zeros and subnormal second moments (MKL's
+# rare-input path) included, and prints the instruction set and a digest.
+_ISA_SCRIPT = textwrap.dedent(
+    """
+    import hashlib, torch
+    from aio.optim import adam_update, kernel_isa
+    g = torch.Generator().manual_seed(7)
+    h = hashlib.sha256()
+    cases = [(n, dec, b1, st) for n in (1, 15, 16, 257, 70001) for dec in (False, True)
+             for b1 in (0.9, 0.3) for st in (torch.float32, torch.bfloat16)]
+    for n, decoupled, beta1, states in cases:
+        p = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
+        m, v = torch.zeros(n, dtype=states), torch.zeros(n, dtype=states)
+        low = torch.empty(n, dtype=torch.bfloat16 if decoupled else torch.float16)
+        for step in range(1, 4):
+            grad = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8)
+            grad[: n // 8] = 0.0
+            grad[n // 8 : n // 4] *= 1e-22
+            adam_update(p, grad, m, v, step=step, lr=1e-2, beta1=beta1, beta2=0.999, eps=1e-8,
+                        weight_decay=0.01, decoupled=decoupled, lowp_out=low, threads=2,
+                        grad_scale=0.5 if step == 2 else None)
+        for t in (p, m, v, low):
+            h.update(t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes())
+    from aio.optim import _vector_sqrt
+    print(kernel_isa(), _vector_sqrt()[0], h.hexdigest())
+    """
+)
+
+_ISAS = ("portable", "avx2", "avx512")
+
+
+def _run_isa(cap: str | None) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "AIO_MAX_CPU_ISA"}
+    if cap is not None:
+        env["AIO_MAX_CPU_ISA"] = cap
+    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, timeout=120,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.parametrize("cap", ["avx2", "portable"])
+def test_every_instruction_set_gives_the_same_bits(cap):
+    """The AVX-512, AVX2 and portable loops are the same operations in the
+    same order: capping the instruction set (AIO_MAX_CPU_ISA) changes the
+    speed, never a bit. On a CPU without the wider sets the cap is the best
+    it has, and the comparison still runs."""
+    best, sqrt, want = _run_isa(None)
+    assert best == optim.kernel_isa() and best in _ISAS
+    isa, sqrt_capped, got = _run_isa(cap)
+    assert isa == min(best, cap, key=_ISAS.index)
+    # The square root is picked by checking the kernel against torch: a
+    # variant that went wrong would quietly fall back to a slower one.
+    assert sqrt_capped == sqrt, f"{isa} reproduces torch with {sqrt_capped}, {best} with {sqrt}"
+    assert got == want, f"{isa} differs from {best}"
+
+
+def _cpu_vendor() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":")[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+
+
+@pytest.mark.skipif(
+    _cpu_vendor() != "AuthenticAMD" or not torch.backends.mkl.is_available(),
+    reason="MKL runs its SSE square root on AMD CPUs only",
+)
+def test_amd_cpu_steps_with_mkl_sse_sqrt_inline():
+    """MKL gives AMD CPUs its SSE kernel: the kernel must reproduce it in-line
+    (a call into MKL per block is the slow fallback)."""
+    assert optim._vector_sqrt()[0] == "mkl_sse"
+
+
+def test_bad_instruction_set_cap_is_a_value_error():
+    script = "from aio import optim; optim.kernel_isa()"
+    env = dict(os.environ, AIO_MAX_CPU_ISA="sse9")
+    r = subprocess.run([sys.executable, "-c", script], env=env, timeout=60, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "ValueError: AIO_MAX_CPU_ISA must be 'avx512', 'avx2' or 'portable', got 'sse9'" in r.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -111,6 +111,7 @@ void bind_optim(py::module_& m) {
         py::arg("lowp_kind") = "none", py::arg("threads") = 1, py::arg("sqrt_kind") = "exact",
         py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0, py::arg("parallel_fn") = 0,
         py::arg("state_kind") = "float32");
+  m.def("adam_isa", &aio::adam_isa);
   // aio/swap/lowp.py checks the buffer (4 * numel bytes, CPU, contiguous).
   m.def(
       "bf16_widen_inplace",

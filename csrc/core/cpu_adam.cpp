@@ -13,9 +13,12 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -50,6 +53,59 @@ constexpr size_t kBlock = 256;
 // whose core is busy elsewhere takes fewer, instead of every call waiting
 // for the slowest fixed share.
 constexpr size_t kChunk = 1024 * kBlock;
+
+// Instruction sets the loops are built for; the best the CPU (and the OS,
+// for AVX-512's registers) supports runs, lowered by AIO_MAX_CPU_ISA
+// (adam_isa()).
+enum class Isa { Portable, Avx2, Avx512 };
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512:
+      return "avx512";
+    case Isa::Avx2:
+      return "avx2";
+    case Isa::Portable:
+      break;
+  }
+  return "portable";
+}
+
+// The best the CPU and OS support, capped by AIO_MAX_CPU_ISA; `bad` holds a
+// value of the variable that names no instruction set.
+struct IsaChoice {
+  Isa isa = Isa::Portable;
+  std::string bad;
+};
+
+IsaChoice choose_isa() {
+  IsaChoice c;
+#ifdef AIO_ADAM_AVX2
+  // libgcc's checks include the OS saving the wider registers (XGETBV).
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    c.isa = Isa::Avx2;
+    if (__builtin_cpu_supports("avx512f")) c.isa = Isa::Avx512;
+  }
+#endif
+  const char* env = std::getenv("AIO_MAX_CPU_ISA");
+  if (env == nullptr || *env == '\0') return c;
+  for (Isa cap : {Isa::Portable, Isa::Avx2, Isa::Avx512}) {
+    if (std::strcmp(env, isa_name(cap)) == 0) {
+      c.isa = std::min(c.isa, cap);
+      return c;
+    }
+  }
+  c.bad = env;
+  return c;
+}
+
+Isa kernel_isa() {
+  static const IsaChoice choice = choose_isa();
+  if (!choice.bad.empty())
+    throw std::invalid_argument("AIO_MAX_CPU_ISA must be 'avx512', 'avx2' or 'portable', got '" +
+                                choice.bad + "'");
+  return choice.isa;
+}
 
 // The per-element constants, each rounded to float once as ATen does.
 struct Scalars {
@@ -261,6 +317,75 @@ __attribute__((target("avx2,fma"))) void fused_mkl_256(const Scalars& s, const V
     _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_mul_ps(pi, decay), step));
   }
 }
+
+// MKL's SSE sqrt of sixteen lanes (as mkl_sqrt_8): the estimate must be
+// rsqrtps's own (AVX-512's rsqrt14 gives other bits, so other roots), taken
+// on the two halves; the rest runs on full-width registers, the special
+// lanes found with mask compares. `rare` gets the lanes MKL hands to its
+// rare-case code.
+__attribute__((target("avx512f,avx2,fma"), always_inline)) inline __m512 mkl_sqrt_16(
+    __m512 x, __mmask16* rare) {
+  const __m512 half = _mm512_set1_ps(0.5f);
+  // Halves and their join as vector shuffles: GCC 12's cast, extract and
+  // insert intrinsics warn of an undefined input (-Wuninitialized).
+  const __m256 x_lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 x_hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 y_lo = _mm256_rsqrt_ps(x_lo), y_hi = _mm256_rsqrt_ps(x_hi);
+  const __m512 y =
+      __builtin_shufflevector(y_lo, y_hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 s = _mm512_mul_ps(x, y);
+  const __m512 h = _mm512_mul_ps(y, half);
+  const __m512 e = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
+  const __m512 s1 = _mm512_add_ps(_mm512_mul_ps(s, e), s);
+  const __m512 h1 = _mm512_add_ps(_mm512_mul_ps(h, e), h);
+  const __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(s1, s1));
+  const __m512 root = _mm512_add_ps(_mm512_mul_ps(r, h1), s1);
+  const __m512i bits = _mm512_castps_si512(x);
+  const __mmask16 special =
+      _mm512_cmpgt_epi32_mask(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7F800000)),
+                              _mm512_set1_epi32(static_cast<int>(0xFEFFF000u)));
+  const __mmask16 nonzero = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  *rare = special & nonzero;
+  return _mm512_mask_blend_ps(special, root, x);
+}
+
+// fused_mkl_256 sixteen lanes at a time (AVX-512F): the same operations in
+// the same order, so the same bits, in fewer instructions per element (the
+// kernel is bound by instruction throughput once the data is in cache).
+// A vector with a rare lane takes the library's sqrt for those sixteen
+// values. n a multiple of 16.
+template <bool kL2, bool kSmall>
+__attribute__((target("avx512f,avx2,fma"))) void fused_mkl_512(
+    const Scalars& s, const VectorSqrt& vs, const float* __restrict grad, float* __restrict p,
+    float* __restrict m, float* __restrict v, size_t n) {
+  const __m512 scale = _mm512_set1_ps(s.scale), wd = _mm512_set1_ps(s.wd);
+  const __m512 w = _mm512_set1_ps(kSmall ? s.w : s.w_minus_1);
+  const __m512 b2 = _mm512_set1_ps(s.b2), c2 = _mm512_set1_ps(s.c2);
+  const __m512 bc2 = _mm512_set1_ps(s.bc2_sqrt), eps = _mm512_set1_ps(s.eps);
+  const __m512 decay = _mm512_set1_ps(s.decay), neg_step = _mm512_set1_ps(s.neg_step_size);
+  for (size_t i = 0; i < n; i += 16) {
+    const __m512 pi = _mm512_loadu_ps(p + i);
+    __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), scale);
+    if (kL2) g = _mm512_fmadd_ps(wd, pi, g);
+    const __m512 mi = _mm512_loadu_ps(m + i);
+    const __m512 diff = _mm512_sub_ps(g, mi);
+    const __m512 mo = _mm512_fmadd_ps(w, diff, kSmall ? mi : g);
+    const __m512 vo =
+        _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(_mm512_loadu_ps(v + i), b2));
+    _mm512_storeu_ps(m + i, mo);
+    _mm512_storeu_ps(v + i, vo);
+    __mmask16 rare;
+    __m512 root = mkl_sqrt_16(vo, &rare);
+    if (__builtin_expect(rare != 0, 0)) {
+      alignas(64) float out[16];
+      vs.fn(16, v + i, out, vs.mode);
+      root = _mm512_load_ps(out);
+    }
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(root, bc2), eps);
+    const __m512 step = _mm512_div_ps(_mm512_mul_ps(neg_step, mo), denom);
+    _mm512_storeu_ps(p + i, _mm512_add_ps(_mm512_mul_ps(pi, decay), step));
+  }
+}
 #endif
 
 // The low-precision copy of p[0, n) into lowp (after fused_mkl_256).
@@ -277,7 +402,7 @@ AIO_ALWAYS_INLINE void lowp_copy(const float* __restrict p, void* __restrict low
 // Square roots of sq[0, n) into root, as vs says (the CorrectlyRounded kind
 // is done in apply()). sq has room for a whole block: a short tail is padded
 // with ones so the vector loop needs no remainder.
-template <bool kAvx2>
+template <Isa kIsa>
 AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* __restrict root,
                              size_t n) {
 #ifdef AIO_ADAM_AVX2
@@ -285,7 +410,7 @@ AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* 
     const size_t padded = (n + 7) / 8 * 8;
     for (size_t i = n; i < padded; ++i) sq[i] = 1.0f;
     bool rare;
-    if constexpr (kAvx2)
+    if constexpr (kIsa != Isa::Portable)
       rare = mkl_sse_sqrt_256(sq, root, padded);
     else
       rare = mkl_sse_sqrt_128(sq, root, padded);
@@ -296,36 +421,41 @@ AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* 
 }
 
 // One block of n elements starting at i (n == kFixed when kFixed != 0).
-template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2, size_t kFixed>
+template <bool kL2, bool kSmall, LowpKind kLowp, Isa kIsa, size_t kFixed>
 AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
                                  size_t i, size_t n, float* __restrict sq, float* __restrict root) {
   uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
 #ifdef AIO_ADAM_AVX2
-  if (kAvx2 && kFixed != 0 && vs.kind == SqrtKind::MklSse) {
-    static_assert(kFixed % 8 == 0, "whole vectors");
-    fused_mkl_256<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, n);
+  if (kIsa != Isa::Portable && kFixed != 0 && vs.kind == SqrtKind::MklSse) {
+    static_assert(kFixed % 16 == 0, "whole vectors");
+    if constexpr (kIsa == Isa::Avx512)
+      fused_mkl_512<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i,
+                                 n);
+    else
+      fused_mkl_256<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i,
+                                 n);
     if (kLowp != LowpKind::None) lowp_copy<kLowp, kFixed>(b.param + i, lowp, n);
     return;
   }
 #endif
   moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);
   if (vs.kind != SqrtKind::CorrectlyRounded) {
-    roots<kAvx2>(vs, sq, root, n);
+    roots<kIsa>(vs, sq, root, n);
     apply<kLowp, true, kFixed>(s, root, b.exp_avg + i, b.param + i, lowp, n);
   } else {
     apply<kLowp, false, kFixed>(s, sq, b.exp_avg + i, b.param + i, lowp, n);
   }
 }
 
-template <bool kL2, bool kSmall, LowpKind kLowp, bool kAvx2>
+template <bool kL2, bool kSmall, LowpKind kLowp, Isa kIsa>
 AIO_ALWAYS_INLINE void run_range(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
                                  size_t begin, size_t end) {
   alignas(64) float sq[kBlock];
   alignas(64) float root[kBlock];
   size_t i = begin;
   for (; end - i >= kBlock; i += kBlock)
-    run_block<kL2, kSmall, kLowp, kAvx2, kBlock>(s, b, vs, i, kBlock, sq, root);
-  if (i < end) run_block<kL2, kSmall, kLowp, kAvx2, 0>(s, b, vs, i, end - i, sq, root);
+    run_block<kL2, kSmall, kLowp, kIsa, kBlock>(s, b, vs, i, kBlock, sq, root);
+  if (i < end) run_block<kL2, kSmall, kLowp, kIsa, 0>(s, b, vs, i, end - i, sq, root);
 }
 
 using RangeFn = void (*)(const Scalars&, const AdamBuffers&, const VectorSqrt&, size_t, size_t);
@@ -333,7 +463,7 @@ using RangeFn = void (*)(const Scalars&, const AdamBuffers&, const VectorSqrt&, 
 template <bool kL2, bool kSmall, LowpKind kLowp>
 void range_portable(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs, size_t begin,
                     size_t end) {
-  run_range<kL2, kSmall, kLowp, false>(s, b, vs, begin, end);
+  run_range<kL2, kSmall, kLowp, Isa::Portable>(s, b, vs, begin, end);
 }
 
 #ifdef AIO_ADAM_AVX2
@@ -341,19 +471,24 @@ template <bool kL2, bool kSmall, LowpKind kLowp>
 __attribute__((target("avx2,fma"))) void range_avx2(const Scalars& s, const AdamBuffers& b,
                                                     const VectorSqrt& vs, size_t begin,
                                                     size_t end) {
-  run_range<kL2, kSmall, kLowp, true>(s, b, vs, begin, end);
+  run_range<kL2, kSmall, kLowp, Isa::Avx2>(s, b, vs, begin, end);
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+template <bool kL2, bool kSmall, LowpKind kLowp>
+__attribute__((target("avx512f,avx2,fma"))) void range_avx512(const Scalars& s,
+                                                              const AdamBuffers& b,
+                                                              const VectorSqrt& vs, size_t begin,
+                                                              size_t end) {
+  run_range<kL2, kSmall, kLowp, Isa::Avx512>(s, b, vs, begin, end);
 }
 #endif
 
 template <bool kL2, bool kSmall, LowpKind kLowp>
 RangeFn pick_isa() {
 #ifdef AIO_ADAM_AVX2
-  if (cpu_has_avx2_fma()) return &range_avx2<kL2, kSmall, kLowp>;
+  const Isa isa = kernel_isa();
+  if (isa == Isa::Avx512) return &range_avx512<kL2, kSmall, kLowp>;
+  if (isa == Isa::Avx2) return &range_avx2<kL2, kSmall, kLowp>;
 #endif
   return &range_portable<kL2, kSmall, kLowp>;
 }
@@ -529,6 +664,8 @@ void team_member(void* data) {
 }
 
 }  // namespace
+
+const char* adam_isa() { return isa_name(kernel_isa()); }
 
 bool mkl_sse_supported() {
 #ifdef AIO_ADAM_AVX2

@@ -47,6 +47,13 @@ struct VectorSqrt {
 // Whether SqrtKind::MklSse can run here (x86-64 builds).
 bool mkl_sse_supported();
 
+// The instruction set adam_update's loops run with: "avx512", "avx2" or
+// "portable", the best this CPU and OS support, lowered to the one the
+// environment variable AIO_MAX_CPU_ISA names when it is set (read once, on
+// first use). Every choice gives the same bits. Throws std::invalid_argument
+// (as does adam_update) when the variable names none of the three.
+const char* adam_isa();
+
 // Optional low-precision copy of the updated parameter, written in the same
 // pass: bfloat16 or IEEE half, rounded to nearest even like torch's
 // .to(dtype) (NaN -> 0xFFFF for bfloat16; for half a quiet NaN keeping the
