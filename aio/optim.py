@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -406,13 +406,22 @@ class CPUAdam(torch.optim.Optimizer):
         _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: Any = None) -> Any:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grad_scale: Any = None,
+        lowp_out: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
         """One optimizer step over every parameter that has a gradient.
 
         `grad_scale` (aio's addition: a number or a one-element tensor) steps as
         if every gradient had first been multiplied in place by it, rounding as
         ``grad.mul_(grad_scale)`` does, but in the same pass over memory and
-        leaving the gradients unchanged."""
+        leaving the gradients unchanged. `lowp_out` (aio's addition) maps
+        parameters to contiguous bfloat16/float16 tensors of their size: each
+        receives its parameter's new values rounded as ``.to(dtype)`` does,
+        written in the same pass."""
         scale = None if grad_scale is None else _scale_value(grad_scale)
         loss = None
         if closure is not None:
@@ -422,11 +431,16 @@ class CPUAdam(torch.optim.Optimizer):
             self._check_options(group)  # a group may have been edited or loaded
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_param(p, p.grad, group, scale)
+                    self._step_param(p, p.grad, group, scale, None if lowp_out is None else lowp_out.get(p))
         return loss
 
     def _step_param(
-        self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], scale: float | None
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scale: float | None,
+        lowp: torch.Tensor | None,
     ) -> None:
         _check_param(p)
         if grad.is_sparse:
@@ -452,6 +466,7 @@ class CPUAdam(torch.optim.Optimizer):
             weight_decay=group["weight_decay"],
             decoupled=group["decoupled_weight_decay"],
             grad_scale=scale,
+            lowp_out=lowp,
             threads=self.threads,
         )
 
@@ -466,18 +481,27 @@ def _scale_value(v: Any) -> float:
     return _number("grad_scale", v)
 
 
-def step_scaled(optimizer: Any, grads: Iterable[torch.Tensor], grad_scale: Any) -> None:
+def step_scaled(
+    optimizer: Any,
+    grads: Iterable[torch.Tensor],
+    grad_scale: Any,
+    lowp_out: Mapping[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """``optimizer.step()`` as if each of `grads` (the gradients it will use) had
     first been multiplied in place by `grad_scale` (None: 1): in the update's
-    own pass for :class:`CPUAdam`/:class:`CPUAdamW`, else by ``grad.mul_``."""
-    if grad_scale is None:
-        optimizer.step()
-    elif isinstance(optimizer, CPUAdam):
-        optimizer.step(grad_scale=grad_scale)
-    else:
+    own pass for :class:`CPUAdam`/:class:`CPUAdamW`, else by ``grad.mul_``.
+    Each parameter in `lowp_out` then also has its new values, rounded to
+    the dtype of its tensor there, in that tensor: written by the update's
+    pass (CPUAdam), else copied after the step."""
+    if isinstance(optimizer, CPUAdam):
+        optimizer.step(grad_scale=grad_scale, lowp_out=lowp_out)
+        return
+    if grad_scale is not None:
         for g in grads:
             g.mul_(grad_scale)
-        optimizer.step()
+    optimizer.step()
+    for p, out in (lowp_out or {}).items():
+        out.copy_(p.detach().reshape(-1))
 
 
 def _check_param(p: Any) -> None:

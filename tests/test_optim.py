@@ -453,6 +453,29 @@ def test_step_grad_scale_fuses_the_multiply(scale, cls):
     assert torch.equal(fast.state[ours]["exp_avg_sq"], slow.state[ref]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_step_scaled_writes_the_low_precision_copy(dtype):
+    """lowp_out: aio's Adam writes each parameter's rounded copy in its pass,
+    torch's optimizers get it copied after the step; the same values either
+    way, and parameters left out of the mapping get none."""
+    from aio.optim import step_scaled
+
+    p0, grads = _data(4099, 4, 3)
+    ours, ref, other = p0.clone(), p0.clone(), p0.clone()
+    fast = CPUAdamW([ours, other], lr=1e-3, weight_decay=0.01)
+    slow = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01)
+    out_fast, out_slow = torch.zeros(4099, dtype=dtype), torch.zeros(4099, dtype=dtype)
+    for g in grads:
+        ours.grad, other.grad, ref.grad = g.clone(), g.clone(), g.clone()
+        step_scaled(fast, [ours.grad, other.grad], 0.5, {ours: out_fast})
+        step_scaled(slow, [ref.grad], 0.5, {ref: out_slow})
+        assert torch.equal(out_fast, ours.to(dtype))
+        assert torch.equal(out_slow, out_fast)
+    assert torch.equal(ours, ref) and torch.equal(other, ours)
+    with pytest.raises(ValueError, match="lowp_out has 7 elements"):
+        fast.step(lowp_out={ours: torch.zeros(7, dtype=dtype)})
+
+
 def test_step_grad_scale_refuses_what_is_not_a_real_number():
     p = torch.zeros(4)
     p.grad = torch.ones(4)

@@ -374,7 +374,7 @@ class OptimizerSwapper:
             proxies = [self.groups[i].proxy for i in sorted(self.groups)]
             self.optimizer = self.optimizer_cls(proxies, **self.hyper)
 
-    def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None) -> None:
+    def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None, lowp: Any = None) -> None:
         import torch
 
         from ..optim import step_scaled
@@ -395,7 +395,7 @@ class OptimizerSwapper:
             # parameter without it; lazy ones create nothing here and make it
             # in step(). Either way it is copied into the buffer below.
             st.update(self.optimizer_cls([proxy], **self.hyper).state.get(proxy, {}))
-        step_scaled(self.optimizer, [views["grad"]], grad_scale)
+        step_scaled(self.optimizer, [views["grad"]], grad_scale, None if lowp is None else {proxy: lowp})
         names = {n for n, _ in self.spec}
         for name in names:
             t = st.get(name)
@@ -408,7 +408,12 @@ class OptimizerSwapper:
         proxy.grad = None
         proxy.data = torch.empty(0)
 
-    def step(self, after: Callable[[int, Any], None] | None = None, grad_scale: Any = None) -> None:
+    def step(
+        self,
+        after: Callable[[int, Any], None] | None = None,
+        grad_scale: Any = None,
+        lowp: dict[int, Any] | None = None,
+    ) -> None:
         """One optimizer step over every sub-group.
 
         Sub-groups go in index order on even steps and in reverse on odd ones.
@@ -423,7 +428,10 @@ class OptimizerSwapper:
         `after(index, master_view)` runs right after each sub-group's update
         (e.g. to copy the new weights into the model's low-precision params).
         `grad_scale` (a number or 0-dim tensor) multiplies every gradient
-        first: gradient clipping and loss-scale removal.
+        first: gradient clipping and loss-scale removal. For each sub-group
+        index in `lowp`, its bfloat16/float16 tensor (the sub-group's size)
+        gets the updated master weights rounded to its dtype before `after`
+        runs: in the update's own pass with aio's Adam, else by a copy.
 
         If anything fails, every I/O still in flight is drained, sub-groups
         whose write did not land are marked invalid, the swapper refuses
@@ -449,7 +457,7 @@ class OptimizerSwapper:
                 if self.pipeline_read and k + 1 < len(order) and order[k + 1] not in io.reads:
                     io.start_read(order[k + 1], must=False)
                 leases = io.take_read(i)
-                self._step_subgroup(self.groups[i], leases, after, grad_scale)
+                self._step_subgroup(self.groups[i], leases, after, grad_scale, (lowp or {}).get(i))
                 io.done_stepping(i, leases, write_back)
             io.carry_over(order[::-1], read_ahead=self.pipeline_read and write_back)
             self.steps += 1
@@ -468,6 +476,7 @@ class OptimizerSwapper:
         leases: dict[str, Lease],
         after: Callable[[int, Any], None] | None,
         grad_scale: Any,
+        lowp: Any = None,
     ) -> None:
         import torch
 
@@ -483,7 +492,7 @@ class OptimizerSwapper:
         views = self._views(g, leases, widened=widen)
         if "grad" not in views:
             views["grad"] = g.grad_mem
-        self._apply(g, views, grad_scale)
+        self._apply(g, views, grad_scale, lowp)
         for name in self.narrowed if widen else []:  # as the drive holds them
             raw = leases[name].tensor(torch.uint8)
             narrow_bf16(raw, g.numel)

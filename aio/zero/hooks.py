@@ -71,7 +71,6 @@ class Fetcher:
         (a forward with grad, then none) are released first."""
         if self.bw_held:  # a forward with grad whose backward never ran
             self.end_backward()
-        self.store.begin_training()
         self._begin("fw")
 
     def end_backward(self) -> None:

@@ -68,10 +68,17 @@ class MemoryOptimizer:
         if self.optimizer is None:
             self.optimizer = self.optimizer_cls([self.proxies[i] for i in sorted(self.proxies)], **self.hyper)
 
-    def step(self, after: Callable[[int, Any], None] | None = None, grad_scale: Any = None) -> None:
+    def step(
+        self,
+        after: Callable[[int, Any], None] | None = None,
+        grad_scale: Any = None,
+        lowp: dict[int, Any] | None = None,
+    ) -> None:
         """One optimizer step over every sub-group at once. Each gradient is first
         multiplied by `grad_scale` (when given; in the update's pass with
-        aio.optim's Adam, else in place); then `after(index,
+        aio.optim's Adam, else in place); each sub-group index in `lowp` gets
+        its updated master weights rounded into that bfloat16/float16 tensor
+        (in the same pass with aio.optim's Adam, else copied); then `after(index,
         master)` runs for each sub-group, in index order, with its updated fp32
         master weights (the live tensor: copy it to keep it). The torch optimizer is
         created at the first step."""
@@ -81,7 +88,8 @@ class MemoryOptimizer:
         order = sorted(self.proxies)
         for i in order:
             self.proxies[i].grad = self.grads[i]
-        step_scaled(self.optimizer, [self.grads[i] for i in order], grad_scale)
+        lowp_out = {self.proxies[i]: t for i, t in (lowp or {}).items()}
+        step_scaled(self.optimizer, [self.grads[i] for i in order], grad_scale, lowp_out)
         for i in order:
             self.proxies[i].grad = None
             if after is not None:

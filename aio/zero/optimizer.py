@@ -98,10 +98,18 @@ class ZeroOptimizer(Protocol):
         (failed or not); the optimizer state is untouched."""
         ...
 
-    def step(self, after: Callable[[int, Any], None] | None = None, grad_scale: Any = None) -> None:
+    def step(
+        self,
+        after: Callable[[int, Any], None] | None = None,
+        grad_scale: Any = None,
+        lowp: dict[int, Any] | None = None,
+    ) -> None:
         """One optimizer step over every sub-group, in index order: gradients are
         multiplied by `grad_scale` (None: 1) first, and `after(index, master)` gets
-        each sub-group's updated fp32 master weights, valid only during the call."""
+        each sub-group's updated fp32 master weights, valid only during the call.
+        For each sub-group index in `lowp`, its bfloat16/float16 tensor (the
+        sub-group's size) holds the updated master weights rounded to its dtype
+        before `after` runs (aio's Adam writes it in its update's pass)."""
         ...
 
     def set_lr(self, lr: float) -> None:

@@ -40,15 +40,20 @@ def check_fits(cfg: Any, name: str, numel: int) -> None:
         )
 
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 BUILD_MMAP_THRESHOLD = 1 << 20
 TRAIN_MMAP_THRESHOLD = 8 << 20
+TRAIN_TRIM_THRESHOLD = 64 << 20
 _mmap_threshold: int | None = None
+_trim_threshold: int | None = None
 
 
-def set_mmap_threshold(nbytes: int) -> None:
+def set_mmap_threshold(nbytes: int, trim_bytes: int | None = None) -> None:
     """Fix glibc's mmap threshold: blocks of `nbytes` or more get their own
     mapping, returned to the OS on free (process-wide; a no-op without glibc).
+    With `trim_bytes`, also its trim threshold: free memory at the top of the
+    heap goes back to the OS only beyond that much.
 
     glibc's own threshold rises with every large block freed, up to 32 MiB;
     blocks under it come from the heap and stay in the process when freed.
@@ -59,15 +64,25 @@ def set_mmap_threshold(nbytes: int) -> None:
     mapping, faulted in page by page (minor faults and system time each
     step): :data:`TRAIN_MMAP_THRESHOLD` (8 MiB) lets the heap recycle the
     step's temporaries up to that size while keeping peak RSS close to the
-    1 MiB figure (a fully adaptive threshold more than doubled it)."""
-    global _mmap_threshold
-    if _mmap_threshold == nbytes:
+    1 MiB figure (a fully adaptive threshold more than doubled it).
+
+    A fixed mmap threshold also stops glibc from raising the trim threshold
+    (to twice the mmap threshold, at most 64 MiB), leaving it at 128 KiB:
+    the temporaries a step frees at the top of the heap (a backward's
+    gradients) went back to the OS and the next step faulted them in again,
+    ~1000 minor faults per step in CPU offload against DeepSpeed's handful.
+    Training sets :data:`TRAIN_TRIM_THRESHOLD` (64 MiB, glibc's own most)."""
+    global _mmap_threshold, _trim_threshold
+    if (_mmap_threshold, _trim_threshold) == (nbytes, trim_bytes):
         return
-    _mmap_threshold = nbytes
+    _mmap_threshold, _trim_threshold = nbytes, trim_bytes
     try:
         import ctypes
 
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes)
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, nbytes)
+        if trim_bytes is not None:
+            libc.mallopt(_M_TRIM_THRESHOLD, trim_bytes)
     except (OSError, AttributeError):  # not glibc
         pass
 
@@ -117,6 +132,9 @@ class ParamStore:
                 min_swap_bytes=cfg.persistence_threshold * torch.empty(0, dtype=self.dtype).element_size(),
             )
         self.resident: dict[int, Any] = {}  # part_id -> flat CPU tensor (memory backend)
+        # sub-group index -> (one low-precision tensor its partitions' resident
+        # tensors are consecutive views of, their part ids); see pack().
+        self.packed: dict[int, tuple[Any, list[int]]] = {}
         self.params: dict[int, Any] = {}  # part_id -> weakref to the Parameter
         self.refs: collections.Counter[int] = collections.Counter()
         self.speculative: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -182,6 +200,50 @@ class ParamStore:
         else:
             param.data = _placeholder(self.dtype, self.device)
 
+    def pack(self, groups: list[list[Any]]) -> None:
+        """With the memory backend in bfloat16 or float16, lay each sub-group's
+        partitions (`groups`: each sub-group's parameters, in their order in
+        its master weights) end to end in one tensor, so that the optimizer
+        writes a stepped sub-group's parameters in its own pass instead of a
+        converting copy per parameter (:meth:`packed_group`,
+        :meth:`wrote_packed`). Nothing to do on the drive or in float32."""
+        import torch
+
+        if self.swapper is not None or self.dtype not in (torch.bfloat16, torch.float16):
+            return
+        for gi, params in enumerate(groups):
+            flat = torch.empty(
+                sum(p.aio_numel for p in params), dtype=self.dtype, pin_memory=self.device.type == "cuda"
+            )
+            off = 0
+            for p in params:
+                view = flat[off : off + p.aio_numel]
+                self._host_settled(p.aio_id)
+                view.copy_(self.resident[p.aio_id])
+                self.resident[p.aio_id] = view
+                if self._stays_materialised(p.aio_id):
+                    p.data = view.view(p.aio_shape)
+                off += p.aio_numel
+            self.packed[gi] = (flat, [p.aio_id for p in params])
+
+    def packed_group(self, gi: int) -> Any:
+        """Sub-group `gi`'s packed low-precision tensor (see pack()), ready to
+        be overwritten (no upload still reads it), or None if not packed."""
+        if gi not in self.packed:
+            return None
+        flat, part_ids = self.packed[gi]
+        for part_id in part_ids:
+            self._host_settled(part_id)
+        return flat
+
+    def wrote_packed(self, param: Any) -> None:
+        """`param`'s new values were written into its packed sub-group tensor
+        (what write() does after its copy)."""
+        part_id = param.aio_id
+        self.counters["writes"] += 1
+        if self.refs.get(part_id, 0) > 0 and not self._stays_materialised(part_id):
+            self._materialise(param, self._host(part_id))
+
     def _host(self, part_id: int) -> Any:
         if self.swapper is None:
             return self.resident[part_id]
@@ -204,10 +266,10 @@ class ParamStore:
 
     # -- use ---------------------------------------------------------------------------
     def begin_training(self) -> None:
-        """A training pass starts: with parameters on the drive, the build-time
-        malloc bound is relaxed (see set_mmap_threshold)."""
-        if self.on_drive:
-            set_mmap_threshold(TRAIN_MMAP_THRESHOLD)
+        """A training pass starts: malloc's thresholds are set for recycling
+        each step's temporaries (with parameters on the drive, the build-time
+        bound is relaxed; see set_mmap_threshold)."""
+        set_mmap_threshold(TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD)
 
     def acquire(self, params: list[Any]) -> None:
         """Materialise `params` (reads them from the drive if needed)."""

@@ -126,6 +126,7 @@ class OffloadTrainer:
             opt.register_subgroup(gi, numel)
         for gi in range(len(layout.groups)):
             opt.initialize(gi, layout.gather_master(gi, self.store.read))
+        self.store.pack([[s.param for s in group] for group in layout.groups])
         for s in layout.places.values():
             self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
         if self.store.swapper is not None or self.device.type != "cpu":
@@ -167,6 +168,7 @@ class OffloadTrainer:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, its parameters fetched module by module."""
         self._check_open()
+        self.store.begin_training()
         if self.fetcher is None:
             return self.module(*args, **kwargs)
         self.fetcher.begin_forward()
@@ -248,8 +250,12 @@ class OffloadTrainer:
 
     def _optimizer_step(self, grad_scale: Any) -> None:
         self._param_writes = []
+        # Packed sub-groups (memory backend, low precision) get their new
+        # parameters written by the update itself.
+        packed = [(gi, self.store.packed_group(gi)) for gi in range(len(self.layout.groups))]
+        lowp = {gi: t for gi, t in packed if t is not None}
         try:
-            self.optimizer.step(after=self._store_params, grad_scale=grad_scale)
+            self.optimizer.step(after=self._store_params, grad_scale=grad_scale, lowp=lowp)
         finally:
             self.store.settle(self._param_writes)
             self._param_writes = []
@@ -276,7 +282,11 @@ class OffloadTrainer:
         # copies are ever held (not the whole model until the next forward).
         self.store.settle(self._param_writes)
         self._param_writes = []
+        packed = gi in self.store.packed
         for s in self.layout.groups[gi]:
+            if packed:
+                self.store.wrote_packed(s.param)
+                continue
             self.store.write(s.param, master[s.offset : s.offset + s.numel])
             self._param_writes.append(s.param)
 

@@ -132,22 +132,53 @@ def test_write_waits_for_the_upload_reading_the_old_values(tmp_path, monkeypatch
 @pytest.mark.parametrize("param_device", ["cpu", "nvme"])
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 def test_an_optimizer_step_copies_each_parameter_once(tmp_path, param_device, dtype):
+    """Each step copies every parameter once; bf16 parameters in CPU memory
+    are not copied at all: the Adam kernel writes each packed sub-group's
+    bf16 copy in its update pass."""
     extra = {"bf16": {"enabled": True}} if dtype else {}
     cfg = cfg_for(tmp_path, param=param_device, opt="cpu", gas=1, **extra)
     model = gpt().to(torch.bfloat16) if dtype else gpt()
     with aio.zero.initialize(model, cfg) as engine:
         store = engine.store
         train_engine(engine, 1, gas=1)
-        before = store.stats()["write_copy_bytes"]
+        before, writes = store.stats()["write_copy_bytes"], store.stats()["writes"]
         train_engine(engine, 1, gas=1, start=1)
         param_bytes = sum(p().aio_numel * p().element_size() for p in store.params.values())
-        assert store.stats()["write_copy_bytes"] - before == param_bytes
+        fused = param_device == "cpu" and dtype == "bf16"
+        assert bool(store.packed) == fused
+        assert store.stats()["write_copy_bytes"] - before == (0 if fused else param_bytes)
+        assert store.stats()["writes"] - writes == len(store.params)
 
 
-def test_malloc_bound_while_building_relaxed_for_training(tmp_path):
+def test_packed_sub_groups_are_the_parameters_storage(tmp_path):
+    """In CPU memory in bf16, each sub-group's parameters are consecutive
+    views of one tensor, which the optimizer's kernel writes: after a step,
+    that tensor is the master weights rounded to bf16, and the model's
+    parameters show it."""
+    cfg = cfg_for(tmp_path, param="cpu", opt="cpu", gas=1, bf16={"enabled": True})
+    with aio.zero.initialize(gpt().to(torch.bfloat16), cfg) as engine:
+        store = engine.store
+        train_engine(engine, 2, gas=1)
+        assert set(store.packed) == set(range(len(engine.layout.groups)))
+        for gi, (flat, part_ids) in store.packed.items():
+            assert [s.param.aio_id for s in engine.layout.groups[gi]] == part_ids
+            for s in engine.layout.groups[gi]:
+                assert s.param.data.data_ptr() == flat[s.offset :].data_ptr()
+            assert torch.equal(flat, engine.optimizer.master[gi].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("param_device", ["nvme", "cpu"])
+def test_malloc_bound_while_building_relaxed_for_training(tmp_path, monkeypatch, param_device):
+    """Parameters on the drive are built under a 1 MiB mmap threshold; every
+    training pass (CPU offload too, where no parameter is fetched) recycles
+    its temporaries in the heap: 8 MiB mmap, 64 MiB trim thresholds."""
     from aio.zero import params as params_mod
 
-    with aio.zero.initialize(gpt(), cfg_for(tmp_path)) as engine:
-        assert params_mod._mmap_threshold == params_mod.BUILD_MMAP_THRESHOLD
+    monkeypatch.setattr(params_mod, "_mmap_threshold", None)
+    monkeypatch.setattr(params_mod, "_trim_threshold", None)
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path, param=param_device)) as engine:
+        building = (params_mod.BUILD_MMAP_THRESHOLD, None) if param_device == "nvme" else (None, None)
+        assert (params_mod._mmap_threshold, params_mod._trim_threshold) == building
         train_engine(engine, 1)
         assert params_mod._mmap_threshold == params_mod.TRAIN_MMAP_THRESHOLD
+        assert params_mod._trim_threshold == params_mod.TRAIN_TRIM_THRESHOLD

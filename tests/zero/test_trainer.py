@@ -80,6 +80,20 @@ def test_two_drives_train_bit_identical_to_one_and_use_both(tmp_path, reference)
             shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_bf16_params_packed_in_memory_train_identically(tmp_path):
+    """bf16 parameters in CPU memory are written by the Adam kernel's pass
+    into their packed sub-group (with the optimizer in memory and on the
+    drive); on the drive they are copied from the master weights. The
+    rounding is the same, so are the losses."""
+    runs = {}
+    for param, opt in (("nvme", "cpu"), ("cpu", "cpu"), ("cpu", "nvme")):
+        cfg = cfg_for(tmp_path / f"{param}-{opt}", param, opt, bf16={"enabled": True})
+        with aio.zero.initialize(gpt().to(torch.bfloat16), cfg) as engine:
+            runs[param, opt] = train_engine(engine, 8)
+            assert bool(engine.store.packed) == (param == "cpu")
+    assert runs["cpu", "cpu"] == runs["nvme", "cpu"] == runs["cpu", "nvme"]
+
+
 def test_nvme_path_list_errors_name_the_drive(tmp_path):
     cfg = cfg_for(tmp_path)
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = [str(tmp_path), str(tmp_path / "nope")]
