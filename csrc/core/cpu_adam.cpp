@@ -388,6 +388,40 @@ __attribute__((target("avx512f,avx2,fma"))) void fused_mkl_512(
 }
 #endif
 
+// The low-precision copy of p[0, n) into out, sixteen lanes at a time, with
+// the same bits as to_bf16/to_f16 (F16C's conversion is the one torch uses
+// for half). Where out is 32-byte aligned (whole blocks of an aligned
+// tensor), non-temporal stores: the copy is read later (by the forward, or
+// an upload), so fetching its lines before writing them (2 of the 30 bytes
+// the pass moves per element) is wasted; the range function fences them.
+// n a multiple of 16.
+template <LowpKind kLowp>
+__attribute__((target("avx512f,avx2,fma"))) void lowp_copy_512(const float* __restrict p,
+                                                               uint16_t* __restrict out, size_t n) {
+  const bool stream = (reinterpret_cast<uintptr_t>(out) & 31) == 0;
+  for (size_t i = 0; i < n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(p + i);
+    // The zero-masking forms and vector arithmetic: GCC 12's plain
+    // conversion and shift intrinsics warn of an undefined input.
+    __m256i h;
+    if constexpr (kLowp == LowpKind::Float16) {
+      h = _mm512_maskz_cvtps_ph(0xFFFF, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+      using U32x16 = uint32_t __attribute__((vector_size(64)));
+      const U32x16 u = reinterpret_cast<U32x16>(x);
+      const U32x16 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+      const U32x16 nan = reinterpret_cast<U32x16>(x != x);  // all ones in NaN lanes
+      h = _mm512_maskz_cvtepi32_epi16(0xFFFF,
+                                      reinterpret_cast<__m512i>((r & ~nan) | (nan & 0xFFFFu)));
+    }
+    auto* dst = reinterpret_cast<__m256i*>(out + i);
+    if (stream)
+      _mm256_stream_si256(dst, h);
+    else
+      _mm256_storeu_si256(dst, h);
+  }
+}
+
 // The low-precision copy of p[0, n) into lowp (after fused_mkl_256).
 template <LowpKind kLowp, size_t kFixed>
 AIO_ALWAYS_INLINE void lowp_copy(const float* __restrict p, void* __restrict lowp, size_t n) {
@@ -428,12 +462,13 @@ AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const V
 #ifdef AIO_ADAM_AVX2
   if (kIsa != Isa::Portable && kFixed != 0 && vs.kind == SqrtKind::MklSse) {
     static_assert(kFixed % 16 == 0, "whole vectors");
-    if constexpr (kIsa == Isa::Avx512)
+    if constexpr (kIsa == Isa::Avx512) {
       fused_mkl_512<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i,
                                  n);
-    else
-      fused_mkl_256<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i,
-                                 n);
+      if constexpr (kLowp != LowpKind::None) lowp_copy_512<kLowp>(b.param + i, lowp, n);
+      return;
+    }
+    fused_mkl_256<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, n);
     if (kLowp != LowpKind::None) lowp_copy<kLowp, kFixed>(b.param + i, lowp, n);
     return;
   }
@@ -480,6 +515,9 @@ __attribute__((target("avx512f,avx2,fma"))) void range_avx512(const Scalars& s,
                                                               const VectorSqrt& vs, size_t begin,
                                                               size_t end) {
   run_range<kL2, kSmall, kLowp, Isa::Avx512>(s, b, vs, begin, end);
+  // lowp_copy_512's non-temporal stores, ordered before the caller (or the
+  // thread waiting for this one) goes on.
+  if constexpr (kLowp != LowpKind::None) _mm_sfence();
 }
 #endif
 
