@@ -4,7 +4,10 @@ stepped with before), torch AdamW(fused=True), DeepSpeedCPUAdam and aio's
 fused kernel (aio.optim.adam_update), on the same fp32 tensors' sizes.
 
 Layouts: sub-groups of --group elements totalling about --total (as aio.zero
-steps them), and one tensor of --total. Each round times every variant once,
+steps them), one tensor of --total, and (--gpt-list) GPT-2 124M's 148
+parameter tensors stepped through the optimizer classes (aio.optim.CPUAdamW
+against DeepSpeedCPUAdam and torch's fused AdamW: per-tensor call costs
+included). Each round times every variant once,
 in an order that alternates per round (A B C D, then D C B A); a variant's
 figure is its median over rounds, and DeepSpeed/aio is the median of the
 per-round ratios (> 1: aio is faster). "aio+bf16" also writes a bfloat16
@@ -75,24 +78,74 @@ def aio_variant(sizes: list[int], threads: int, lowp: bool) -> Callable[[], None
     return run
 
 
+def gpt2_shapes(d: int = 768, layers: int = 12, vocab: int = 50257, seq: int = 1024) -> list[tuple[int, ...]]:
+    """GPT-2 small's parameter shapes (wte, wpe, 12 blocks, final norm)."""
+    block = [
+        (d,),
+        (d,),
+        (3 * d, d),
+        (3 * d,),
+        (d, d),
+        (d,),
+        (d,),
+        (d,),
+        (4 * d, d),
+        (4 * d,),
+        (d, 4 * d),
+        (d,),
+    ]
+    return [(vocab, d), (seq, d)] + block * layers + [(d,), (d,)]
+
+
+def class_variants(shapes: list[tuple[int, ...]]) -> dict[str, Callable[[], None] | str]:
+    """Each optimizer class over its own copy of the same parameters."""
+    from aio.optim import CPUAdamW
+
+    def params() -> list[torch.nn.Parameter]:
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape) * 1e-2
+        return ps
+
+    out: dict[str, Callable[[], None] | str] = {
+        "torch fused": torch.optim.AdamW(params(), **HYPER, fused=True).step,  # type: ignore[arg-type]
+        "aio": CPUAdamW(params(), **HYPER).step,  # type: ignore[arg-type]
+    }
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        out["deepspeed"] = DeepSpeedCPUAdam(params(), adamw_mode=True, **HYPER).step  # type: ignore[arg-type]
+    except Exception as e:  # a missing compiler or a failed JIT build: say why, go on
+        out["deepspeed"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def timed(fn: Callable[[], None]) -> float:
     t = time.perf_counter()
     fn()
     return (time.perf_counter() - t) * 1e3
 
 
-def bench_layout(label: str, sizes: list[int], a: argparse.Namespace) -> None:
-    variants: dict[str, Callable[[], None]] = {}
+def kernel_variants(sizes: list[int], a: argparse.Namespace) -> dict[str, Callable[[], None] | str]:
+    variants: dict[str, Callable[[], None] | str] = {}
     if not a.skip_torch:
         variants["torch single"] = torch_variant(sizes, foreach=False)
     variants["torch fused"] = torch_variant(sizes, fused=True)
-    ds = deepspeed_variant(sizes)
-    if isinstance(ds, str):
-        print(f"  DeepSpeedCPUAdam unavailable: {ds}")
-    else:
-        variants["deepspeed"] = ds
+    variants["deepspeed"] = deepspeed_variant(sizes)
     variants["aio"] = aio_variant(sizes, a.threads, lowp=False)
     variants["aio+bf16"] = aio_variant(sizes, a.threads, lowp=True)
+    return variants
+
+
+def bench_layout(
+    label: str, sizes: list[int], found: dict[str, Callable[[], None] | str], a: argparse.Namespace
+) -> None:
+    variants: dict[str, Callable[[], None]] = {}
+    for k, fn in found.items():
+        if isinstance(fn, str):
+            print(f"  {k} unavailable: {fn}")
+        else:
+            variants[k] = fn
     for fn in variants.values():  # first touch of the state, JIT, pools
         fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -100,11 +153,11 @@ def bench_layout(label: str, sizes: list[int], a: argparse.Namespace) -> None:
     for r in range(a.rounds):
         for k in names if r % 2 == 0 else names[::-1]:
             times[k].append(timed(variants[k]))
-    print(f"{label}: {len(sizes)} x {sizes[0]:,} elements, median of {a.rounds} rounds")
+    print(f"{label}: {len(sizes)} tensors, {sum(sizes):,} elements, median of {a.rounds} rounds")
     for k in names:
         print(f"  {k:14s} {statistics.median(times[k]):8.1f} ms")
     for ours in ("aio", "aio+bf16"):
-        if "deepspeed" in times:
+        if "deepspeed" in times and ours in times:
             ratios = [d / o for d, o in zip(times["deepspeed"], times[ours], strict=True)]
             print(f"  deepspeed/{ours:9s} {statistics.median(ratios):6.2f}")
     if "torch single" in times:
@@ -119,13 +172,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="aio kernel threads")
     ap.add_argument("--skip-torch", action="store_true", help="leave out torch's slow single-tensor AdamW")
+    ap.add_argument("--gpt-list", action="store_true", help="also GPT-2 124M's tensors through the classes")
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, aio threads {a.threads}, "
           f"bit-exact with torch: {is_bit_exact()}")  # fmt: skip
     groups = max(1, a.total // a.group)
-    bench_layout("sub-groups", [a.group] * groups, a)
-    bench_layout("one tensor", [a.total], a)
+    sizes = [a.group] * groups
+    bench_layout("sub-groups", sizes, kernel_variants(sizes, a), a)
+    bench_layout("one tensor", [a.total], kernel_variants([a.total], a), a)
+    if a.gpt_list:
+        shapes = gpt2_shapes()
+        sizes = [torch.Size(s).numel() for s in shapes]
+        bench_layout("GPT-2 124M through the classes", sizes, class_variants(shapes), a)
 
 
 if __name__ == "__main__":
