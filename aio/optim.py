@@ -429,19 +429,21 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._check_options(group)  # a group may have been edited or loaded
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._step_param(p, p.grad, group, scale, None if lowp_out is None else lowp_out.get(p))
+            todo = [(p, p.grad) for p in group["params"] if p.grad is not None]
+            states = [self._state_of(p, g) for p, g in todo]  # every check before any change
+            if not todo:
+                continue
+            # The step counts in one call: per parameter, `+= 1` on a 0-dim
+            # tensor cost as much as the update of a small tensor.
+            steps = [st["step"] for st in states]
+            torch._foreach_add_(steps, 1.0)  # in float32, as torch counts
+            for (p, grad), st, step_t in zip(todo, states, steps, strict=True):
+                low = None if lowp_out is None else lowp_out.get(p)
+                self._update(p, grad, st, step_t.item(), group, scale, low)
         return loss
 
-    def _step_param(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        scale: float | None,
-        lowp: torch.Tensor | None,
-    ) -> None:
+    def _state_of(self, p: torch.Tensor, grad: torch.Tensor) -> dict[str, Any]:
+        """`p`'s state (made on its first step), after checking `p` and its gradient."""
         _check_param(p)
         if grad.is_sparse:
             raise TypeError("CPUAdam does not support sparse gradients")
@@ -450,15 +452,29 @@ class CPUAdam(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        step_t = state["step"]
-        step_t += 1  # in float32, as torch counts
+        elif not (isinstance(state["step"], torch.Tensor) and state["step"].dtype is torch.float32):
+            # A plain number or another dtype (older checkpoints): counted on
+            # in a float32 tensor from here, as torch's Adam does.
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        return state
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        step: float,
+        group: dict[str, Any],
+        scale: float | None,
+        lowp: torch.Tensor | None,
+    ) -> None:
         beta1, beta2 = group["betas"]
         adam_update(
             p,
             grad.contiguous(),
             state["exp_avg"],
             state["exp_avg_sq"],
-            step=step_t.item(),
+            step=step,
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,

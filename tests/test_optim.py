@@ -368,11 +368,32 @@ def test_group_edited_after_construction_is_checked():
 
 
 def test_sparse_grad_refused():
-    p = torch.zeros(3, requires_grad=True)
-    opt = CPUAdam([p])
+    """Every parameter is checked before any step count moves."""
+    p, q = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    opt = CPUAdam([q, p])
+    q.grad = torch.ones(3)
+    opt.step()
+    after_one = q.detach().clone()
     p.grad = torch.ones(3).to_sparse()
     with pytest.raises(TypeError, match="sparse"):
         opt.step()
+    assert opt.state[q]["step"].item() == 1.0 and torch.equal(q, after_one)
+
+
+def test_step_count_of_older_state_dicts_keeps_counting():
+    """A state whose step is a plain number (older checkpoints) counts on in
+    a float32 tensor, as torch's Adam does, with torch's results."""
+    p0, grads = _data(64, 9, 3)
+    ours, ref = p0.clone(), p0.clone()
+    fast, slow = CPUAdam([ours], lr=1e-2), torch.optim.Adam([ref], lr=1e-2, foreach=False)
+    for i, g in enumerate(grads):
+        ours.grad, ref.grad = g.clone(), g.clone()
+        fast.step()
+        slow.step()
+        if i == 0:
+            fast.state[ours]["step"] = 1
+    assert fast.state[ours]["step"].dtype is torch.float32 and fast.state[ours]["step"].item() == 3.0
+    assert torch.equal(ours, ref)
 
 
 def _args(n=4):
