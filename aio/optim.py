@@ -437,9 +437,14 @@ class CPUAdam(torch.optim.Optimizer):
             # tensor cost as much as the update of a small tensor.
             steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1.0)  # in float32, as torch counts
-            for (p, grad), st, step_t in zip(todo, states, steps, strict=True):
+            for k, ((p, grad), st, step_t) in enumerate(zip(todo, states, steps, strict=True)):
                 low = None if lowp_out is None else lowp_out.get(p)
-                self._update(p, grad, st, step_t.item(), group, scale, low)
+                try:
+                    self._update(p, grad, st, step_t.item(), group, scale, low)
+                except BaseException:
+                    # This parameter and the ones after it did not step.
+                    torch._foreach_sub_(steps[k:], 1.0)
+                    raise
         return loss
 
     def _state_of(self, p: torch.Tensor, grad: torch.Tensor) -> dict[str, Any]:

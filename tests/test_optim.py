@@ -380,6 +380,19 @@ def test_sparse_grad_refused():
     assert opt.state[q]["step"].item() == 1.0 and torch.equal(q, after_one)
 
 
+def test_failed_update_leaves_later_step_counts():
+    """A parameter whose update fails (here: a lowp_out of the wrong size),
+    and every one after it, keeps its step count; the ones before stepped."""
+    p, q, r = (torch.zeros(4, requires_grad=True) for _ in range(3))
+    opt = CPUAdam([p, q, r])
+    for t in (p, q, r):
+        t.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="lowp_out has 7 elements"):
+        opt.step(lowp_out={q: torch.zeros(7, dtype=torch.bfloat16)})
+    assert [opt.state[t]["step"].item() for t in (p, q, r)] == [1.0, 0.0, 0.0]
+    assert not torch.equal(p, torch.zeros(4)) and torch.equal(q, torch.zeros(4))
+
+
 def test_step_count_of_older_state_dicts_keeps_counting():
     """A state whose step is a plain number (older checkpoints) counts on in
     a float32 tensor, as torch's Adam does, with torch's results."""

@@ -206,15 +206,19 @@ class ParamStore:
         its master weights) end to end in one tensor, so that the optimizer
         writes a stepped sub-group's parameters in its own pass instead of a
         converting copy per parameter (:meth:`packed_group`,
-        :meth:`wrote_packed`). Nothing to do on the drive or in float32."""
+        :meth:`wrote_packed`). Nothing to do on the drive, in float32 or for a
+        GPU model: its partitions are pinned, and torch's caching host
+        allocator would keep each one's block after packing (twice the pinned
+        memory, not counted by pinned_bytes()) and round each packed tensor up
+        to a power of two."""
         import torch
 
         if self.swapper is not None or self.dtype not in (torch.bfloat16, torch.float16):
             return
+        if self.device.type != "cpu":
+            return
         for gi, params in enumerate(groups):
-            flat = torch.empty(
-                sum(p.aio_numel for p in params), dtype=self.dtype, pin_memory=self.device.type == "cuda"
-            )
+            flat = torch.empty(sum(p.aio_numel for p in params), dtype=self.dtype)
             off = 0
             for p in params:
                 view = flat[off : off + p.aio_numel]
