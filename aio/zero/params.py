@@ -201,16 +201,16 @@ class ParamStore:
             param.data = _placeholder(self.dtype, self.device)
 
     def pack(self, groups: list[list[Any]]) -> None:
-        """With the memory backend in bfloat16 or float16, lay each sub-group's
-        partitions (`groups`: each sub-group's parameters, in their order in
-        its master weights) end to end in one tensor, so that the optimizer
+        """With the memory backend in bfloat16 or float16 on a CPU model, lay
+        each sub-group's partitions (`groups`: each sub-group's parameters, in
+        their order in its master weights) end to end in one tensor, recorded
+        in :attr:`packed`; the parameters are views of it. The optimizer then
         writes a stepped sub-group's parameters in its own pass instead of a
-        converting copy per parameter (:meth:`packed_group`,
-        :meth:`wrote_packed`). Nothing to do on the drive, in float32 or for a
-        GPU model: its partitions are pinned, and torch's caching host
-        allocator would keep each one's block after packing (twice the pinned
-        memory, not counted by pinned_bytes()) and round each packed tensor up
-        to a power of two."""
+        converting copy per parameter (:meth:`wrote_packed`). Nothing to do on
+        the drive, in float32 or for a GPU model: its partitions are pinned,
+        and torch's caching host allocator would keep each one's block after
+        packing (twice the pinned memory, not counted by pinned_bytes()) and
+        round each packed tensor up to a power of two."""
         import torch
 
         if self.swapper is not None or self.dtype not in (torch.bfloat16, torch.float16):
@@ -222,31 +222,16 @@ class ParamStore:
             off = 0
             for p in params:
                 view = flat[off : off + p.aio_numel]
-                self._host_settled(p.aio_id)
                 view.copy_(self.resident[p.aio_id])
                 self.resident[p.aio_id] = view
-                if self._stays_materialised(p.aio_id):
-                    p.data = view.view(p.aio_shape)
+                p.data = view.view(p.aio_shape)  # a CPU model points at its partition
                 off += p.aio_numel
             self.packed[gi] = (flat, [p.aio_id for p in params])
 
-    def packed_group(self, gi: int) -> Any:
-        """Sub-group `gi`'s packed low-precision tensor (see pack()), ready to
-        be overwritten (no upload still reads it), or None if not packed."""
-        if gi not in self.packed:
-            return None
-        flat, part_ids = self.packed[gi]
-        for part_id in part_ids:
-            self._host_settled(part_id)
-        return flat
-
     def wrote_packed(self, param: Any) -> None:
-        """`param`'s new values were written into its packed sub-group tensor
-        (what write() does after its copy)."""
-        part_id = param.aio_id
+        """`param`'s new values were written into its packed sub-group tensor,
+        which the parameter already views (what write() counts after its copy)."""
         self.counters["writes"] += 1
-        if self.refs.get(part_id, 0) > 0 and not self._stays_materialised(part_id):
-            self._materialise(param, self._host(part_id))
 
     def _host(self, part_id: int) -> Any:
         if self.swapper is None:

@@ -252,8 +252,7 @@ class OffloadTrainer:
         self._param_writes = []
         # Packed sub-groups (memory backend, low precision) get their new
         # parameters written by the update itself.
-        packed = [(gi, self.store.packed_group(gi)) for gi in range(len(self.layout.groups))]
-        lowp = {gi: t for gi, t in packed if t is not None}
+        lowp = {gi: flat for gi, (flat, _) in self.store.packed.items()}
         try:
             self.optimizer.step(after=self._store_params, grad_scale=grad_scale, lowp=lowp)
         finally:
