@@ -1,23 +1,27 @@
-"""A fast CPU Adam/AdamW step, bit-identical to torch's.
+"""A fast CPU Adam/AdamW step with torch's arithmetic.
 
 torch's single-tensor Adam makes about eight passes over memory per step
 (lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_); :func:`adam_update` does
 the same arithmetic in one fused, vectorized, multi-threaded pass in the C++
-core (csrc/core/cpu_adam.cpp), rounding exactly where torch rounds, so the
-results are equal bit for bit to ``torch.optim.Adam``/``AdamW`` with
-``foreach=False, fused=False`` (torch's default on CPU).
+core (csrc/core/cpu_adam.cpp), rounding exactly where torch rounds.
 
 :class:`CPUAdam` and :class:`CPUAdamW` are drop-in optimizers built on it
 (same hyper-parameters, same state and state_dict as torch's), and
-:func:`fast_cpu_optimizer` swaps them in for torch's classes where that is
-exact.
+:func:`fast_cpu_optimizer` swaps them in for torch's classes.
 
-One thing depends on the machine: on x86 torch's ``sqrt`` is MKL's
-``vmsSqrt``, which is not always the correctly rounded square root. The
-kernel can compute MKL's SSE algorithm in-line (what MKL runs on AMD CPUs),
-call MKL's function itself (found in torch's own library), or use the
-correctly rounded root; a self-check against torch picks, once per process,
-the first of these that reproduces torch on this machine.
+The square root is the one choice. By default it is the correctly rounded
+(IEEE) one, the hardware's: the results are the same bits on every CPU and
+instruction set, and equal to ``torch.optim.Adam``/``AdamW`` with
+``foreach=False, fused=False`` wherever torch's own ``sqrt`` is correctly
+rounded (aarch64, builds without MKL). On x86 torch's ``sqrt`` is MKL's
+``vmsSqrt``, which is not always correctly rounded (on the AMD CPU this was
+written on it differs in the last bit for about one value in six).
+``match_torch=True`` reproduces that too, bit for bit: the kernel computes
+MKL's SSE algorithm in-line (what MKL runs on AMD CPUs), calls MKL's function
+itself (found in torch's own library), or uses the correctly rounded root,
+whichever a self-check against torch picks, once per process. That costs
+about 35% more arithmetic per element (which shows only when the data is in
+cache: a large update is bound by memory either way).
 """
 
 from __future__ import annotations
@@ -105,11 +109,15 @@ def adam_update(
     grad_scale: float | None = None,
     lowp_out: torch.Tensor | None = None,
     threads: int | None = None,
+    match_torch: bool = False,
 ) -> None:
     """One Adam (``decoupled=False``, L2 weight decay) or AdamW step, in place.
 
-    Equal bit for bit to torch's single-tensor Adam given the same ``step``
-    (the count after this step's increment, >= 1). ``grad`` is only read;
+    torch's single-tensor Adam given the same ``step`` (the count after this
+    step's increment, >= 1), rounding where it rounds, with the correctly
+    rounded square root; ``match_torch=True``: with torch's own square root
+    on this machine, so equal to it bit for bit (see the module's
+    docstring; slower when the data is in cache). ``grad`` is only read;
     ``grad_scale`` multiplies it first, rounding as ``grad.mul_(grad_scale)``
     would. ``lowp_out`` (bfloat16 or float16, same numel) receives
     ``param.to(lowp_out.dtype)`` of the updated parameter in the same pass.
@@ -133,7 +141,7 @@ def adam_update(
         grad_scale = _number("grad_scale", grad_scale)
     lowp_ptr, lowp_kind = _check_lowp(lowp_out, n)
     threads = _threads(threads)
-    sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt()
+    sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt() if match_torch else _IEEE_SQRT
     # Positional: pybind11 matches keywords by name on every call (~2 us).
     _C.adam_update(
         param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
@@ -242,6 +250,8 @@ def _mkl_sqrt_address() -> int:
 
 # (kind, function address, mode) as _C.adam_update takes them.
 _Sqrt = tuple[str, int, int]
+# The correctly rounded square root, the default (C++ SqrtKind::CorrectlyRounded).
+_IEEE_SQRT: _Sqrt = ("exact", 0, 0)
 
 
 def _matches_torch(sqrt: _Sqrt) -> bool:
@@ -302,8 +312,9 @@ def kernel_isa() -> str:
 
 
 def is_bit_exact() -> bool:
-    """Whether :func:`adam_update` reproduces torch's Adam bit for bit on this
-    machine (checked once per process against torch itself)."""
+    """Whether :func:`adam_update` with ``match_torch=True`` reproduces torch's
+    Adam bit for bit on this machine (checked once per process against torch
+    itself)."""
     return _choose_sqrt()[1]
 
 
@@ -353,12 +364,14 @@ class CPUAdam(torch.optim.Optimizer):
 
     Same constructor, state (``step`` as a float32 0-dim tensor,
     ``exp_avg``, ``exp_avg_sq``) and state_dict as torch's, so either can load
-    the other's; results are bit-identical to torch's default CPU Adam
-    (``foreach=False, fused=False``). ``amsgrad``, ``maximize``,
-    ``capturable``, ``differentiable``, ``foreach=True``, ``fused=True`` and
-    Tensor lr/betas are refused with ValueError; CUDA, non-float32 and sparse
-    parameters or gradients with TypeError. ``threads`` (not part of the
-    state) defaults to ``torch.get_num_threads()``.
+    the other's; the arithmetic of torch's default CPU Adam
+    (``foreach=False, fused=False``) with the correctly rounded square root,
+    or with ``match_torch=True`` bit-identical to it on this machine.
+    ``amsgrad``, ``maximize``, ``capturable``, ``differentiable``,
+    ``foreach=True``, ``fused=True`` and Tensor lr/betas are refused with
+    ValueError; CUDA, non-float32 and sparse parameters or gradients with
+    TypeError. ``threads`` and ``match_torch`` (not part of the state):
+    ``threads`` defaults to ``torch.get_num_threads()``.
     """
 
     def __init__(
@@ -377,6 +390,7 @@ class CPUAdam(torch.optim.Optimizer):
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
         threads: int | None = None,
+        match_torch: bool = False,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -393,6 +407,9 @@ class CPUAdam(torch.optim.Optimizer):
         }
         self._check_options(defaults)
         self.threads = _threads(threads) if threads is not None else None
+        if not isinstance(match_torch, bool):
+            raise TypeError(f"match_torch must be a bool, got {type(match_torch).__name__}")
+        self.match_torch = match_torch
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_options(group)
@@ -489,6 +506,7 @@ class CPUAdam(torch.optim.Optimizer):
             grad_scale=scale,
             lowp_out=lowp,
             threads=self.threads,
+            match_torch=self.match_torch,
         )
 
 
@@ -537,7 +555,7 @@ def _check_param(p: Any) -> None:
 
 class CPUAdamW(CPUAdam):
     """``torch.optim.AdamW`` for float32 CPU parameters: :class:`CPUAdam`
-    with decoupled weight decay (default 1e-2), bit-identical to torch's."""
+    with decoupled weight decay (default 1e-2)."""
 
     def __init__(
         self,
@@ -554,6 +572,7 @@ class CPUAdamW(CPUAdam):
         differentiable: bool = False,
         fused: bool | None = None,
         threads: int | None = None,
+        match_torch: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -569,6 +588,7 @@ class CPUAdamW(CPUAdam):
             fused=fused,
             decoupled_weight_decay=True,
             threads=threads,
+            match_torch=match_torch,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -577,15 +597,19 @@ class CPUAdamW(CPUAdam):
             group["decoupled_weight_decay"] = True
 
 
-def fast_cpu_optimizer(optimizer_cls: Any, hyper: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def fast_cpu_optimizer(
+    optimizer_cls: Any, hyper: dict[str, Any], match_torch: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """``(CPUAdam or CPUAdamW, hyper)`` in place of ``torch.optim.Adam`` or
-    ``AdamW`` when the hyper-parameters are ones the fused kernel supports and
-    it reproduces torch bit for bit on this machine; otherwise the inputs
-    unchanged. The caller must only use the result for float32 CPU
-    parameters (the classes refuse others with TypeError)."""
+    ``AdamW`` when the hyper-parameters are ones the fused kernel supports;
+    otherwise the inputs unchanged. ``match_torch=True``: only where the
+    kernel reproduces torch bit for bit on this machine (:func:`is_bit_exact`),
+    and the returned hyper-parameters ask for that. The caller must only use
+    the result for float32 CPU parameters (the classes refuse others with
+    TypeError)."""
     fast = {torch.optim.Adam: CPUAdam, torch.optim.AdamW: CPUAdamW}.get(optimizer_cls)
-    if fast is None or _unsupported(hyper) is not None or not is_bit_exact():
+    if fast is None or _unsupported(hyper) is not None or (match_torch and not is_bit_exact()):
         return optimizer_cls, hyper
     if fast is CPUAdamW and "decoupled_weight_decay" in hyper:
         return optimizer_cls, hyper  # torch's AdamW would reject it too
-    return fast, dict(hyper)
+    return fast, {**hyper, "match_torch": True} if match_torch else dict(hyper)

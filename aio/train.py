@@ -256,16 +256,20 @@ def _offloaded_steps(args: argparse.Namespace, trainer: Any, out: Any) -> dict[s
 
 
 def train_in_memory(args: argparse.Namespace, out: Any) -> dict[str, Any]:
-    """The baseline: the same model, seed and data trained in memory with plain
-    torch.optim.AdamW (``--lr``, weight decay 0.01), ``--clip`` and ``--gas``;
+    """The baseline: the same model, seed and data trained in memory with the
+    AdamW step the offloaded run takes (aio.optim.CPUAdamW; torch's AdamW for
+    bf16 parameters), ``--lr``, weight decay 0.01, ``--clip`` and ``--gas``;
     these come from the flags even with ``--config``. Returns ``losses`` and
     ``step_s`` (seconds) per optimizer step; prints nothing (`out` is unused)."""
+    from .optim import CPUAdamW
+
     torch = _torch()
     torch.manual_seed(args.seed)
     model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    cls = torch.optim.AdamW if args.dtype == "bf16" else CPUAdamW
+    opt = cls(model.parameters(), lr=args.lr, weight_decay=0.01)
     lf = torch.nn.functional.cross_entropy
     losses, times = [], []
     for step in range(args.steps):

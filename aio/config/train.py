@@ -219,6 +219,16 @@ class AioZeroConfig(BaseModel):
             "the master weights still float32. Not bit-identical to training in memory"
         ),
     )
+    adam_sqrt: Literal["ieee", "torch"] = Field(
+        "ieee",
+        description=(
+            "the square root of aio's fused Adam/AdamW step (aio.optim): 'ieee' the correctly "
+            "rounded one (the same bits on every CPU); 'torch' the one torch's Adam uses on this "
+            "machine (MKL's on x86), so the step is bit-identical to torch.optim.Adam/AdamW, at "
+            "about 35% more arithmetic. optimizer.params.torch_adam true steps with torch's "
+            "own class instead, as in DeepSpeed"
+        ),
+    )
 
 
 class TrainConfig(BaseModel):
@@ -303,6 +313,12 @@ class TrainConfig(BaseModel):
         """Keyword arguments for :meth:`optimizer_class` (DeepSpeed-only keys dropped,
         lists as tuples); empty without an ``optimizer`` block."""
         return self.optimizer.torch_params if self.optimizer is not None else {}
+
+    @property
+    def torch_adam(self) -> bool:
+        """DeepSpeed's ``optimizer.params.torch_adam``: step with torch's own
+        Adam/AdamW class rather than the fused CPU kernel."""
+        return self.optimizer is not None and self.optimizer.params.get("torch_adam") is True
 
     def optimizer_class(self) -> Any:
         """The torch.optim class :attr:`optimizer_type` names (imports torch), or None

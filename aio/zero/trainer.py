@@ -118,8 +118,12 @@ class OffloadTrainer:
         for n, p in plan.named:
             self.store.adopt(p, n)
         # The master weights are float32 on the CPU, so torch's Adam/AdamW step
-        # there through aio.optim's fused kernel (bit-identical to torch's).
-        step_cls, step_hyper = fast_cpu_optimizer(self.optimizer_cls, self.hyper)
+        # there through aio.optim's fused kernel (unless torch_adam asks for
+        # torch's own class), with the square root aio_zero.adam_sqrt names.
+        step_cls, step_hyper = self.optimizer_cls, self.hyper
+        if not cfg.torch_adam:
+            match = cfg.aio_zero.adam_sqrt == "torch"
+            step_cls, step_hyper = fast_cpu_optimizer(step_cls, step_hyper, match_torch=match)
         self.opt = opt = make_optimizer(cfg, step_cls, step_hyper)
         self.layout = layout = SubGroupLayout(plan.packed)
         for gi, numel in enumerate(layout.group_numel):

@@ -278,18 +278,19 @@ __attribute__((target("avx2,fma"))) bool mkl_sse_sqrt_256(const float* in, float
   return !_mm256_testz_si256(rare, rare);
 }
 
-// A whole block in one pass, eight lanes at a time, with MKL's SSE sqrt
-// (SqrtKind::MklSse) inline: the operations of moments() and apply() in
-// their order (fma exactly where they use std::fma), so the same bits, but
-// each value is loaded and stored once and nothing goes through a scratch
-// array. A vector with a rare lane takes the library's sqrt for those eight
-// values. n a multiple of 8. Writes p, m and v; the low-precision copy
-// follows.
-template <bool kL2, bool kSmall>
-__attribute__((target("avx2,fma"))) void fused_mkl_256(const Scalars& s, const VectorSqrt& vs,
-                                                       const float* __restrict grad,
-                                                       float* __restrict p, float* __restrict m,
-                                                       float* __restrict v, size_t n) {
+// A whole block in one pass, eight lanes at a time: the operations of
+// moments() and apply() in their order (fma exactly where they use
+// std::fma), so the same bits, but each value is loaded and stored once and
+// nothing goes through a scratch array. The square root: kMkl, MKL's SSE
+// algorithm inline (SqrtKind::MklSse; a vector with a rare lane takes the
+// library's sqrt for those eight values), else the hardware's correctly
+// rounded one (SqrtKind::CorrectlyRounded, as apply() with std::sqrt).
+// n a multiple of 8. Writes p, m and v; the low-precision copy follows.
+template <bool kL2, bool kSmall, bool kMkl>
+__attribute__((target("avx2,fma"))) void fused_256(const Scalars& s, const VectorSqrt& vs,
+                                                   const float* __restrict grad,
+                                                   float* __restrict p, float* __restrict m,
+                                                   float* __restrict v, size_t n) {
   const __m256 scale = _mm256_set1_ps(s.scale), wd = _mm256_set1_ps(s.wd);
   const __m256 w = _mm256_set1_ps(kSmall ? s.w : s.w_minus_1);
   const __m256 b2 = _mm256_set1_ps(s.b2), c2 = _mm256_set1_ps(s.c2);
@@ -306,12 +307,17 @@ __attribute__((target("avx2,fma"))) void fused_mkl_256(const Scalars& s, const V
         _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
     _mm256_storeu_ps(m + i, mo);
     _mm256_storeu_ps(v + i, vo);
-    __m256i rare;
-    __m256 root = mkl_sqrt_8(vo, &rare);
-    if (__builtin_expect(!_mm256_testz_si256(rare, rare), 0)) {
-      alignas(32) float out[8];
-      vs.fn(8, v + i, out, vs.mode);
-      root = _mm256_load_ps(out);
+    __m256 root;
+    if constexpr (kMkl) {
+      __m256i rare;
+      root = mkl_sqrt_8(vo, &rare);
+      if (__builtin_expect(!_mm256_testz_si256(rare, rare), 0)) {
+        alignas(32) float out[8];
+        vs.fn(8, v + i, out, vs.mode);
+        root = _mm256_load_ps(out);
+      }
+    } else {
+      root = _mm256_sqrt_ps(vo);
     }
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bc2), eps);
     const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step, mo), denom);
@@ -352,16 +358,17 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) inline __m512 mkl_sqr
   return _mm512_mask_blend_ps(special, root, x);
 }
 
-// fused_mkl_256 sixteen lanes at a time (AVX-512F): the same operations in
-// the same order, so the same bits, in fewer instructions per element (the
+// fused_256 sixteen lanes at a time (AVX-512F): the same operations in the
+// same order, so the same bits, in fewer instructions per element (the
 // kernel is bound by instruction throughput once the data is in cache).
-// A vector with a rare lane takes the library's sqrt for those sixteen
-// values. kScaled: the gradient is multiplied by s.scale (else by nothing,
-// which gives the same bits: x * 1 == x). n a multiple of 16.
-template <bool kL2, bool kSmall, bool kScaled>
-__attribute__((target("avx512f,avx2,fma"))) void fused_mkl_512(
-    const Scalars& s, const VectorSqrt& vs, const float* __restrict grad, float* __restrict p,
-    float* __restrict m, float* __restrict v, size_t n) {
+// With kMkl a vector with a rare lane takes the library's sqrt for those
+// sixteen values. kScaled: the gradient is multiplied by s.scale (else by
+// nothing, which gives the same bits: x * 1 == x). n a multiple of 16.
+template <bool kL2, bool kSmall, bool kScaled, bool kMkl>
+__attribute__((target("avx512f,avx2,fma"))) void fused_512(const Scalars& s, const VectorSqrt& vs,
+                                                           const float* __restrict grad,
+                                                           float* __restrict p, float* __restrict m,
+                                                           float* __restrict v, size_t n) {
   const __m512 scale = _mm512_set1_ps(s.scale), wd = _mm512_set1_ps(s.wd);
   const __m512 w = _mm512_set1_ps(kSmall ? s.w : s.w_minus_1);
   const __m512 b2 = _mm512_set1_ps(s.b2), c2 = _mm512_set1_ps(s.c2);
@@ -379,12 +386,17 @@ __attribute__((target("avx512f,avx2,fma"))) void fused_mkl_512(
         _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(_mm512_loadu_ps(v + i), b2));
     _mm512_storeu_ps(m + i, mo);
     _mm512_storeu_ps(v + i, vo);
-    __mmask16 rare;
-    __m512 root = mkl_sqrt_16(vo, &rare);
-    if (__builtin_expect(rare != 0, 0)) {
-      alignas(64) float out[16];
-      vs.fn(16, v + i, out, vs.mode);
-      root = _mm512_load_ps(out);
+    __m512 root;
+    if constexpr (kMkl) {
+      __mmask16 rare;
+      root = mkl_sqrt_16(vo, &rare);
+      if (__builtin_expect(rare != 0, 0)) {
+        alignas(64) float out[16];
+        vs.fn(16, v + i, out, vs.mode);
+        root = _mm512_load_ps(out);
+      }
+    } else {
+      root = _mm512_maskz_sqrt_ps(0xFFFF, vo);  // plain form: GCC 12 warns (undefined input)
     }
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(root, bc2), eps);
     const __m512 step = _mm512_div_ps(_mm512_mul_ps(neg_step, mo), denom);
@@ -427,7 +439,7 @@ __attribute__((target("avx512f,avx2,fma"))) void lowp_copy_512(const float* __re
   }
 }
 
-// The low-precision copy of p[0, n) into lowp (after fused_mkl_256).
+// The low-precision copy of p[0, n) into lowp (after fused_256).
 template <LowpKind kLowp, size_t kFixed>
 AIO_ALWAYS_INLINE void lowp_copy(const float* __restrict p, void* __restrict lowp, size_t n) {
   uint16_t* __restrict out = static_cast<uint16_t*>(lowp);
@@ -459,27 +471,46 @@ AIO_ALWAYS_INLINE void roots(const VectorSqrt& vs, float* __restrict sq, float* 
   vs.fn(static_cast<int32_t>(n), sq, root, vs.mode);
 }
 
+#ifdef AIO_ADAM_AVX2
+// A whole block of kBlock elements at i through the fused loop of the ISA,
+// then its low-precision copy. The square root kind (MklSse or
+// CorrectlyRounded; not External) and the scale are chosen per block: a
+// branch per 256 elements.
+template <bool kL2, bool kSmall, LowpKind kLowp, Isa kIsa>
+AIO_ALWAYS_INLINE void fused_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
+                                   size_t i, uint16_t* lowp) {
+  constexpr size_t n = kBlock;
+  static_assert(n % 16 == 0, "whole vectors");
+  const float* g = b.grad + i;
+  float *p = b.param + i, *m = b.exp_avg + i, *v = b.exp_avg_sq + i;
+  const bool mkl = vs.kind == SqrtKind::MklSse;
+  if constexpr (kIsa == Isa::Avx512) {
+    if (s.scaled)
+      mkl ? fused_512<kL2, kSmall, true, true>(s, vs, g, p, m, v, n)
+          : fused_512<kL2, kSmall, true, false>(s, vs, g, p, m, v, n);
+    else
+      mkl ? fused_512<kL2, kSmall, false, true>(s, vs, g, p, m, v, n)
+          : fused_512<kL2, kSmall, false, false>(s, vs, g, p, m, v, n);
+    if constexpr (kLowp != LowpKind::None) lowp_copy_512<kLowp>(p, lowp, n);
+  } else {
+    mkl ? fused_256<kL2, kSmall, true>(s, vs, g, p, m, v, n)
+        : fused_256<kL2, kSmall, false>(s, vs, g, p, m, v, n);
+    if constexpr (kLowp != LowpKind::None) lowp_copy<kLowp, n>(p, lowp, n);
+  }
+}
+#endif
+
 // One block of n elements starting at i (n == kFixed when kFixed != 0).
 template <bool kL2, bool kSmall, LowpKind kLowp, Isa kIsa, size_t kFixed>
 AIO_ALWAYS_INLINE void run_block(const Scalars& s, const AdamBuffers& b, const VectorSqrt& vs,
                                  size_t i, size_t n, float* __restrict sq, float* __restrict root) {
   uint16_t* lowp = b.lowp ? static_cast<uint16_t*>(b.lowp) + i : nullptr;
 #ifdef AIO_ADAM_AVX2
-  if (kIsa != Isa::Portable && kFixed != 0 && vs.kind == SqrtKind::MklSse) {
-    static_assert(kFixed % 16 == 0, "whole vectors");
-    if constexpr (kIsa == Isa::Avx512) {
-      if (s.scaled)
-        fused_mkl_512<kL2, kSmall, true>(s, vs, b.grad + i, b.param + i, b.exp_avg + i,
-                                         b.exp_avg_sq + i, n);
-      else
-        fused_mkl_512<kL2, kSmall, false>(s, vs, b.grad + i, b.param + i, b.exp_avg + i,
-                                          b.exp_avg_sq + i, n);
-      if constexpr (kLowp != LowpKind::None) lowp_copy_512<kLowp>(b.param + i, lowp, n);
+  if constexpr (kIsa != Isa::Portable && kFixed == kBlock) {
+    if (vs.kind != SqrtKind::External) {
+      fused_block<kL2, kSmall, kLowp, kIsa>(s, b, vs, i, lowp);
       return;
     }
-    fused_mkl_256<kL2, kSmall>(s, vs, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, n);
-    if (kLowp != LowpKind::None) lowp_copy<kLowp, kFixed>(b.param + i, lowp, n);
-    return;
   }
 #endif
   moments<kL2, kSmall, kFixed>(s, b.grad + i, b.param + i, b.exp_avg + i, b.exp_avg_sq + i, sq, n);

@@ -452,14 +452,18 @@ def test_from_config(tmp_path):
 def test_bf16_states_fused_in_the_kernel_equal_widened_steps(tmp_path):
     """bf16 moments: aio's Adam kernel steps them directly (widening and
     rounding per block); torch's AdamW gets them widened in the buffer and
-    rounded back after. Same bits: masters, and the checkpointed states."""
-    from aio.optim import CPUAdamW
+    rounded back after. Same bits: masters, and the checkpointed states
+    (the kernel with torch's square root, where it can reproduce it)."""
+    from aio.optim import CPUAdamW, is_bit_exact
+
+    if not is_bit_exact():
+        pytest.skip("the kernel does not reproduce torch's square root here")
 
     sizes = [70_001, 300_000]
     gen = torch.Generator().manual_seed(7)
     grads = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(3)]
     crcs, masters = [], []
-    for cls, kw in ((CPUAdamW, {}), (torch.optim.AdamW, {"foreach": False})):
+    for cls, kw in ((CPUAdamW, {"match_torch": True}), (torch.optim.AdamW, {"foreach": False})):
         d = tmp_path / cls.__name__
         d.mkdir()
         sw = OptimizerSwapper(str(d), cls, {"lr": 1e-2, **kw}, buffer_count=4, state_dtype="bf16")

@@ -4,6 +4,7 @@ import os
 
 import torch
 
+from aio.optim import CPUAdamW
 from aio.train import batch, build_gpt
 
 V, W, L, H, S, B = 64, 64, 2, 2, 8, 2
@@ -58,8 +59,11 @@ def loss_of(model, step, micro):
 
 
 def train_in_memory(steps, gas=2, clip=0.5, model=None):
+    """Losses of plain in-memory training with the AdamW step aio.zero takes
+    by default (aio.optim's kernel: torch's AdamW with the correctly rounded
+    square root), so an offloaded run must give the same bits."""
     model = model or gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    opt = CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     out = []
     for step in range(steps):
         for micro in range(gas):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import aio.zero
+from aio.optim import CPUAdamW
 
 tf = pytest.importorskip("transformers", reason="transformers is in the test extras")
 
@@ -73,8 +74,9 @@ def _batch(name, step):
 
 
 def _train(model, name, engine=None, steps=3):
-    """Losses of `steps` steps: through `engine`, or plain torch AdamW in memory."""
-    opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    """Losses of `steps` steps: through `engine`, or in memory with the AdamW
+    step aio.zero takes (aio.optim's kernel)."""
+    opt = None if engine else CPUAdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)  # the same dropout masks in both runs
     losses = []
     for s in range(steps):

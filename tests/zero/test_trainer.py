@@ -8,6 +8,7 @@ import torch
 
 import aio.zero
 from aio.config import ConfigError
+from aio.optim import CPUAdamW
 from aio.train import batch, build_gpt
 
 from .common import B, H, L, S, V, W, cfg_for, gpt, loss_of, train_engine, train_in_memory
@@ -168,7 +169,7 @@ def test_layer_reused_and_inplace_ops_match(tmp_path):
 
     def run(model, engine=None):
         out = []
-        opt = None if engine else torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        opt = None if engine else CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         for step in range(6):
             g = torch.Generator().manual_seed(step)
             x = torch.randn(4, 96, generator=g)
@@ -224,14 +225,44 @@ def test_optimizer_instance_or_class(tmp_path):
 
 @pytest.mark.parametrize("opt", ["cpu", "nvme"])
 def test_adamw_steps_through_the_fused_kernel(tmp_path, reference, opt):
-    from aio.optim import CPUAdamW, is_bit_exact
-
     cfg = cfg_for(tmp_path, "cpu", opt)
     with aio.zero.initialize(gpt(), cfg) as engine:
         assert engine.optimizer_cls is torch.optim.AdamW  # what the user asked for
-        stepping = getattr(engine.opt, "optimizer_cls", None)
-        assert stepping is (CPUAdamW if is_bit_exact() else torch.optim.AdamW)
+        assert getattr(engine.opt, "optimizer_cls", None) is CPUAdamW
         assert train_engine(engine, len(reference)) == reference
+
+
+def _train_torch_adamw(steps):
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
+    out = []
+    for step in range(steps):
+        loss = loss_of(model, step, 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("how", ["adam_sqrt", "torch_adam"])
+def test_torch_bit_identical_steps(tmp_path, how):
+    """aio_zero.adam_sqrt 'torch' (the fused kernel with torch's square root)
+    and DeepSpeed's optimizer.params.torch_adam (torch's own class) both
+    train bit-identically to torch's AdamW in memory."""
+    from aio.optim import is_bit_exact
+
+    cfg = cfg_for(tmp_path, "cpu", "nvme", gas=1, clip=0)
+    if how == "adam_sqrt":
+        cfg["aio_zero"] = {"adam_sqrt": "torch"}
+        want = (CPUAdamW, {"match_torch": True}) if is_bit_exact() else (torch.optim.AdamW, {})
+    else:
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        want = (torch.optim.AdamW, {})
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        assert engine.opt.optimizer_cls is want[0]
+        assert engine.opt.hyper.items() >= want[1].items()
+        assert train_engine(engine, 4, gas=1) == _train_torch_adamw(4)
 
 
 def test_closed_engine_refuses_and_cleans_up(tmp_path):
@@ -247,7 +278,7 @@ def test_closed_engine_refuses_and_cleans_up(tmp_path):
 def test_set_lr_applies_to_next_step(tmp_path):
     model = gpt()
     ref_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.01)
+    opt = CPUAdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.01)
     ref = []
     for step in range(4):
         if step == 2:
