@@ -36,7 +36,15 @@ import torch
 
 from . import _C
 
-__all__ = ["CPUAdam", "CPUAdamW", "adam_update", "fast_cpu_optimizer", "is_bit_exact", "kernel_isa"]
+__all__ = [
+    "CPUAdam",
+    "CPUAdamW",
+    "OpenMPThrottle",
+    "adam_update",
+    "fast_cpu_optimizer",
+    "is_bit_exact",
+    "kernel_isa",
+]
 
 # MKL VML mode torch passes (ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF |
 # VML_ERRMODE_IGNORE.
@@ -233,6 +241,66 @@ def _omp_parallel() -> int:
         except (OSError, AttributeError):
             continue
     return 0
+
+
+def _libgomp_parallel() -> int:
+    """GOMP_parallel of the runtime the kernel uses when that runtime is GNU
+    libgomp (the one whose spin count depends on the thread count), else 0."""
+    runtimes = _loaded_omp_runtimes()
+    if not runtimes or not os.path.basename(runtimes[0]).startswith("libgomp"):
+        return 0
+    return _omp_parallel()
+
+
+# Variables by which the user picked libgomp's waiting; then it is left alone.
+_OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+class OpenMPThrottle:
+    """While open, torch's OpenMP workers sleep almost as soon as a parallel
+    region ends instead of spinning for milliseconds.
+
+    libgomp (torch's OpenMP runtime on Linux) spins a worker about 300,000
+    iterations after each region before it sleeps, and 100 when the process
+    has more OpenMP threads than CPUs (``GOMP_SPINCOUNT`` in its manual); the
+    count is read once, when the runtime loads. This parks a team of just
+    enough threads, asleep (csrc/core/omp_park.h), for the runtime to take
+    the short count. It is for processes whose main thread waits for I/O
+    between short parallel regions: the spinning workers would take the
+    cores the I/O threads need (aio.zero with NVMe offload). A compute-bound
+    loop loses a little: its workers wake from sleep for every region.
+
+    Nothing is parked (:attr:`active` is False) without libgomp, in a forked
+    child, when ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set (the user's
+    choice stands), or when torch's threads leave more than two CPUs free
+    (its workers then do not crowd anything out). Throttles share one team;
+    :meth:`close` (or leaving the ``with`` block) ends this one's share.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        parallel = _libgomp_parallel()
+        if not parallel or any(k in os.environ for k in _OMP_WAIT_VARS):
+            return
+        cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+        if threads < 2 or threads < cpus - 2:
+            return
+        # libgomp counts the parked thread's team less the parked thread
+        # itself: threads + (team - 1) > cpus.
+        _C.omp_park_acquire(parallel, max(2, cpus - threads + 2))
+        self.active = True
+
+    def close(self) -> None:
+        """End this throttle (the team goes when the last one ends)."""
+        if self.active:
+            self.active = False
+            _C.omp_park_release()
+
+    def __enter__(self) -> OpenMPThrottle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _mkl_sqrt_address() -> int:

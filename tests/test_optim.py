@@ -674,3 +674,70 @@ def test_moments_of_two_dtypes_are_refused():
         adam_update(p, g, torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8), **kw)
     with pytest.raises(TypeError, match="must be float32"):
         adam_update(p.bfloat16(), g, torch.zeros(8), torch.zeros(8), **kw)
+
+
+def _libgomp_here() -> bool:
+    return bool(optim._libgomp_parallel())
+
+
+@pytest.mark.skipif(not _libgomp_here(), reason="torch brought no GNU libgomp here")
+def test_openmp_throttle_parks_one_shared_team(monkeypatch):
+    """With libgomp and torch's threads on every CPU, a throttle parks a team
+    of cpus - threads + 2 (libgomp then counts more OpenMP threads than
+    CPUs); throttles share it and the last close ends it."""
+    for var in optim._OMP_WAIT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    if threads < 2 or threads < cpus - 2:
+        pytest.skip(f"torch runs {threads} threads on {cpus} CPUs: nothing to throttle")
+    with optim.OpenMPThrottle() as a:
+        assert a.active and _C.omp_parked_threads() == max(2, cpus - threads + 2)
+        b = optim.OpenMPThrottle()
+        b.close()
+        b.close()  # twice: once only
+        assert _C.omp_parked_threads() > 0
+        torch.ones(1 << 20).mul(2).sum()  # torch's own team still works
+    assert not a.active and _C.omp_parked_threads() == 0
+
+
+@pytest.mark.parametrize("var", ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT"])
+def test_openmp_throttle_leaves_a_users_choice_alone(monkeypatch, var):
+    monkeypatch.setenv(var, "passive" if var == "OMP_WAIT_POLICY" else "1000")
+    with optim.OpenMPThrottle() as t:
+        assert not t.active and _C.omp_parked_threads() == 0
+
+
+def test_openmp_throttle_with_one_torch_thread_parks_nothing(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    with optim.OpenMPThrottle() as t:
+        assert not t.active
+
+
+@pytest.mark.skipif(not _libgomp_here(), reason="torch brought no GNU libgomp here")
+def test_openmp_throttle_in_a_forked_child():
+    """A child forked while a team is parked has none of its threads: its
+    throttles park nothing, and closing the parent's neither hangs nor
+    touches the parent's team (a subprocess with a timeout)."""
+    script = textwrap.dedent(
+        """
+        import os, sys, torch
+        for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+            os.environ.pop(var, None)
+        torch.set_num_threads(max(2, len(os.sched_getaffinity(0))))
+        from aio import _C
+        from aio.optim import OpenMPThrottle
+        parent = OpenMPThrottle()
+        assert parent.active, "nothing parked in the parent"
+        pid = os.fork()
+        if pid == 0:
+            ok = not OpenMPThrottle().active and _C.omp_parked_threads() == 0
+            parent.close()
+            os._exit(0 if ok and _C.omp_parked_threads() == 0 else 3)
+        _, status = os.waitpid(pid, 0)
+        assert _C.omp_parked_threads() > 0
+        parent.close()
+        sys.exit(os.waitstatus_to_exitcode(status) or _C.omp_parked_threads())
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -229,6 +229,20 @@ class AioZeroConfig(BaseModel):
             "own class instead, as in DeepSpeed"
         ),
     )
+    openmp_spin: Literal["auto", "short", "torch"] = Field(
+        "auto",
+        description=(
+            "how long torch's OpenMP workers spin after each parallel region before they sleep "
+            "(aio.optim.OpenMPThrottle): 'short' makes libgomp take its short count (about 100 "
+            "iterations instead of 300,000), so workers do not spin through the main thread's "
+            "waits for I/O on the cores aio's I/O threads need; 'torch' leaves the runtime as it "
+            "is; 'auto': 'short' when parameters or optimizer are offloaded to NVMe"
+        ),
+    )
+
+    def short_openmp_spin(self, nvme: bool) -> bool:
+        """Whether to throttle OpenMP spinning, with or without NVMe offload."""
+        return self.openmp_spin == "short" or (self.openmp_spin == "auto" and nvme)
 
 
 class TrainConfig(BaseModel):

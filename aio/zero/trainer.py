@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from ..config import ConfigError, TrainConfig, load_train_config
-from ..optim import fast_cpu_optimizer
+from ..optim import OpenMPThrottle, fast_cpu_optimizer
 from . import checkpoint
 from .grads import GradientAccumulator
 from .hooks import Fetcher
@@ -97,6 +97,8 @@ class OffloadTrainer:
         self.opt: ZeroOptimizer | None = None
         self.fetcher: Fetcher | None = None
         self._grad_hooks: list[Any] = []
+        nvme = "nvme" in (cfg.param_device, cfg.optimizer_device)
+        self._omp = OpenMPThrottle() if cfg.aio_zero.short_openmp_spin(nvme) else None
         try:
             self._build(plan)
         except BaseException:
@@ -391,6 +393,8 @@ class OffloadTrainer:
             if hasattr(self, "grads"):
                 self.grads.close()
         finally:
+            if self._omp is not None:
+                self._omp.close()
             if self.opt is not None:
                 self.opt.close()
             self.store.close()

@@ -9,6 +9,7 @@
 
 #include "../core/bf16_inplace.h"
 #include "../core/cpu_adam.h"
+#include "../core/omp_park.h"
 
 namespace py = pybind11;
 
@@ -112,6 +113,16 @@ void bind_optim(py::module_& m) {
         py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0, py::arg("parallel_fn") = 0,
         py::arg("state_kind") = "float32");
   m.def("adam_isa", &aio::adam_isa);
+  // aio/optim.py passes GOMP_parallel of the runtime torch loaded.
+  m.def(
+      "omp_park_acquire",
+      [](uintptr_t parallel_fn, unsigned threads) {
+        py::gil_scoped_release nogil;
+        aio::omp_park_acquire(reinterpret_cast<aio::ParallelFn>(parallel_fn), threads);
+      },
+      py::arg("parallel_fn"), py::arg("threads"));
+  m.def("omp_park_release", &aio::omp_park_release, py::call_guard<py::gil_scoped_release>());
+  m.def("omp_parked_threads", &aio::omp_parked_threads);
   // aio/swap/lowp.py checks the buffer (4 * numel bytes, CPU, contiguous).
   m.def(
       "bf16_widen_inplace",

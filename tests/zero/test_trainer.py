@@ -342,3 +342,31 @@ def test_cuda_model_trains_like_in_memory(tmp_path):
             engine.step()
             got.append(loss.item())
     assert got == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "param,opt,spin,parked",
+    [("nvme", "nvme", "auto", True), ("cpu", "nvme", "auto", True), ("cpu", "cpu", "auto", False),
+     ("nvme", "nvme", "torch", False), ("cpu", "cpu", "short", True)],
+)  # fmt: skip
+def test_openmp_spin_throttled_while_offloading_to_nvme(tmp_path, monkeypatch, param, opt, spin, parked):
+    """aio_zero.openmp_spin: 'auto' throttles torch's OpenMP spinning (a
+    parked team, aio.optim.OpenMPThrottle) while anything is on the drive;
+    closing the engine ends it; training is unchanged."""
+    from aio import _C, optim
+
+    for var in optim._OMP_WAIT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    with optim.OpenMPThrottle() as probe:
+        if parked and not probe.active:
+            pytest.skip("no throttle here: no libgomp, or torch leaves CPUs free")
+    cfg = cfg_for(tmp_path, param, opt, gas=1, clip=0, aio_zero={"openmp_spin": spin})
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        assert (_C.omp_parked_threads() > 0) is parked
+        assert train_engine(engine, 2, gas=1) == train_in_memory(2, gas=1, clip=0)
+    assert _C.omp_parked_threads() == 0
+
+
+def test_openmp_spin_bad_value_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="aio_zero.openmp_spin"):
+        aio.zero.initialize(gpt(), cfg_for(tmp_path, aio_zero={"openmp_spin": "fast"}))
