@@ -263,38 +263,39 @@ class OpenMPThrottle:
     libgomp (torch's OpenMP runtime on Linux) spins a worker about 300,000
     iterations after each region before it sleeps, and 100 when the process
     has more OpenMP threads than CPUs (``GOMP_SPINCOUNT`` in its manual); the
-    count is read once, when the runtime loads. This parks a team of just
-    enough threads, asleep (csrc/core/omp_park.h), for the runtime to take
-    the short count. It is for processes whose main thread waits for I/O
-    between short parallel regions: the spinning workers would take the
-    cores the I/O threads need (aio.zero with NVMe offload). A compute-bound
-    loop loses a little: its workers wake from sleep for every region.
+    count is read once, when the runtime loads. This parks a sleeping team
+    of as many threads as CPUs (csrc/core/omp_park.h), so that any region
+    with workers puts the count over the CPUs. It is for processes whose
+    main thread waits for I/O between short parallel regions: the spinning
+    workers would take the cores the I/O threads need (aio.zero with NVMe
+    offload). A compute-bound loop loses a little: its workers wake from
+    sleep for every region. The parked threads only sleep; each has a
+    thread's stack reserved.
 
     Nothing is parked (:attr:`active` is False) without libgomp, in a forked
-    child, when ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set (the user's
-    choice stands), or when torch's threads leave more than two CPUs free
-    (its workers then do not crowd anything out). Throttles share one team;
-    :meth:`close` (or leaving the ``with`` block) ends this one's share.
+    child, when torch runs one thread, or when ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT`` is set (the user's choice stands). Throttles share one
+    team; :meth:`close` (or leaving the ``with`` block) ends this one's
+    share, and the last one the team.
     """
 
     def __init__(self) -> None:
         self.active = False
+        self._pid = os.getpid()
         parallel = _libgomp_parallel()
-        if not parallel or any(k in os.environ for k in _OMP_WAIT_VARS):
+        if not parallel or any(k in os.environ for k in _OMP_WAIT_VARS) or torch.get_num_threads() < 2:
             return
-        cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
-        if threads < 2 or threads < cpus - 2:
-            return
-        # libgomp counts the parked thread's team less the parked thread
-        # itself: threads + (team - 1) > cpus.
-        _C.omp_park_acquire(parallel, max(2, cpus - threads + 2))
+        # libgomp counts a main-thread team of t as t threads and the parked
+        # team of p as p - 1 more: with p = cpus any t >= 2 is over.
+        _C.omp_park_acquire(parallel, max(2, len(os.sched_getaffinity(0))))
         self.active = True
 
     def close(self) -> None:
         """End this throttle (the team goes when the last one ends)."""
         if self.active:
             self.active = False
-            _C.omp_park_release()
+            if os.getpid() == self._pid:  # a forked child has no team to end
+                _C.omp_park_release()
 
     def __enter__(self) -> OpenMPThrottle:
         return self
@@ -483,6 +484,16 @@ class CPUAdam(torch.optim.Optimizer):
             self._check_options(group)
             for p in group["params"]:
                 _check_param(p)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's keeps defaults, state and param_groups only: a copy or a
+        # pickle would lose these (torch's __setstate__ restores every key).
+        return {**super().__getstate__(), "threads": self.threads, "match_torch": self.match_torch}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("threads", None)  # pickled before these were kept
+        self.__dict__.setdefault("match_torch", False)
 
     def _check_options(self, group: dict[str, Any]) -> None:
         why = _unsupported(group)

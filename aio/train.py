@@ -255,21 +255,27 @@ def _offloaded_steps(args: argparse.Namespace, trainer: Any, out: Any) -> dict[s
     return {"losses": losses, "step_s": times, "gbps": rates}
 
 
-def train_in_memory(args: argparse.Namespace, out: Any) -> dict[str, Any]:
+def train_in_memory(args: argparse.Namespace, out: Any, config: Any = None) -> dict[str, Any]:
     """The baseline: the same model, seed and data trained in memory with the
-    AdamW step the offloaded run takes (aio.optim.CPUAdamW; torch's AdamW for
-    bf16 parameters), ``--lr``, weight decay 0.01, ``--clip`` and ``--gas``;
-    these come from the flags even with ``--config``. Returns ``losses`` and
-    ``step_s`` (seconds) per optimizer step; prints nothing (`out` is unused)."""
-    from .optim import CPUAdamW
+    AdamW step the offloaded run takes under `config` (aio.optim.CPUAdamW
+    with the square root ``aio_zero.adam_sqrt`` names, torch's AdamW with
+    ``optimizer.params.torch_adam`` or for bf16 parameters), ``--lr``, weight
+    decay 0.01, ``--clip`` and ``--gas``; these come from the flags even with
+    ``--config``. Returns ``losses`` and ``step_s`` (seconds) per optimizer
+    step; prints nothing (`out` is unused)."""
+    from .config import load_train_config
+    from .optim import fast_cpu_optimizer
 
     torch = _torch()
+    cfg = load_train_config(config if config is not None else {})
+    cls, hyper = torch.optim.AdamW, {"lr": args.lr, "weight_decay": 0.01}
+    if args.dtype != "bf16" and not cfg.torch_adam:
+        cls, hyper = fast_cpu_optimizer(cls, hyper, match_torch=cfg.aio_zero.adam_sqrt == "torch")
     torch.manual_seed(args.seed)
     model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
-    cls = torch.optim.AdamW if args.dtype == "bf16" else CPUAdamW
-    opt = cls(model.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = cls(model.parameters(), **hyper)
     lf = torch.nn.functional.cross_entropy
     losses, times = [], []
     for step in range(args.steps):
@@ -387,7 +393,7 @@ def _train(args: argparse.Namespace) -> int:
         result: dict[str, Any] = {"offloaded": off, "args": vars(args)}
         if args.baseline:
             print("in-memory baseline (same model, data and optimizer):", file=out, flush=True)
-            mem = train_in_memory(args, out)
+            mem = train_in_memory(args, out, cfg)
             result["in_memory"] = mem
             diffs = [abs(a - b) for a, b in zip(off["losses"], mem["losses"], strict=True)]
             same = all(a == b for a, b in zip(off["losses"], mem["losses"], strict=True))

@@ -137,6 +137,9 @@ class OptimizerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _torch_accepts(self) -> OptimizerConfig:
+        flag = self.params.get("torch_adam", False)
+        if not isinstance(flag, bool):
+            raise ValueError(f"params.torch_adam: expected true or false, got {flag!r}")
         _check_torch_optimizer(self.torch_name, self.torch_params)
         return self
 

@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from ..config import ConfigError, TrainConfig, load_train_config
-from ..optim import OpenMPThrottle, fast_cpu_optimizer
+from ..optim import CPUAdam, OpenMPThrottle, fast_cpu_optimizer
 from . import checkpoint
 from .grads import GradientAccumulator
 from .hooks import Fetcher
@@ -65,6 +65,10 @@ def resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str, 
 
         accepted = inspect.signature(type(optimizer).__init__).parameters
         hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and k in accepted}
+        if isinstance(optimizer, CPUAdam):  # its options outside the param groups
+            hyper["match_torch"] = optimizer.match_torch
+            if optimizer.threads is not None:
+                hyper["threads"] = optimizer.threads
         if cfg.optimizer_type is not None:
             warnings.warn(
                 "both optimizer= and a config 'optimizer' block given; using optimizer=", stacklevel=3
@@ -97,9 +101,11 @@ class OffloadTrainer:
         self.opt: ZeroOptimizer | None = None
         self.fetcher: Fetcher | None = None
         self._grad_hooks: list[Any] = []
-        nvme = "nvme" in (cfg.param_device, cfg.optimizer_device)
-        self._omp = OpenMPThrottle() if cfg.aio_zero.short_openmp_spin(nvme) else None
+        self._omp: OpenMPThrottle | None = None
         try:
+            nvme = "nvme" in (cfg.param_device, cfg.optimizer_device)
+            if cfg.aio_zero.short_openmp_spin(nvme):
+                self._omp = OpenMPThrottle()
             self._build(plan)
         except BaseException:
             self.closed = False
@@ -113,20 +119,27 @@ class OffloadTrainer:
         self.last_grad_norm: float | None = None
         self._param_writes: list[Any] = []
 
+    def _stepping_optimizer(self) -> tuple[Any, dict[str, Any]]:
+        """The class and hyper-parameters the sub-groups step with. The master
+        weights are float32 on the CPU, so torch's Adam/AdamW step there
+        through aio.optim's fused kernel (unless torch_adam asks for torch's
+        own class), with the square root aio_zero.adam_sqrt names."""
+        cfg = self.cfg
+        if cfg.torch_adam:
+            return self.optimizer_cls, self.hyper
+        match = cfg.aio_zero.adam_sqrt == "torch"
+        cls, hyper = fast_cpu_optimizer(self.optimizer_cls, self.hyper, match_torch=match)
+        if match and isinstance(cls, type) and issubclass(cls, CPUAdam):
+            hyper = {**hyper, "match_torch": True}  # a CPUAdam class given as it is
+        return cls, hyper
+
     def _build(self, plan: Plan) -> None:
         """Allocate: parameters into the store, the optimizer's sub-groups with
         their master weights, the gradient hooks and the fetcher."""
         cfg = self.cfg
         for n, p in plan.named:
             self.store.adopt(p, n)
-        # The master weights are float32 on the CPU, so torch's Adam/AdamW step
-        # there through aio.optim's fused kernel (unless torch_adam asks for
-        # torch's own class), with the square root aio_zero.adam_sqrt names.
-        step_cls, step_hyper = self.optimizer_cls, self.hyper
-        if not cfg.torch_adam:
-            match = cfg.aio_zero.adam_sqrt == "torch"
-            step_cls, step_hyper = fast_cpu_optimizer(step_cls, step_hyper, match_torch=match)
-        self.opt = opt = make_optimizer(cfg, step_cls, step_hyper)
+        self.opt = opt = make_optimizer(cfg, *self._stepping_optimizer())
         self.layout = layout = SubGroupLayout(plan.packed)
         for gi, numel in enumerate(layout.group_numel):
             opt.register_subgroup(gi, numel)

@@ -792,7 +792,11 @@ void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
   const size_t chunk = chunk_size(n, parts);
   if (parallel) {
     TeamJob job{&body, n, chunk};
-    parallel(&team_member, &job, parts, 0);  // returns when the whole team is done
+    // The whole team even when there are fewer chunks than threads (members
+    // without one return at once): a smaller team makes libgomp end the
+    // surplus workers, start them again for the next full-size region, and
+    // count fewer OpenMP threads (omp_park.h).
+    parallel(&team_member, &job, threads, 0);  // returns when all are done
     return;
   }
   pool().run(parts, n, chunk, body);

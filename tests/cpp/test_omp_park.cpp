@@ -1,6 +1,6 @@
 // omp_park: a parked team through a stand-in for GOMP_parallel that records
-// its calls; acquires share one team, the last release joins its thread, and
-// a release racing the next acquire neither hangs nor leaks a parked thread.
+// its calls and runs the job once per member; acquires share one team, the last release joins its
+// thread, and a release racing the next acquire neither hangs nor leaks a parked thread.
 #include <atomic>
 #include <stdexcept>
 #include <thread>
@@ -18,7 +18,7 @@ void fake_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned
   ++calls;
   last_threads = num_threads;
   caller = std::this_thread::get_id();
-  fn(data);
+  for (unsigned i = 0; i < num_threads; ++i) fn(data);  // every member, here one by one
 }
 
 template <class F>
@@ -62,5 +62,18 @@ TEST(omp_park_release_then_acquire_at_once_does_not_hang) {
 TEST(omp_park_refuses_a_null_function_or_a_team_of_one) {
   CHECK(throws_invalid_argument([] { aio::omp_park_acquire(nullptr, 2); }));
   CHECK(throws_invalid_argument([] { aio::omp_park_acquire(&fake_parallel, 1); }));
+  CHECK_EQ(aio::omp_parked_threads(), 0u);
+}
+
+namespace {
+
+void short_team(void (*fn)(void*), void* data, unsigned, unsigned) { fn(data); }  // one member only
+
+}  // namespace
+
+TEST(omp_park_reports_the_members_the_runtime_gave) {
+  aio::omp_park_acquire(&short_team, 4);
+  CHECK_EQ(aio::omp_parked_threads(), 1u);
+  aio::omp_park_release();
   CHECK_EQ(aio::omp_parked_threads(), 0u);
 }

@@ -370,3 +370,25 @@ def test_openmp_spin_throttled_while_offloading_to_nvme(tmp_path, monkeypatch, p
 def test_openmp_spin_bad_value_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match="aio_zero.openmp_spin"):
         aio.zero.initialize(gpt(), cfg_for(tmp_path, aio_zero={"openmp_spin": "fast"}))
+
+
+def test_cpuadam_given_keeps_its_square_root(tmp_path):
+    """An aio.optim optimizer passed in keeps its match_torch (it is not in
+    its param groups), and aio_zero.adam_sqrt 'torch' applies to a CPUAdam
+    class too."""
+    model = gpt()
+    cfg = cfg_for(tmp_path / "a", "cpu", "cpu", gas=1, clip=0)
+    del cfg["optimizer"]
+    opt = CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, match_torch=True, threads=1)
+    with aio.zero.initialize(model, cfg, optimizer=opt) as engine:
+        assert engine.opt.hyper["match_torch"] is True and engine.opt.hyper["threads"] == 1
+    cfg = {**cfg_for(tmp_path / "b", "cpu", "cpu", gas=1, clip=0), "aio_zero": {"adam_sqrt": "torch"}}
+    with aio.zero.initialize(gpt(), cfg, optimizer=CPUAdamW) as engine:
+        assert engine.opt.optimizer_cls is CPUAdamW and engine.opt.hyper["match_torch"] is True
+
+
+def test_torch_adam_must_be_a_bool(tmp_path):
+    cfg = cfg_for(tmp_path)
+    cfg["optimizer"]["params"]["torch_adam"] = "yes"
+    with pytest.raises(ConfigError, match="torch_adam"):
+        aio.zero.initialize(gpt(), cfg)
