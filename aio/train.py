@@ -264,13 +264,12 @@ def train_in_memory(args: argparse.Namespace, out: Any, config: Any = None) -> d
     ``--config``. Returns ``losses`` and ``step_s`` (seconds) per optimizer
     step; prints nothing (`out` is unused)."""
     from .config import load_train_config
-    from .optim import fast_cpu_optimizer
+    from .zero.trainer import stepping_optimizer
 
     torch = _torch()
-    cfg = load_train_config(config if config is not None else {})
     cls, hyper = torch.optim.AdamW, {"lr": args.lr, "weight_decay": 0.01}
-    if args.dtype != "bf16" and not cfg.torch_adam:
-        cls, hyper = fast_cpu_optimizer(cls, hyper, match_torch=cfg.aio_zero.adam_sqrt == "torch")
+    if args.dtype != "bf16":
+        cls, hyper = stepping_optimizer(load_train_config(config or {}), cls, hyper)
     torch.manual_seed(args.seed)
     model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
     if args.dtype == "bf16":

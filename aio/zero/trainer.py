@@ -81,6 +81,22 @@ def resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str, 
     )
 
 
+def stepping_optimizer(
+    cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """The class and hyper-parameters float32 CPU master weights step with
+    under `cfg`: torch's Adam/AdamW through aio.optim's fused kernel (unless
+    ``optimizer.params.torch_adam`` asks for torch's own class), with the
+    square root ``aio_zero.adam_sqrt`` names; other classes as they are."""
+    if cfg.torch_adam:
+        return optimizer_cls, hyper
+    match = cfg.aio_zero.adam_sqrt == "torch"
+    cls, hyper = fast_cpu_optimizer(optimizer_cls, hyper, match_torch=match)
+    if match and isinstance(cls, type) and issubclass(cls, CPUAdam):
+        hyper = {**hyper, "match_torch": True}  # a CPUAdam class given as it is
+    return cls, hyper
+
+
 class OffloadTrainer:
     """See :func:`initialize`. DeepSpeed-style loop::
 
@@ -119,27 +135,13 @@ class OffloadTrainer:
         self.last_grad_norm: float | None = None
         self._param_writes: list[Any] = []
 
-    def _stepping_optimizer(self) -> tuple[Any, dict[str, Any]]:
-        """The class and hyper-parameters the sub-groups step with. The master
-        weights are float32 on the CPU, so torch's Adam/AdamW step there
-        through aio.optim's fused kernel (unless torch_adam asks for torch's
-        own class), with the square root aio_zero.adam_sqrt names."""
-        cfg = self.cfg
-        if cfg.torch_adam:
-            return self.optimizer_cls, self.hyper
-        match = cfg.aio_zero.adam_sqrt == "torch"
-        cls, hyper = fast_cpu_optimizer(self.optimizer_cls, self.hyper, match_torch=match)
-        if match and isinstance(cls, type) and issubclass(cls, CPUAdam):
-            hyper = {**hyper, "match_torch": True}  # a CPUAdam class given as it is
-        return cls, hyper
-
     def _build(self, plan: Plan) -> None:
         """Allocate: parameters into the store, the optimizer's sub-groups with
         their master weights, the gradient hooks and the fetcher."""
         cfg = self.cfg
         for n, p in plan.named:
             self.store.adopt(p, n)
-        self.opt = opt = make_optimizer(cfg, *self._stepping_optimizer())
+        self.opt = opt = make_optimizer(cfg, *stepping_optimizer(cfg, self.optimizer_cls, self.hyper))
         self.layout = layout = SubGroupLayout(plan.packed)
         for gi, numel in enumerate(layout.group_numel):
             opt.register_subgroup(gi, numel)
