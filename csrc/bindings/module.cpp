@@ -137,7 +137,9 @@ aio::FaultKind parse_fault(const std::string& k) {
   if (k == "short") return aio::FaultKind::Short;
   if (k == "open_direct") return aio::FaultKind::OpenDirect;
   if (k == "no_direct_statx") return aio::FaultKind::NoDirectStatx;
-  throw py::value_error("fault kind must be 'error', 'short', 'open_direct' or 'no_direct_statx'");
+  if (k == "trickle") return aio::FaultKind::Trickle;
+  throw py::value_error(
+      "fault kind must be 'error', 'short', 'open_direct', 'no_direct_statx' or 'trickle'");
 }
 
 int parse_fault_op(const std::string& op) {

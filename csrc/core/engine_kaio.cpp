@@ -222,7 +222,8 @@ class KaioEngine final : public Engine {
   // Waits for completions (one with overlap_events, else all in flight).
   void reap(Run& run) {
     const long min_nr = s_.overlap_events ? 1 : static_cast<long>(run.inflight);
-    const long got = sys_io_getevents(ctx_, min_nr, static_cast<long>(depth_), events_.data());
+    const long nr = f_.trickle() ? min_nr : static_cast<long>(depth_);
+    const long got = sys_io_getevents(ctx_, min_nr, nr, events_.data());
     c_.getevents_calls.fetch_add(1, std::memory_order_relaxed);
     if (got < 0) {
       if (errno == EINTR) return;

@@ -12,12 +12,14 @@ void FaultInjector::arm(FaultKind kind, int errno_value, int op_filter, uint64_t
   count_ = count == 0 ? 1 : count;
   seen_ = 0;
   armed_.store(kind != FaultKind::None);
+  trickle_.store(kind == FaultKind::Trickle);
 }
 
 void FaultInjector::disarm() {
   std::lock_guard<std::mutex> g(mu_);
   kind_ = FaultKind::None;
   armed_.store(false);
+  trickle_.store(false);
 }
 
 bool FaultInjector::matches(Op op) const {

@@ -20,6 +20,10 @@ enum class FaultKind {
   // statx reports dio_offset_align=0 (no direct I/O for this file), as ext4
   // with data=journal does.
   NoDirectStatx,
+  // Every wait for completions hands back no more than it asked for, as a
+  // slow device would (kernel AIO: one at a time with overlap_events). The
+  // real kernel holds the rest for the next wait; nothing fails.
+  Trickle,
 };
 
 struct FaultAction {
@@ -37,11 +41,14 @@ class FaultInjector {
   FaultAction on_io(Op op);
   // Called once per open of a path; answers OpenDirect and NoDirectStatx.
   FaultAction on_open_direct(Op op);
+  // Whether a Trickle fault is armed (answered on every wait, never counted).
+  bool trickle() const { return trickle_.load(std::memory_order_relaxed); }
   uint64_t hits() const { return hits_.load(); }
 
  private:
   bool matches(Op op) const;
   std::atomic<bool> armed_{false};
+  std::atomic<bool> trickle_{false};
   std::mutex mu_;
   FaultKind kind_ = FaultKind::None;
   int errno_value_ = 0;
