@@ -110,6 +110,29 @@ def adam_update(
     state_kind: str = "float32",
 ) -> None: ...
 
+# adam_update over many tensors in one call and one parallel region, each as
+# if called alone with step = its float32 count + 1, which is then stored.
+# tasks: nine integers per tensor: param, grad, exp_avg, exp_avg_sq and step
+# (a float32) addresses, lowp address (0: none), lowp kind (0 none,
+# 1 bfloat16, 2 float16), state kind (0 float32, 1 bfloat16), numel. A count
+# that is not finite and at least 1 after the increment: ValueError, nothing
+# changed. The other arguments as for adam_update.
+def adam_update_many(
+    tasks: list[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_scale: float | None = None,
+    threads: int = 1,
+    sqrt_kind: str = "exact",
+    sqrt_fn: int = 0,
+    sqrt_mode: int = 0,
+    parallel_fn: int = 0,
+) -> None: ...
+
 # The instruction set adam_update runs with: 'avx512', 'avx2' or 'portable'
 # (capped by AIO_MAX_CPU_ISA; ValueError when that names none of them).
 def adam_isa() -> str: ...

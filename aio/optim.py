@@ -193,6 +193,50 @@ def _check_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any) -> int:
     return int(n)
 
 
+_LOWP_CODES = {"none": 0, "bfloat16": 1, "float16": 2}
+
+
+def _task_fields(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], low: Any) -> list[int]:
+    """One parameter's entry in ``_C.adam_update_many``'s task list, after the
+    checks :func:`adam_update` makes (its state made by ``CPUAdam._state_of``)."""
+    m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+    n = _check_tensors(p, grad, m, v)
+    lowp_ptr, lowp_kind = _check_lowp(low, n)
+    bf16 = 1 if m.dtype is torch.bfloat16 else 0
+    return [p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr(),
+            lowp_ptr, _LOWP_CODES[lowp_kind], bf16, n]  # fmt: skip
+
+
+def _usual_task(p: Any, grad: Any, state: Any, low: Any) -> list[int] | None:
+    """:func:`_task_fields` for the usual parameter, checked in one
+    expression (a step of a model's many small tensors is mostly these
+    checks): float32, CPU, strided and contiguous, one size, four different
+    tensors, a float32 CPU step count, no lowp copy. None: anything else,
+    for the full checks and their messages."""
+    if not state or low is not None:
+        return None
+    m, v, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
+    f32, strided, t = torch.float32, torch.strided, torch.Tensor
+    if not (isinstance(p, t) and isinstance(grad, t) and isinstance(m, t) and isinstance(v, t)):
+        return None
+    if not (isinstance(step, t) and step.dtype is f32 and step.is_cpu and step.numel() == 1):
+        return None
+    n = p.numel()
+    ok = (
+        p.dtype is f32 and grad.dtype is f32 and m.dtype is f32 and v.dtype is f32
+        and p.is_cpu and grad.is_cpu and m.is_cpu and v.is_cpu
+        and p.layout is strided and grad.layout is strided and m.layout is strided and v.layout is strided
+        and p.is_contiguous() and grad.is_contiguous() and m.is_contiguous() and v.is_contiguous()
+        and grad.numel() == n and m.numel() == n and v.numel() == n and step.layout is strided
+    )  # fmt: skip
+    if not ok:
+        return None
+    fields = [p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr(), 0, 0, 0, n]
+    if n > 0 and len(set(fields[:4])) != 4:
+        return None
+    return fields
+
+
 # OpenMP runtimes, by file name, in the order preferred when several are in
 # the process (all export libgomp's GOMP_parallel).
 _OMP_RUNTIMES = ("libgomp", "libomp", "libiomp5")
@@ -525,23 +569,37 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._check_options(group)  # a group may have been edited or loaded
-            todo = [(p, p.grad) for p in group["params"] if p.grad is not None]
-            states = [self._state_of(p, g) for p, g in todo]  # every check before any change
-            if not todo:
-                continue
-            # The step counts in one call: per parameter, `+= 1` on a 0-dim
-            # tensor cost as much as the update of a small tensor.
-            steps = [st["step"] for st in states]
-            torch._foreach_add_(steps, 1.0)  # in float32, as torch counts
-            for k, ((p, grad), st, step_t) in enumerate(zip(todo, states, steps, strict=True)):
+            # Every check before any change: one call steps the whole group
+            # (the parameters and their step counts) or, refused, none of it.
+            tasks: list[int] = []
+            grads = []  # contiguous copies live until the kernel is done
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
                 low = None if lowp_out is None else lowp_out.get(p)
-                try:
-                    self._update(p, grad, st, step_t.item(), group, scale, low)
-                except BaseException:
-                    # This parameter and the ones after it did not step.
-                    torch._foreach_sub_(steps[k:], 1.0)
-                    raise
+                fields = _usual_task(p, grad, self.state.get(p), low)
+                if fields is None:  # first step, or anything unusual: every check
+                    st = self._state_of(p, grad)
+                    grad = grad.contiguous()
+                    grads.append(grad)
+                    fields = _task_fields(p, grad, st, low)
+                tasks += fields
+            if tasks:
+                self._step_group(tasks, group, scale)
         return loss
+
+    def _step_group(self, tasks: list[int], group: dict[str, Any], scale: float | None) -> None:
+        beta1, beta2 = group["betas"]
+        hyper = [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]]
+        if not all(type(x) is float for x in hyper):
+            hyper = [_number(k, x) for k, x in zip(_HYPER_NAMES[1:], hyper, strict=True)]
+        threads = _threads(self.threads)
+        sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt() if self.match_torch else _IEEE_SQRT
+        _C.adam_update_many(
+            tasks, hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], bool(group["decoupled_weight_decay"]),
+            scale, threads, sqrt_kind, sqrt_fn, sqrt_mode, _omp_parallel() if threads > 1 else 0,
+        )  # fmt: skip
 
     def _state_of(self, p: torch.Tensor, grad: torch.Tensor) -> dict[str, Any]:
         """`p`'s state (made on its first step), after checking `p` and its gradient."""
@@ -553,40 +611,19 @@ class CPUAdam(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif not (isinstance(state["step"], torch.Tensor) and state["step"].dtype is torch.float32):
-            # A plain number or another dtype (older checkpoints): counted on
-            # in a float32 tensor from here, as torch's Adam does.
-            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        else:
+            step = state["step"]
+            if not (
+                isinstance(step, torch.Tensor)
+                and step.dtype is torch.float32
+                and step.is_cpu
+                and step.numel() == 1
+                and step.layout is torch.strided
+            ):
+                # A plain number, another dtype or device (older checkpoints):
+                # counted on in a float32 CPU tensor from here, as torch's Adam does.
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
         return state
-
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        step: float,
-        group: dict[str, Any],
-        scale: float | None,
-        lowp: torch.Tensor | None,
-    ) -> None:
-        beta1, beta2 = group["betas"]
-        adam_update(
-            p,
-            grad.contiguous(),
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            step=step,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled=group["decoupled_weight_decay"],
-            grad_scale=scale,
-            lowp_out=lowp,
-            threads=self.threads,
-            match_torch=self.match_torch,
-        )
 
 
 def _scale_value(v: Any) -> float:

@@ -470,17 +470,22 @@ def test_sparse_grad_refused():
     assert opt.state[q]["step"].item() == 1.0 and torch.equal(q, after_one)
 
 
-def test_failed_update_leaves_later_step_counts():
-    """A parameter whose update fails (here: a lowp_out of the wrong size),
-    and every one after it, keeps its step count; the ones before stepped."""
+def test_refused_step_changes_nothing():
+    """A parameter whose update is refused (here: a lowp_out of the wrong
+    size) stops the whole step before anything changed: every parameter and
+    step count is as it was, and the next step counts from there."""
     p, q, r = (torch.zeros(4, requires_grad=True) for _ in range(3))
     opt = CPUAdam([p, q, r])
     for t in (p, q, r):
         t.grad = torch.ones(4)
+    opt.step()
+    before = [t.detach().clone() for t in (p, q, r)]
     with pytest.raises(ValueError, match="lowp_out has 7 elements"):
         opt.step(lowp_out={q: torch.zeros(7, dtype=torch.bfloat16)})
-    assert [opt.state[t]["step"].item() for t in (p, q, r)] == [1.0, 0.0, 0.0]
-    assert not torch.equal(p, torch.zeros(4)) and torch.equal(q, torch.zeros(4))
+    assert [opt.state[t]["step"].item() for t in (p, q, r)] == [1.0, 1.0, 1.0]
+    assert all(torch.equal(t, b) for t, b in zip((p, q, r), before, strict=True))
+    opt.step()
+    assert [opt.state[t]["step"].item() for t in (p, q, r)] == [2.0, 2.0, 2.0]
 
 
 @torch_bits
@@ -498,6 +503,47 @@ def test_step_count_of_older_state_dicts_keeps_counting():
             fast.state[ours]["step"] = 1
     assert fast.state[ours]["step"].dtype is torch.float32 and fast.state[ours]["step"].item() == 3.0
     assert torch.equal(ours, ref)
+
+
+def test_one_call_steps_a_group_as_per_tensor_updates():
+    """CPUAdamW steps a whole group in one kernel call: the same bits as
+    adam_update per tensor, for the usual tensors and the unusual ones mixed
+    in (a transposed gradient, bfloat16 moments, a lowp copy, an empty
+    tensor, a step count loaded as a plain number) and a parameter without
+    a gradient; every count moves by one."""
+    torch.manual_seed(1)
+    sizes = [(3,), (768,), (300, 257), (0,), (5000,), (64, 64), (70001,)]
+    params = [torch.randn(s) for s in sizes]
+    grads = [torch.randn(s) * 1e-2 for s in sizes]
+    grads[5] = torch.randn(64, 64).t()  # not contiguous
+    grads[2] = None
+    opt = CPUAdamW([p.clone() for p in params], lr=1e-2)
+    for q, g in zip(opt.param_groups[0]["params"], grads, strict=True):
+        q.grad = g
+    opt.step()
+    q1 = opt.param_groups[0]["params"][1]
+    opt.state[q1]["exp_avg"] = opt.state[q1]["exp_avg"].bfloat16()
+    opt.state[q1]["exp_avg_sq"] = opt.state[q1]["exp_avg_sq"].bfloat16()
+    opt.state[opt.param_groups[0]["params"][4]]["step"] = 1
+    qs = opt.param_groups[0]["params"]
+    want = [(q.detach().clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[q].items()})
+            for q in qs]  # fmt: skip
+    low = torch.empty(70001, dtype=torch.bfloat16)
+    opt.step(lowp_out={qs[6]: low})
+    for k, ((p, st), q, g) in enumerate(zip(want, qs, grads, strict=True)):
+        if g is None:
+            assert torch.equal(q, p) and not opt.state[q]
+            continue
+        wlow = torch.empty(70001, dtype=torch.bfloat16) if k == 6 else None
+        count = float(st["step"]) + 1
+        adam_update(p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], step=count, lr=1e-2, beta1=0.9,
+                    beta2=0.999, eps=1e-8, weight_decay=1e-2, decoupled=True, lowp_out=wlow)  # fmt: skip
+        assert torch.equal(q, p), k
+        assert torch.equal(opt.state[q]["exp_avg"], st["exp_avg"]), k
+        step = opt.state[q]["step"]
+        assert step.dtype is torch.float32 and step.item() == count
+        if wlow is not None:
+            assert torch.equal(low, wlow)
 
 
 def _args(n=4):

@@ -765,26 +765,21 @@ bool mkl_sse_supported() {
 #endif
 }
 
-void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
-                 const VectorSqrt& vsqrt_in, ParallelFn parallel) {
-  if (buf.numel == 0) return;
-  VectorSqrt vsqrt = vsqrt_in;
-  if (vsqrt.fn == nullptr || (vsqrt.kind == SqrtKind::MklSse && !mkl_sse_supported()))
-    vsqrt.kind = vsqrt.fn ? SqrtKind::External : SqrtKind::CorrectlyRounded;
-  const Scalars s = make_scalars(hp);
-  AdamBuffers b = buf;
-  if (b.lowp == nullptr) b.lowp_kind = LowpKind::None;
-  const RangeFn fn = pick(s, b.lowp_kind);
-  const size_t n = b.numel;
+namespace {
+
+// The square root the caller asked for, or the one that can run here.
+VectorSqrt usable(VectorSqrt vs) {
+  if (vs.fn == nullptr || (vs.kind == SqrtKind::MklSse && !mkl_sse_supported()))
+    vs.kind = vs.fn ? SqrtKind::External : SqrtKind::CorrectlyRounded;
+  return vs;
+}
+
+// body(begin, end) over [0, n): on the calling thread for small n or one
+// thread, else in chunks on the OpenMP team (`parallel`) or aio's pool.
+void split(size_t n, unsigned threads, ParallelFn parallel,
+           const std::function<void(size_t, size_t)>& body) {
   const size_t most = std::max<size_t>(1, n / (kAdamSerialBelow / 2));
   const unsigned parts = static_cast<unsigned>(std::min<size_t>(std::max(threads, 1u), most));
-  const bool bf16 = b.exp_avg_bf16 != nullptr;
-  const std::function<void(size_t, size_t)> body = [&](size_t begin, size_t end) {
-    if (bf16)
-      range_bf16_states(fn, s, b, vsqrt, begin, end);
-    else
-      fn(s, b, vsqrt, begin, end);
-  };
   if (parts <= 1 || n < kAdamSerialBelow) {
     body(0, n);
     return;
@@ -800,6 +795,71 @@ void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
     return;
   }
   pool().run(parts, n, chunk, body);
+}
+
+// One tensor's update, ready to run over any range of its elements.
+struct Prepared {
+  Scalars s;
+  AdamBuffers b;
+  RangeFn fn;
+  size_t start;  // its first element in the concatenation of all tasks
+
+  Prepared(const AdamBuffers& buf, const AdamHyper& hp, size_t at)
+      : s(make_scalars(hp)), b(buf), start(at) {
+    if (b.lowp == nullptr) b.lowp_kind = LowpKind::None;
+    fn = pick(s, b.lowp_kind);
+  }
+
+  void run(const VectorSqrt& vs, size_t begin, size_t end) const {
+    if (b.exp_avg_bf16 != nullptr)
+      range_bf16_states(fn, s, b, vs, begin, end);
+    else
+      fn(s, b, vs, begin, end);
+  }
+};
+
+}  // namespace
+
+void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
+                 const VectorSqrt& vsqrt_in, ParallelFn parallel) {
+  if (buf.numel == 0) return;
+  const VectorSqrt vsqrt = usable(vsqrt_in);
+  const Prepared w(buf, hp, 0);
+  split(buf.numel, threads, parallel, [&](size_t begin, size_t end) { w.run(vsqrt, begin, end); });
+}
+
+void adam_update_many(const AdamTask* tasks, size_t count, const AdamHyper& hp, unsigned threads,
+                      const VectorSqrt& vsqrt_in, ParallelFn parallel) {
+  kernel_isa();  // a bad AIO_MAX_CPU_ISA throws here, before anything changes
+  std::vector<float> next(count);
+  for (size_t k = 0; k < count; ++k) {
+    next[k] = *tasks[k].step + 1.0f;
+    if (!(std::isfinite(next[k]) && next[k] >= 1.0f))
+      throw std::invalid_argument("tensor " + std::to_string(k) + ": step count " +
+                                  std::to_string(*tasks[k].step) + " cannot be counted on");
+  }
+  const VectorSqrt vsqrt = usable(vsqrt_in);
+  std::vector<Prepared> work;
+  work.reserve(count);
+  size_t total = 0;
+  for (size_t k = 0; k < count; ++k) {
+    if (tasks[k].buf.numel == 0) continue;
+    AdamHyper h = hp;
+    h.step = next[k];
+    work.emplace_back(tasks[k].buf, h, total);
+    total += tasks[k].buf.numel;
+  }
+  // A chunk of the concatenation: the pieces of the tensors it covers.
+  const auto body = [&](size_t begin, size_t end) {
+    auto it = std::upper_bound(work.begin(), work.end(), begin,
+                               [](size_t at, const Prepared& w) { return at < w.start; });
+    for (--it; it != work.end() && it->start < end; ++it) {
+      const size_t lo = std::max(begin, it->start), hi = std::min(end, it->start + it->b.numel);
+      it->run(vsqrt, lo - it->start, hi - it->start);
+    }
+  };
+  if (total > 0) split(total, threads, parallel, body);
+  for (size_t k = 0; k < count; ++k) *tasks[k].step = next[k];
 }
 
 }  // namespace aio

@@ -104,6 +104,23 @@ using ParallelFn = void (*)(void (*fn)(void*), void* data, unsigned num_threads,
 void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
                  const VectorSqrt& vsqrt = VectorSqrt(), ParallelFn parallel = nullptr);
 
+// One tensor of adam_update_many: its buffers and its step count, kept as a
+// float32 (as torch keeps Adam's in a float32 tensor) that the call counts on.
+struct AdamTask {
+  AdamBuffers buf;
+  float* step = nullptr;
+};
+
+// adam_update for every task, each as if called alone with hp.step set to
+// its *step + 1 (added in float32, as torch's `step_t += 1`), and the same
+// bits; then each *step holds that count. One parallel region covers all of
+// them, split by elements, not tensors: a model's many small tensors (biases,
+// norms) cost a call each otherwise, more than their update. Every count is
+// checked first (finite and at least 1, else std::invalid_argument naming the
+// task) so that a refused call changes nothing. Steps must not be shared.
+void adam_update_many(const AdamTask* tasks, size_t count, const AdamHyper& hp, unsigned threads,
+                      const VectorSqrt& vsqrt = VectorSqrt(), ParallelFn parallel = nullptr);
+
 // Elements below which adam_update never uses the pool.
 constexpr size_t kAdamSerialBelow = size_t{1} << 16;
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -273,4 +274,77 @@ TEST(adam_bf16_moments_equal_widen_update_round) {
       CHECK(same_v);
     }
   }
+}
+
+// Tensors of mixed sizes (empty, tiny, across chunk and block edges, one
+// large) with different step counts, one with a bfloat16 copy: one call of
+// adam_update_many equals adam_update called per tensor, bit for bit, on one
+// thread, on aio's pool and on an OpenMP team, and counts every step on.
+TEST(adam_many_equals_one_call_per_tensor) {
+  const std::vector<size_t> sizes = {0, 1, 7, 255, 4096, 70001, (size_t{1} << 18) + 5, 3};
+  aio::AdamHyper h;
+  h.weight_decay = 0.01;
+  h.decoupled = true;
+  auto fresh = [&] {
+    std::vector<State> st;
+    for (size_t k = 0; k < sizes.size(); ++k) st.emplace_back(sizes[k], 11 + unsigned(k));
+    return st;
+  };
+  std::vector<State> one = fresh();
+  std::vector<float> start_steps(sizes.size());
+  std::vector<uint16_t> low_one(sizes[5]);
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    start_steps[k] = float(k % 3);
+    aio::AdamBuffers b = one[k].buffers();
+    if (k == 5) b.lowp = low_one.data(), b.lowp_kind = aio::LowpKind::BFloat16;
+    h.step = start_steps[k] + 1;
+    aio::adam_update(b, h, 1);
+  }
+  for (unsigned threads : {1u, 2u, 3u}) {
+    for (aio::ParallelFn par : {aio::ParallelFn(nullptr), &fake_gomp_parallel}) {
+      std::vector<State> many = fresh();
+      std::vector<float> steps = start_steps;
+      std::vector<uint16_t> low(sizes[5]);
+      std::vector<aio::AdamTask> tasks(sizes.size());
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        tasks[k].buf = many[k].buffers();
+        tasks[k].step = &steps[k];
+      }
+      tasks[5].buf.lowp = low.data();
+      tasks[5].buf.lowp_kind = aio::LowpKind::BFloat16;
+      aio::adam_update_many(tasks.data(), tasks.size(), h, threads, aio::VectorSqrt(), par);
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        CHECK(same(one[k].p, many[k].p));
+        CHECK(same(one[k].m, many[k].m));
+        CHECK(same(one[k].v, many[k].v));
+        CHECK(steps[k] == start_steps[k] + 1);
+      }
+      CHECK(low == low_one);
+    }
+  }
+}
+
+// A count that cannot go on (NaN, negative, infinite) refuses the
+// whole call before any tensor or count changes.
+TEST(adam_many_refuses_a_bad_count_whole) {
+  for (float bad : {NAN, -5.0f, INFINITY}) {
+    State a(100, 1), b(100, 2);
+    const State a0 = a, b0 = b;
+    float steps[2] = {3, bad};
+    aio::AdamTask tasks[2];
+    tasks[0].buf = a.buffers();
+    tasks[0].step = &steps[0];
+    tasks[1].buf = b.buffers();
+    tasks[1].step = &steps[1];
+    bool thrown = false;
+    try {
+      aio::adam_update_many(tasks, 2, aio::AdamHyper(), 1);
+    } catch (const std::invalid_argument&) {
+      thrown = true;
+    }
+    CHECK(thrown);
+    CHECK(steps[0] == 3.0f);
+    CHECK(same(a.p, a0.p) && same(a.m, a0.m) && same(b.p, b0.p) && same(b.v, b0.v));
+  }
+  aio::adam_update_many(nullptr, 0, aio::AdamHyper(), 2);  // nothing to do
 }
