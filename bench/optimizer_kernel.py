@@ -7,7 +7,8 @@ Layouts: sub-groups of --group elements totalling about --total (as aio.zero
 steps them), one tensor of --total, and (--gpt-list) GPT-2 124M's 148
 parameter tensors stepped through the optimizer classes (aio.optim.CPUAdamW
 against DeepSpeedCPUAdam and torch's fused AdamW: per-tensor call costs
-included). Each round times every variant once,
+included), and its 98 biases and norms alone (in cache: what each tensor
+costs beyond its update). Each round times every variant once,
 in an order that alternates per round (A B C D, then D C B A); a variant's
 figure is its median over rounds, and DeepSpeed/aio is the median of the
 per-round ratios (> 1: aio is faster). "aio" is the default kernel (the
@@ -188,6 +189,10 @@ def main() -> None:
         shapes = gpt2_shapes()
         sizes = [torch.Size(s).numel() for s in shapes]
         bench_layout("GPT-2 124M through the classes", sizes, class_variants(shapes), a)
+        # Its biases and norms alone: in cache, the per-tensor cost of a step.
+        small = [s for s in shapes if len(s) == 1]
+        sizes = [torch.Size(s).numel() for s in small]
+        bench_layout("GPT-2 124M's biases and norms through the classes", sizes, class_variants(small), a)
 
 
 if __name__ == "__main__":

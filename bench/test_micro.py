@@ -190,6 +190,38 @@ def test_optimizer_subgroup(benchmark: Any, kind: str, subgroup_numel: int) -> N
     _gbps(benchmark, 7 * 4 * subgroup_numel)
 
 
+# -- a model's small tensors through the optimizer classes ------------------------------------
+SMALL_SIZES = [768] * 74 + [2304] * 12 + [3072] * 12  # GPT-2 124M's biases and norms
+
+
+def _class_step(kind: str) -> Callable[[], None]:
+    params = [_param(n) for n in SMALL_SIZES]
+    if kind == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the reference is optional)")
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER).step
+        except Exception as e:  # noqa: BLE001 - its JIT build can fail in many ways
+            pytest.skip(f"DeepSpeedCPUAdam unavailable here: {type(e).__name__}: {str(e)[:200]}")
+    if kind == "aio":
+        from aio.optim import CPUAdamW
+
+        return CPUAdamW(params, **HYPER).step
+    return torch.optim.AdamW(params, fused=True, **HYPER).step
+
+
+@pytest.mark.parametrize("kind", ["torch-fused", "aio", "deepspeed"])
+def test_optimizer_small_tensors(benchmark: Any, kind: str) -> None:
+    """One AdamW step over 98 small tensors (in cache): what each tensor
+    costs beyond its update, through the optimizer classes."""
+    benchmark.group = "adamw-98-small-tensors"
+    step = _class_step(kind)
+    step()  # creates the state outside the timing
+    benchmark.pedantic(step, rounds=50, iterations=1, warmup_rounds=5)
+    _gbps(benchmark, 7 * 4 * sum(SMALL_SIZES))
+
+
 # -- one aio.zero step -------------------------------------------------------------------------
 WIDTH, LAYERS, BATCH = 512, 4, 8
 

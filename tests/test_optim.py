@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -544,6 +545,27 @@ def test_one_call_steps_a_group_as_per_tensor_updates():
         assert step.dtype is torch.float32 and step.item() == count
         if wlow is not None:
             assert torch.equal(low, wlow)
+
+
+@pytest.mark.parametrize(
+    "key,bad,exc,msg",
+    [("exp_avg", np.zeros(4, np.float32), TypeError, "exp_avg must be a torch.Tensor"),
+     ("exp_avg_sq", torch.zeros(5), ValueError, "exp_avg_sq has 5 elements"),
+     ("exp_avg", torch.zeros(4, dtype=torch.float64), TypeError, "exp_avg must be float32"),
+     ("exp_avg_sq", torch.zeros(8)[::2], ValueError, "contiguous")],
+)  # fmt: skip
+def test_bad_state_is_refused_by_name(key, bad, exc, msg):
+    """A state edited or loaded wrong misses the usual parameter's quick
+    check and gets the full one: its error names the tensor, nothing steps."""
+    p, q = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    opt = CPUAdamW([q, p])
+    p.grad, q.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    opt.state[p][key] = bad
+    before = q.detach().clone()
+    with pytest.raises(exc, match=msg):
+        opt.step()
+    assert torch.equal(q, before) and opt.state[q]["step"].item() == 1.0
 
 
 def _args(n=4):
