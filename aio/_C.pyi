@@ -133,6 +133,10 @@ def adam_update_many(
     parallel_fn: int = 0,
 ) -> None: ...
 
+# adam_update_many's checks alone (the task list, every step count, the
+# instruction set): ValueError before anything changes.
+def adam_check_counts(tasks: list[int]) -> None: ...
+
 # The instruction set adam_update runs with: 'avx512', 'avx2' or 'portable'
 # (capped by AIO_MAX_CPU_ISA; ValueError when that names none of them).
 def adam_isa() -> str: ...

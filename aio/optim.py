@@ -85,6 +85,8 @@ def _check_lowp(lowp_out: Any, numel: int) -> tuple[int, str]:
         raise ValueError("lowp_out must be contiguous")
     if lowp_out.numel() != numel:
         raise ValueError(f"lowp_out has {lowp_out.numel()} elements, param has {numel}")
+    if numel == 0:  # nothing to write (and an empty tensor's data_ptr may be 0)
+        return 0, "none"
     return lowp_out.data_ptr(), _LOWP_KINDS[lowp_out.dtype]
 
 
@@ -228,12 +230,14 @@ def _usual_task(p: Any, grad: Any, state: Any, low: Any) -> list[int] | None:
             and v.layout is strided and step.layout is strided
             and p.is_contiguous() and grad.is_contiguous() and m.is_contiguous() and v.is_contiguous()
         )  # fmt: skip
-        n = p.numel()
-        ok = ok and grad.numel() == n and m.numel() == n and v.numel() == n and step.numel() == 1
+        # Only now are the pointers readable (a sparse or mkldnn tensor has none).
+        n = p.numel() if ok else -1
+        if not (ok and grad.numel() == n and m.numel() == n and v.numel() == n and step.numel() == 1):
+            return None
         fields = [p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr(), 0, 0, 0, n]
     except AttributeError:  # not a tensor (a state loaded from elsewhere)
         return None
-    if not ok or (n > 0 and len(set(fields[:4])) != 4):
+    if n > 0 and len(set(fields[:4])) != 4:
         return None
     return fields
 
@@ -569,27 +573,36 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._check_options(group)  # a group may have been edited or loaded
-            # Every check before any change: one call steps the whole group
-            # (the parameters and their step counts) or, refused, none of it.
-            tasks: list[int] = []
-            grads = []  # contiguous copies live until the kernel is done
-            for p in group["params"]:
-                grad = p.grad
-                if grad is None:
-                    continue
-                low = None if lowp_out is None else lowp_out.get(p)
-                fields = _usual_task(p, grad, self.state.get(p), low)
-                if fields is None:  # first step, or anything unusual: every check
-                    st = self._state_of(p, grad)
-                    grad = grad.contiguous()
-                    grads.append(grad)
-                    fields = _task_fields(p, grad, st, low)
-                tasks += fields
+        # Every check of every group before any change: the step goes through
+        # whole (parameters and step counts) or, refused, changes nothing.
+        keep: list[Any] = []  # what the kernel reads lives until it is done
+        planned = [(self._tasks_of(group, lowp_out, keep), group) for group in self.param_groups]
+        if len(planned) > 1:  # the kernel's own checks (the counts) of every group too
+            _C.adam_check_counts([x for tasks, _ in planned for x in tasks])
+        for tasks, group in planned:
             if tasks:
                 self._step_group(tasks, group, scale)
         return loss
+
+    def _tasks_of(self, group: dict[str, Any], lowp_out: Any, keep: list[Any]) -> list[int]:
+        """The task list of every parameter of `group` with a gradient,
+        after every check (the state of a first step is made here)."""
+        self._check_options(group)  # a group may have been edited or loaded
+        tasks: list[int] = []
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            low = None if lowp_out is None else lowp_out.get(p)
+            state: Any = self.state.get(p)
+            fields = _usual_task(p, grad, state, low)
+            if fields is None:  # first step, or anything unusual: every check
+                state = self._state_of(p, grad)
+                grad = grad.contiguous()
+                fields = _task_fields(p, grad, state, low)
+            keep.append((grad, state, state["step"], low))
+            tasks += fields
+        return tasks
 
     def _step_group(self, tasks: list[int], group: dict[str, Any], scale: float | None) -> None:
         beta1, beta2 = group["betas"]

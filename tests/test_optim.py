@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -458,17 +459,63 @@ def test_group_edited_after_construction_is_checked():
         opt.step()
 
 
-def test_sparse_grad_refused():
-    """Every parameter is checked before any step count moves."""
+@pytest.mark.parametrize("stepped", [False, True])
+def test_sparse_grad_refused(stepped):
+    """Every parameter is checked before any step count moves, also one
+    whose state exists (its usual quick check must not read a sparse
+    gradient's pointer)."""
     p, q = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
     opt = CPUAdam([q, p])
     q.grad = torch.ones(3)
+    p.grad = torch.ones(3) if stepped else None
     opt.step()
     after_one = q.detach().clone()
     p.grad = torch.ones(3).to_sparse()
     with pytest.raises(TypeError, match="sparse"):
         opt.step()
     assert opt.state[q]["step"].item() == 1.0 and torch.equal(q, after_one)
+
+
+@pytest.mark.parametrize(
+    "key,bad,msg",
+    [("exp_avg", torch.zeros(5), "exp_avg has 5 elements"),
+     ("step", torch.tensor(float("nan")), "step count nan cannot be counted on")],
+)  # fmt: skip
+def test_refused_later_group_steps_no_group(key, bad, msg):
+    """The checks of every group, the kernel's own (a step count) too, come
+    before the first group steps."""
+    p, q = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    opt = CPUAdamW([{"params": [p]}, {"params": [q], "lr": 1e-2}])
+    p.grad, q.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    before = p.detach().clone()
+    opt.state[q][key] = bad
+    with pytest.raises(ValueError, match=msg):
+        opt.step()
+    assert torch.equal(p, before) and opt.state[p]["step"].item() == 1.0
+
+
+@torch_bits
+@pytest.mark.parametrize("threads", [1, 2])
+def test_parameter_listed_twice_steps_twice_like_torch(threads):
+    """torch lets a group hold one parameter twice (with a warning) and
+    steps it twice; so does CPUAdamW, the two updates one after the other
+    (in one kernel call they would race on the same memory), on a tensor
+    large enough to be split between threads."""
+    p0, grads = _data(70001, 5, 2)
+    small0, small_grads = _data(9, 6, 2)
+    ours, ref = [p0.clone(), small0.clone()], [p0.clone(), small0.clone()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's duplicate warning
+        fast = CPUAdamW([ours[0], ours[1], ours[0]], lr=1e-2, threads=threads, match_torch=True)
+        slow = torch.optim.AdamW([ref[0], ref[1], ref[0]], lr=1e-2, foreach=False)
+    for g, h in zip(grads, small_grads, strict=True):
+        ours[0].grad, ref[0].grad, ours[1].grad, ref[1].grad = g.clone(), g.clone(), h.clone(), h.clone()
+        fast.step()
+        slow.step()
+    assert fast.state[ours[0]]["step"].item() == 4.0 and fast.state[ours[1]]["step"].item() == 2.0
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    assert torch.equal(fast.state[ours[0]]["exp_avg_sq"], slow.state[ref[0]]["exp_avg_sq"])
 
 
 def test_refused_step_changes_nothing():
@@ -541,6 +588,7 @@ def test_one_call_steps_a_group_as_per_tensor_updates():
                     beta2=0.999, eps=1e-8, weight_decay=1e-2, decoupled=True, lowp_out=wlow)  # fmt: skip
         assert torch.equal(q, p), k
         assert torch.equal(opt.state[q]["exp_avg"], st["exp_avg"]), k
+        assert torch.equal(opt.state[q]["exp_avg_sq"], st["exp_avg_sq"]), k
         step = opt.state[q]["step"]
         assert step.dtype is torch.float32 and step.item() == count
         if wlow is not None:

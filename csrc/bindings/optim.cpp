@@ -164,6 +164,11 @@ void adam_update_many(const std::vector<uint64_t>& fields, double lr, double bet
   aio::adam_update_many(tasks.data(), tasks.size(), h, n_threads, vs, parallel);
 }
 
+void adam_check_counts(const std::vector<uint64_t>& fields) {
+  const std::vector<aio::AdamTask> tasks = tasks_of(fields);
+  aio::check_adam_counts(tasks.data(), tasks.size());
+}
+
 }  // namespace
 
 // Registered from module.cpp.
@@ -182,6 +187,7 @@ void bind_optim(py::module_& m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"),
         py::arg("grad_scale") = py::none(), py::arg("threads") = 1, py::arg("sqrt_kind") = "exact",
         py::arg("sqrt_fn") = 0, py::arg("sqrt_mode") = 0, py::arg("parallel_fn") = 0);
+  m.def("adam_check_counts", &adam_check_counts, py::arg("tasks"));
   m.def("adam_isa", &aio::adam_isa);
   // aio/optim.py passes GOMP_parallel of the runtime torch loaded.
   m.def(

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -828,24 +829,52 @@ void adam_update(const AdamBuffers& buf, const AdamHyper& hp, unsigned threads,
   split(buf.numel, threads, parallel, [&](size_t begin, size_t end) { w.run(vsqrt, begin, end); });
 }
 
-void adam_update_many(const AdamTask* tasks, size_t count, const AdamHyper& hp, unsigned threads,
-                      const VectorSqrt& vsqrt_in, ParallelFn parallel) {
-  kernel_isa();  // a bad AIO_MAX_CPU_ISA throws here, before anything changes
-  std::vector<float> next(count);
+namespace {
+
+// The buffers a task writes (nullptr: none); an empty tensor writes only
+// its count.
+std::array<const void*, 7> written(const AdamTask& t) {
+  const AdamBuffers& b = t.buf;
+  if (b.numel == 0) return {t.step};
+  return {t.step, b.param, b.exp_avg, b.exp_avg_sq, b.exp_avg_bf16, b.exp_avg_sq_bf16, b.lowp};
+}
+
+// Where the tasks are cut into pieces that each write every buffer at most
+// once (the end of each piece, in order). One piece but for a buffer listed
+// twice: torch lets a group hold one parameter twice and steps it twice, and
+// in one region the two updates would race on its memory.
+std::vector<size_t> piece_ends(const AdamTask* tasks, size_t count) {
+  std::vector<const void*> all;
+  all.reserve(count * 7);
+  for (size_t k = 0; k < count; ++k)
+    for (const void* p : written(tasks[k]))
+      if (p != nullptr) all.push_back(p);
+  std::sort(all.begin(), all.end());
+  if (std::adjacent_find(all.begin(), all.end()) == all.end()) return {count};
+  std::vector<size_t> ends;
+  std::vector<const void*> seen;  // this piece's buffers (rare path)
   for (size_t k = 0; k < count; ++k) {
-    next[k] = *tasks[k].step + 1.0f;
-    if (!(std::isfinite(next[k]) && next[k] >= 1.0f))
-      throw std::invalid_argument("tensor " + std::to_string(k) + ": step count " +
-                                  std::to_string(*tasks[k].step) + " cannot be counted on");
+    const auto mine = written(tasks[k]);
+    const bool clash = std::any_of(mine.begin(), mine.end(), [&](const void* p) {
+      return p != nullptr && std::find(seen.begin(), seen.end(), p) != seen.end();
+    });
+    if (clash) ends.push_back(k), seen.clear();
+    seen.insert(seen.end(), mine.begin(), mine.end());
   }
-  const VectorSqrt vsqrt = usable(vsqrt_in);
+  ends.push_back(count);
+  return ends;
+}
+
+// adam_update_many for tasks that write distinct buffers, counts checked.
+void update_piece(const AdamTask* tasks, size_t count, const AdamHyper& hp, unsigned threads,
+                  const VectorSqrt& vsqrt, ParallelFn parallel) {
   std::vector<Prepared> work;
   work.reserve(count);
   size_t total = 0;
   for (size_t k = 0; k < count; ++k) {
     if (tasks[k].buf.numel == 0) continue;
     AdamHyper h = hp;
-    h.step = next[k];
+    h.step = *tasks[k].step + 1.0f;
     work.emplace_back(tasks[k].buf, h, total);
     total += tasks[k].buf.numel;
   }
@@ -859,7 +888,32 @@ void adam_update_many(const AdamTask* tasks, size_t count, const AdamHyper& hp, 
     }
   };
   if (total > 0) split(total, threads, parallel, body);
-  for (size_t k = 0; k < count; ++k) *tasks[k].step = next[k];
+  for (size_t k = 0; k < count; ++k) *tasks[k].step += 1.0f;
+}
+
+}  // namespace
+
+void check_adam_counts(const AdamTask* tasks, size_t count) {
+  kernel_isa();  // a bad AIO_MAX_CPU_ISA throws here, before anything changes
+  // A count that passes stays valid when counted on again (one listed
+  // twice): adding 1 to a finite float never overflows.
+  for (size_t k = 0; k < count; ++k) {
+    const float next = *tasks[k].step + 1.0f;
+    if (!(std::isfinite(next) && next >= 1.0f))
+      throw std::invalid_argument("tensor " + std::to_string(k) + ": step count " +
+                                  std::to_string(*tasks[k].step) + " cannot be counted on");
+  }
+}
+
+void adam_update_many(const AdamTask* tasks, size_t count, const AdamHyper& hp, unsigned threads,
+                      const VectorSqrt& vsqrt_in, ParallelFn parallel) {
+  check_adam_counts(tasks, count);
+  const VectorSqrt vsqrt = usable(vsqrt_in);
+  size_t begin = 0;
+  for (size_t end : piece_ends(tasks, count)) {
+    update_piece(tasks + begin, end - begin, hp, threads, vsqrt, parallel);
+    begin = end;
+  }
 }
 
 }  // namespace aio

@@ -117,9 +117,17 @@ struct AdamTask {
 // them, split by elements, not tensors: a model's many small tensors (biases,
 // norms) cost a call each otherwise, more than their update. Every count is
 // checked first (finite and at least 1, else std::invalid_argument naming the
-// task) so that a refused call changes nothing. Steps must not be shared.
+// task) so that a refused call changes nothing. Tasks that write one buffer
+// (a parameter listed twice, a shared count) run one after the other, in
+// order, as separate calls would; buffers that partly overlap are not
+// detected and must not be given.
 void adam_update_many(const AdamTask* tasks, size_t count, const AdamHyper& hp, unsigned threads,
                       const VectorSqrt& vsqrt = VectorSqrt(), ParallelFn parallel = nullptr);
+
+// The checks adam_update_many makes before it changes anything (the counts,
+// the instruction set), alone: a caller stepping several lists with
+// different hyper-parameters checks them all before the first call.
+void check_adam_counts(const AdamTask* tasks, size_t count);
 
 // Elements below which adam_update never uses the pool.
 constexpr size_t kAdamSerialBelow = size_t{1} << 16;

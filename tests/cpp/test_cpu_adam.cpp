@@ -71,7 +71,8 @@ void reference_step(State& st, size_t i, const aio::AdamHyper& h) {
 }
 
 bool same(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  // An empty vector's data() may be null, which memcmp must not be given.
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
 }
 
 void check_against_reference(size_t n, aio::AdamHyper h, unsigned threads) {
@@ -276,51 +277,91 @@ TEST(adam_bf16_moments_equal_widen_update_round) {
   }
 }
 
-// Tensors of mixed sizes (empty, tiny, across chunk and block edges, one
-// large) with different step counts, one with a bfloat16 copy: one call of
-// adam_update_many equals adam_update called per tensor, bit for bit, on one
-// thread, on aio's pool and on an OpenMP team, and counts every step on.
+// Tensors of mixed sizes (empty first and last, tiny, across chunk and block
+// edges, one large) with different step counts, one with a bfloat16 copy and
+// one with bfloat16 moments: one call of adam_update_many equals adam_update
+// called per tensor, bit for bit, on one thread, on aio's pool and on an
+// OpenMP team, and counts every step on.
 TEST(adam_many_equals_one_call_per_tensor) {
-  const std::vector<size_t> sizes = {0, 1, 7, 255, 4096, 70001, (size_t{1} << 18) + 5, 3};
+  const std::vector<size_t> sizes = {0, 1, 7, 255, 4096, 70001, (size_t{1} << 18) + 5, 3, 0};
+  const size_t low_at = 5, bf16_at = 4;
   aio::AdamHyper h;
   h.weight_decay = 0.01;
   h.decoupled = true;
-  auto fresh = [&] {
+  struct Run {
     std::vector<State> st;
-    for (size_t k = 0; k < sizes.size(); ++k) st.emplace_back(sizes[k], 11 + unsigned(k));
-    return st;
+    std::vector<uint16_t> low, m16, v16;
+    std::vector<aio::AdamTask> tasks;
   };
-  std::vector<State> one = fresh();
+  // A fresh copy of every tensor, as tasks (steps given by the caller).
+  auto fresh = [&](float* steps) {
+    Run r;
+    for (size_t k = 0; k < sizes.size(); ++k) r.st.emplace_back(sizes[k], 11 + unsigned(k));
+    r.low.assign(sizes[low_at], 0);
+    r.m16.assign(sizes[bf16_at], 0);
+    r.v16.assign(sizes[bf16_at], 0);
+    r.tasks.resize(sizes.size());
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      r.tasks[k].buf = r.st[k].buffers();
+      r.tasks[k].step = &steps[k];
+    }
+    r.tasks[low_at].buf.lowp = r.low.data();
+    r.tasks[low_at].buf.lowp_kind = aio::LowpKind::BFloat16;
+    aio::AdamBuffers& b = r.tasks[bf16_at].buf;
+    b.exp_avg = b.exp_avg_sq = nullptr;
+    b.exp_avg_bf16 = r.m16.data();
+    b.exp_avg_sq_bf16 = r.v16.data();
+    return r;
+  };
   std::vector<float> start_steps(sizes.size());
-  std::vector<uint16_t> low_one(sizes[5]);
+  for (size_t k = 0; k < sizes.size(); ++k) start_steps[k] = float(k % 3);
+  std::vector<float> unused = start_steps;
+  Run one = fresh(unused.data());
   for (size_t k = 0; k < sizes.size(); ++k) {
-    start_steps[k] = float(k % 3);
-    aio::AdamBuffers b = one[k].buffers();
-    if (k == 5) b.lowp = low_one.data(), b.lowp_kind = aio::LowpKind::BFloat16;
     h.step = start_steps[k] + 1;
-    aio::adam_update(b, h, 1);
+    aio::adam_update(one.tasks[k].buf, h, 1);
   }
   for (unsigned threads : {1u, 2u, 3u}) {
     for (aio::ParallelFn par : {aio::ParallelFn(nullptr), &fake_gomp_parallel}) {
-      std::vector<State> many = fresh();
       std::vector<float> steps = start_steps;
-      std::vector<uint16_t> low(sizes[5]);
-      std::vector<aio::AdamTask> tasks(sizes.size());
+      Run many = fresh(steps.data());
+      aio::adam_update_many(many.tasks.data(), many.tasks.size(), h, threads, aio::VectorSqrt(),
+                            par);
       for (size_t k = 0; k < sizes.size(); ++k) {
-        tasks[k].buf = many[k].buffers();
-        tasks[k].step = &steps[k];
-      }
-      tasks[5].buf.lowp = low.data();
-      tasks[5].buf.lowp_kind = aio::LowpKind::BFloat16;
-      aio::adam_update_many(tasks.data(), tasks.size(), h, threads, aio::VectorSqrt(), par);
-      for (size_t k = 0; k < sizes.size(); ++k) {
-        CHECK(same(one[k].p, many[k].p));
-        CHECK(same(one[k].m, many[k].m));
-        CHECK(same(one[k].v, many[k].v));
+        CHECK(same(one.st[k].p, many.st[k].p));
+        CHECK(same(one.st[k].m, many.st[k].m));
+        CHECK(same(one.st[k].v, many.st[k].v));
         CHECK(steps[k] == start_steps[k] + 1);
       }
-      CHECK(low == low_one);
+      CHECK(many.low == one.low);
+      CHECK(many.m16 == one.m16);
+      CHECK(many.v16 == one.v16);
     }
+  }
+}
+
+// A parameter listed twice (torch steps it twice) and a count shared by two
+// tensors: the tasks that write one buffer again run after the others, as
+// calls one after the other would, on a size split between threads.
+TEST(adam_many_runs_a_repeated_buffer_in_order) {
+  const size_t n = 70001;
+  aio::AdamHyper h;
+  for (unsigned threads : {1u, 3u}) {
+    State a(n, 21), b(n, 22), c(5, 23), d(n, 24);
+    State ra = a, rb = b, rc = c, rd = d;
+    float steps[2] = {0, 4}, shared = 1;
+    aio::AdamTask tasks[5];
+    State* states[5] = {&a, &b, &a, &c, &d};
+    float* counts[5] = {&steps[0], &steps[1], &steps[0], &shared, &shared};
+    for (int k = 0; k < 5; ++k) tasks[k].buf = states[k]->buffers(), tasks[k].step = counts[k];
+    aio::adam_update_many(tasks, 5, h, threads);
+    for (auto [st, step] : {std::pair{&ra, 1.0}, {&rb, 5.0}, {&ra, 2.0}, {&rc, 2.0}, {&rd, 3.0}}) {
+      h.step = step;
+      aio::adam_update(st->buffers(), h, threads);
+    }
+    CHECK(same(a.p, ra.p) && same(a.m, ra.m) && same(a.v, ra.v));
+    CHECK(same(b.p, rb.p) && same(c.p, rc.p) && same(d.p, rd.p));
+    CHECK(steps[0] == 2 && steps[1] == 5 && shared == 3);
   }
 }
 
