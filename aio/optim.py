@@ -66,6 +66,10 @@ def _check_fp32(name: str, t: Any, numel: int | None, dtype: Any = torch.float32
         raise TypeError(f"{name} must be {want}, got {t.dtype}")
     if t.is_sparse:
         raise TypeError(f"{name} must be dense, got a sparse tensor")
+    if t.layout is not torch.strided:  # sparse CSR/BSR, mkldnn, jagged nested
+        raise TypeError(f"{name} must be a dense strided tensor, got layout {t.layout}")
+    if t.is_neg():  # its memory holds the negated values
+        raise ValueError(f"{name} is a lazy negation view: pass {name}.resolve_neg()")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if numel is not None and t.numel() != numel:
@@ -176,6 +180,7 @@ def _fp32_ok(t: Any, n: int, dtype: Any = torch.float32) -> bool:
         and t.is_cpu
         and t.is_contiguous()
         and t.numel() == n
+        and not t.is_neg()
     )
 
 
@@ -212,33 +217,36 @@ def _task_fields(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], low
             lowp_ptr, _LOWP_CODES[lowp_kind], bf16, n]  # fmt: skip
 
 
-def _usual_task(p: Any, grad: Any, state: Any, low: Any) -> list[int] | None:
+def _usual_task(p: Any, grad: Any, state: Any, low: Any, keep: list[Any]) -> list[int] | None:
     """:func:`_task_fields` for the usual parameter, checked in one
     expression (a step of a model's many small tensors is mostly these
-    checks): float32, CPU, strided and contiguous, one size, four different
-    tensors, a float32 CPU step count, no lowp copy. None: anything else
-    (also what is not a tensor at all), for the full checks and their messages."""
+    checks): float32, CPU, contiguous with a data pointer (so strided), one
+    size, four different tensors, none a lazy negation view, a float32 CPU
+    step count, no lowp copy. None: anything else (also what is not a tensor
+    at all), for the full checks and their messages. The tensors read are
+    appended to `keep` (see :meth:`CPUAdam._tasks_of`)."""
     if not state or low is not None:
         return None
     m, v, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
-    f32, strided = torch.float32, torch.strided
+    f32 = torch.float32
     try:
         ok = (
             p.dtype is f32 and grad.dtype is f32 and m.dtype is f32 and v.dtype is f32 and step.dtype is f32
             and p.is_cpu and grad.is_cpu and m.is_cpu and v.is_cpu and step.is_cpu
-            and p.layout is strided and grad.layout is strided and m.layout is strided
-            and v.layout is strided and step.layout is strided
             and p.is_contiguous() and grad.is_contiguous() and m.is_contiguous() and v.is_contiguous()
+            and not (p.is_neg() or grad.is_neg() or m.is_neg() or v.is_neg() or step.is_neg())
         )  # fmt: skip
-        # Only now are the pointers readable (a sparse or mkldnn tensor has none).
+        # Only now are the pointers read (a sparse COO tensor is not contiguous).
         n = p.numel() if ok else -1
         if not (ok and grad.numel() == n and m.numel() == n and v.numel() == n and step.numel() == 1):
             return None
         fields = [p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr(), 0, 0, 0, n]
-    except AttributeError:  # not a tensor (a state loaded from elsewhere)
+    except (AttributeError, RuntimeError):  # not a tensor; sparse CSR or mkldnn (no strides or pointer)
         return None
-    if n > 0 and len(set(fields[:4])) != 4:
+    # The layouts left that are not strided have a null pointer (jagged nested).
+    if not fields[4] or (n > 0 and (len(set(fields[:4])) != 4 or not all(fields[:4]))):
         return None
+    keep += (grad, m, v, step)
     return fields
 
 
@@ -586,7 +594,12 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _tasks_of(self, group: dict[str, Any], lowp_out: Any, keep: list[Any]) -> list[int]:
         """The task list of every parameter of `group` with a gradient,
-        after every check (the state of a first step is made here)."""
+        after every check (the state of a first step is made here). Every
+        tensor it points into but the parameters is appended to `keep`: the
+        kernel runs without the GIL, and a gradient or state replaced from
+        another thread meanwhile must not be freed under it (a parameter's
+        storage replaced, ``p.data = ...``, is not guarded: not from
+        another thread during step())."""
         self._check_options(group)  # a group may have been edited or loaded
         tasks: list[int] = []
         for p in group["params"]:
@@ -595,12 +608,12 @@ class CPUAdam(torch.optim.Optimizer):
                 continue
             low = None if lowp_out is None else lowp_out.get(p)
             state: Any = self.state.get(p)
-            fields = _usual_task(p, grad, state, low)
+            fields = _usual_task(p, grad, state, low, keep)
             if fields is None:  # first step, or anything unusual: every check
                 state = self._state_of(p, grad)
-                grad = grad.contiguous()
+                grad = grad.resolve_neg().contiguous()  # what torch's step reads
                 fields = _task_fields(p, grad, state, low)
-            keep.append((grad, state, state["step"], low))
+                keep += (grad, state["exp_avg"], state["exp_avg_sq"], state["step"], low)
             tasks += fields
         return tasks
 
@@ -634,6 +647,7 @@ class CPUAdam(torch.optim.Optimizer):
                 and step.is_cpu
                 and step.numel() == 1
                 and step.layout is torch.strided
+                and not step.is_neg()
             ):
                 # A plain number, another dtype or device (older checkpoints):
                 # counted on in a float32 CPU tensor from here, as torch's Adam does.

@@ -595,12 +595,36 @@ def test_one_call_steps_a_group_as_per_tensor_updates():
             assert torch.equal(low, wlow)
 
 
+def _jagged(n: int) -> torch.Tensor:
+    """A jagged nested tensor of n float32 elements (its data_ptr() is 0)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype
+        return torch.nested.nested_tensor([torch.zeros(n // 2), torch.zeros(n - n // 2)], layout=torch.jagged)
+
+
+def test_negated_view_gradient_steps_its_values():
+    """A gradient that is a lazy negation view (its memory holds the negated
+    values) steps with the values it stands for, as in torch."""
+    p0, grads = _data(300, 4, 2)
+    ours, ref = p0.clone(), p0.clone()
+    fast, slow = CPUAdamW([ours], lr=1e-2), CPUAdamW([ref], lr=1e-2)
+    for g in grads:
+        ours.grad, ref.grad = torch._neg_view(-g), g.clone()
+        fast.step()
+        slow.step()
+    assert torch.equal(ours, ref)
+    assert torch.equal(fast.state[ours]["exp_avg"], slow.state[ref]["exp_avg"])
+
+
 @pytest.mark.parametrize(
     "key,bad,exc,msg",
     [("exp_avg", np.zeros(4, np.float32), TypeError, "exp_avg must be a torch.Tensor"),
      ("exp_avg_sq", torch.zeros(5), ValueError, "exp_avg_sq has 5 elements"),
      ("exp_avg", torch.zeros(4, dtype=torch.float64), TypeError, "exp_avg must be float32"),
-     ("exp_avg_sq", torch.zeros(8)[::2], ValueError, "contiguous")],
+     ("exp_avg_sq", torch.zeros(8)[::2], ValueError, "contiguous"),
+     ("exp_avg", torch._neg_view(torch.zeros(4)), ValueError, "exp_avg is a lazy negation view"),
+     ("exp_avg_sq", _jagged(4), TypeError, "exp_avg_sq must be a dense .* torch.jagged"),
+     ("exp_avg", torch.zeros(4).to_mkldnn(), TypeError, "exp_avg must be a dense .* torch._mkldnn")],
 )  # fmt: skip
 def test_bad_state_is_refused_by_name(key, bad, exc, msg):
     """A state edited or loaded wrong misses the usual parameter's quick
