@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -95,7 +97,8 @@ def _check_lowp(lowp_out: Any, numel: int) -> tuple[int, str]:
 
 
 def _number(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
+    # numbers.Real: also numpy's scalars (torch's optimizers take them).
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(v).__name__}")
     return float(v)
 
@@ -470,7 +473,22 @@ def _unsupported(hyper: dict[str, Any]) -> str | None:
     return None
 
 
+def _group_hyper(group: dict[str, Any]) -> list[float]:
+    """lr, beta1, beta2, eps and weight_decay of `group` as the kernel takes
+    them (numbers, finite: else TypeError/ValueError naming the key), after
+    :func:`_check_hyper`'s checks of their range."""
+    beta1, beta2 = group["betas"]
+    hyper = [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]]
+    if not all(type(x) is float for x in hyper):
+        hyper = [_number(k, x) for k, x in zip(_HYPER_NAMES[1:], hyper, strict=True)]
+    for name, x in zip(_HYPER_NAMES[1:], hyper, strict=True):
+        if not math.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+    return hyper
+
+
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    lr, eps, weight_decay = _number("lr", lr), _number("eps", eps), _number("weight_decay", weight_decay)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -478,7 +496,7 @@ def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if len(betas) != 2:
         raise ValueError(f"betas must be a pair, got {betas!r}")
     for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
+        if not 0.0 <= _number(f"betas[{i}]", b) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
@@ -584,12 +602,12 @@ class CPUAdam(torch.optim.Optimizer):
         # Every check of every group before any change: the step goes through
         # whole (parameters and step counts) or, refused, changes nothing.
         keep: list[Any] = []  # what the kernel reads lives until it is done
-        planned = [(self._tasks_of(group, lowp_out, keep), group) for group in self.param_groups]
+        planned = [(self._tasks_of(g, lowp_out, keep), _group_hyper(g), g) for g in self.param_groups]
         if len(planned) > 1:  # the kernel's own checks (the counts) of every group too
-            _C.adam_check_counts([x for tasks, _ in planned for x in tasks])
-        for tasks, group in planned:
+            _C.adam_check_counts([x for tasks, _, _ in planned for x in tasks])
+        for tasks, hyper, group in planned:
             if tasks:
-                self._step_group(tasks, group, scale)
+                self._step_group(tasks, hyper, bool(group["decoupled_weight_decay"]), scale)
         return loss
 
     def _tasks_of(self, group: dict[str, Any], lowp_out: Any, keep: list[Any]) -> list[int]:
@@ -611,21 +629,19 @@ class CPUAdam(torch.optim.Optimizer):
             fields = _usual_task(p, grad, state, low, keep)
             if fields is None:  # first step, or anything unusual: every check
                 state = self._state_of(p, grad)
+                if grad._is_zerotensor():  # autograd's all-zero tensor has no memory
+                    grad = torch.zeros(grad.shape, dtype=grad.dtype)
                 grad = grad.resolve_neg().contiguous()  # what torch's step reads
                 fields = _task_fields(p, grad, state, low)
                 keep += (grad, state["exp_avg"], state["exp_avg_sq"], state["step"], low)
             tasks += fields
         return tasks
 
-    def _step_group(self, tasks: list[int], group: dict[str, Any], scale: float | None) -> None:
-        beta1, beta2 = group["betas"]
-        hyper = [group["lr"], beta1, beta2, group["eps"], group["weight_decay"]]
-        if not all(type(x) is float for x in hyper):
-            hyper = [_number(k, x) for k, x in zip(_HYPER_NAMES[1:], hyper, strict=True)]
+    def _step_group(self, tasks: list[int], hyper: list[float], decoupled: bool, scale: float | None) -> None:
         threads = _threads(self.threads)
         sqrt_kind, sqrt_fn, sqrt_mode = _vector_sqrt() if self.match_torch else _IEEE_SQRT
         _C.adam_update_many(
-            tasks, hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], bool(group["decoupled_weight_decay"]),
+            tasks, hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], decoupled,
             scale, threads, sqrt_kind, sqrt_fn, sqrt_mode, _omp_parallel() if threads > 1 else 0,
         )  # fmt: skip
 
@@ -648,6 +664,7 @@ class CPUAdam(torch.optim.Optimizer):
                 and step.numel() == 1
                 and step.layout is torch.strided
                 and not step.is_neg()
+                and not step._is_zerotensor()
             ):
                 # A plain number, another dtype or device (older checkpoints):
                 # counted on in a float32 CPU tensor from here, as torch's Adam does.

@@ -477,22 +477,56 @@ def test_sparse_grad_refused(stepped):
 
 
 @pytest.mark.parametrize(
-    "key,bad,msg",
-    [("exp_avg", torch.zeros(5), "exp_avg has 5 elements"),
-     ("step", torch.tensor(float("nan")), "step count nan cannot be counted on")],
+    "key,bad,exc,msg",
+    [("exp_avg", torch.zeros(5), ValueError, "exp_avg has 5 elements"),
+     ("step", torch.tensor(float("nan")), ValueError, "step count nan cannot be counted on"),
+     ("lr", float("inf"), ValueError, "lr must be finite, got inf"),
+     ("eps", "1e-8", TypeError, "eps must be a number, got str")],
 )  # fmt: skip
-def test_refused_later_group_steps_no_group(key, bad, msg):
-    """The checks of every group, the kernel's own (a step count) too, come
-    before the first group steps."""
+def test_refused_later_group_steps_no_group(key, bad, exc, msg):
+    """The checks of every group, the kernel's own (a step count, finite
+    hyper-parameters) too, come before the first group steps."""
     p, q = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
     opt = CPUAdamW([{"params": [p]}, {"params": [q], "lr": 1e-2}])
     p.grad, q.grad = torch.ones(4), torch.ones(4)
     opt.step()
     before = p.detach().clone()
-    opt.state[q][key] = bad
-    with pytest.raises(ValueError, match=msg):
+    if key in ("lr", "eps"):
+        opt.param_groups[1][key] = bad
+    else:
+        opt.state[q][key] = bad
+    with pytest.raises(exc, match=msg):
         opt.step()
     assert torch.equal(p, before) and opt.state[p]["step"].item() == 1.0
+
+
+def test_numpy_hyper_parameters_step_as_floats():
+    """numpy scalars as lr/eps/betas (torch's optimizers take them) step as
+    the same Python floats do."""
+    p0, grads = _data(100, 8, 2)
+    ours, ref = p0.clone(), p0.clone()
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.5)
+    fast = CPUAdamW([ours], **{k: np.float64(v) if k != "betas" else tuple(map(np.float32, v))
+                               for k, v in hyper.items()})  # fmt: skip
+    hyper["betas"] = tuple(float(np.float32(b)) for b in hyper["betas"])
+    slow = CPUAdamW([ref], **hyper)
+    for g in grads:
+        ours.grad, ref.grad = g.clone(), g.clone()
+        fast.step()
+        slow.step()
+    assert torch.equal(ours, ref)
+
+
+def test_all_zero_tensor_gradient_steps_as_zeros():
+    """autograd's memoryless all-zero gradient (``_efficientzerotensor``,
+    data_ptr 0) steps as a gradient of zeros, as in torch."""
+    ours, ref = torch.ones(6, requires_grad=True), torch.ones(6, requires_grad=True)
+    fast, slow = CPUAdamW([ours], lr=1e-2), CPUAdamW([ref], lr=1e-2)
+    for _ in range(2):
+        ours.grad, ref.grad = torch._efficientzerotensor(6), torch.zeros(6)
+        fast.step()
+        slow.step()
+    assert torch.equal(ours, ref) and fast.state[ours]["step"].item() == 2.0
 
 
 @torch_bits
@@ -624,7 +658,8 @@ def test_negated_view_gradient_steps_its_values():
      ("exp_avg_sq", torch.zeros(8)[::2], ValueError, "contiguous"),
      ("exp_avg", torch._neg_view(torch.zeros(4)), ValueError, "exp_avg is a lazy negation view"),
      ("exp_avg_sq", _jagged(4), TypeError, "exp_avg_sq must be a dense .* torch.jagged"),
-     ("exp_avg", torch.zeros(4).to_mkldnn(), TypeError, "exp_avg must be a dense .* torch._mkldnn")],
+     *([("exp_avg", torch.zeros(4).to_mkldnn(), TypeError, "exp_avg must be a dense .* torch._mkldnn")]
+       if torch.backends.mkldnn.is_available() else [])],
 )  # fmt: skip
 def test_bad_state_is_refused_by_name(key, bad, exc, msg):
     """A state edited or loaded wrong misses the usual parameter's quick

@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "bf16_inplace.h"
@@ -849,17 +850,18 @@ std::vector<size_t> piece_ends(const AdamTask* tasks, size_t count) {
   for (size_t k = 0; k < count; ++k)
     for (const void* p : written(tasks[k]))
       if (p != nullptr) all.push_back(p);
-  std::sort(all.begin(), all.end());
+  std::sort(all.begin(), all.end(), std::less<const void*>());  // a total order
   if (std::adjacent_find(all.begin(), all.end()) == all.end()) return {count};
   std::vector<size_t> ends;
-  std::vector<const void*> seen;  // this piece's buffers (rare path)
+  std::unordered_set<const void*> seen;  // this piece's buffers
   for (size_t k = 0; k < count; ++k) {
     const auto mine = written(tasks[k]);
     const bool clash = std::any_of(mine.begin(), mine.end(), [&](const void* p) {
-      return p != nullptr && std::find(seen.begin(), seen.end(), p) != seen.end();
+      return p != nullptr && seen.count(p) != 0;
     });
     if (clash) ends.push_back(k), seen.clear();
-    seen.insert(seen.end(), mine.begin(), mine.end());
+    for (const void* p : mine)
+      if (p != nullptr) seen.insert(p);
   }
   ends.push_back(count);
   return ends;
