@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from . import _C
@@ -76,6 +77,66 @@ def _unregister(ptr: int, nbytes: int, buf: Any) -> None:
         del buf
 
 
+def _clear_cuda_error() -> None:
+    # A failed runtime call leaves the thread's last error set, and the next
+    # unrelated kernel launch would raise it: read it to clear it.
+    try:
+        _cudart().cudaGetLastError()
+    except (AttributeError, RuntimeError):  # pragma: no cover - older torch bindings
+        pass
+
+
+def cuda_register(ptr: int, nbytes: int) -> Callable[[], None] | None:
+    """Register `nbytes` of host memory at `ptr` with CUDA (cudaHostRegister):
+    page-locked without ``mlock`` (so RLIMIT_MEMLOCK does not apply) and a DMA
+    source for host<->GPU copies. Returns the callable that unregisters it
+    (call it before freeing the memory), or None when CUDA refuses; then the
+    memory stays pageable and CUDA's error state is cleared."""
+    if not _cuda_ok(_cudart().cudaHostRegister(ptr, nbytes, 0)):
+        _clear_cuda_error()
+        return None
+    _count_cuda(nbytes)
+
+    def unregister() -> None:
+        try:
+            _cudart().cudaHostUnregister(ptr)
+        finally:
+            _count_cuda(-nbytes)
+
+    return unregister
+
+
+Register = Callable[[int, int], "Callable[[], None] | None"]
+
+
+def registered_tensor(num_elem: int, dtype: Any, register: Register) -> tuple[Any, int]:
+    """A 1-D tensor of `num_elem` elements in page-aligned host memory of its
+    own (whole pages, no power-of-two rounding), page-locked by
+    ``register(ptr, nbytes)`` (e.g. a compute device's cudaHostRegister) and
+    unregistered when its last view is gone. Returns the tensor and the bytes
+    registered (0 when `register` refused: the memory is then pageable)."""
+    import torch
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = max(num_elem * itemsize, 1)
+    pages = page_round(nbytes)
+    buf = _C.PinnedBuffer(pages, False)
+    mv = memoryview(buf)
+    undo = register(buf.ptr, pages)
+    if undo is not None:
+        weakref.finalize(mv, _run_then_drop, undo, buf)
+    t = torch.frombuffer(mv, dtype=torch.uint8, count=num_elem * itemsize).view(dtype)
+    return t, pages if undo is not None else 0
+
+
+def _run_then_drop(undo: Callable[[], None], buf: Any) -> None:
+    # The registration goes before the memory does.
+    try:
+        undo()
+    finally:
+        del buf
+
+
 def _cuda_pinned_bytes(nbytes: int) -> tuple[memoryview, str]:
     """Page-aligned memory pinned for CUDA: our mapping registered with CUDA,
     else torch's pinned allocator. The memoryview owns it; its death releases it."""
@@ -87,6 +148,7 @@ def _cuda_pinned_bytes(nbytes: int) -> tuple[memoryview, str]:
         _count_cuda(nbytes)
         weakref.finalize(mv, _unregister, buf.ptr, nbytes, buf)
         return mv, CUDA_REGISTER
+    _clear_cuda_error()
     del mv, buf
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     # ndarray.data is a memoryview of the array that holds it, and so the
@@ -272,6 +334,11 @@ class PinnedPool:
         self.count = count
         self.slot_bytes = int(self._c.slot_bytes)
         self.locked = lock
+
+    @property
+    def base_ptr(self) -> int:
+        """Address of the allocation (the first slot)."""
+        return int(self._c.slot_ptr(0))
 
     @property
     def total_bytes(self) -> int:

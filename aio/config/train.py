@@ -243,6 +243,18 @@ class AioZeroConfig(BaseModel):
         ),
     )
 
+    modules_ahead: int = Field(
+        2,
+        ge=1,
+        description=(
+            "on a GPU: how many modules' parameters the host may upload ahead of the module "
+            "the GPU is running (FSDP's limit_all_gathers): before fetching module i the host "
+            "waits until the GPU has finished everything queued before module i - modules_ahead "
+            "was fetched, so device memory holds about modules_ahead + 1 modules' parameters "
+            "however far the host runs ahead"
+        ),
+    )
+
     def short_openmp_spin(self, nvme: bool) -> bool:
         """Whether to throttle OpenMP spinning, with or without NVMe offload."""
         return self.openmp_spin == "short" or (self.openmp_spin == "auto" and nvme)

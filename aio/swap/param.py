@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..pinned import Lease, locked_nbytes, new_locked_tensor
+from ..pinned import Lease, Register, locked_nbytes, new_locked_tensor, registered_tensor
 from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
 from .pool import BufferPool, PoolExhaustedError
@@ -87,6 +87,7 @@ class ParamSwapper:
         min_swap_bytes: int = 64 * 1024,
         job_id: str | None = None,
         rank: int | None = None,
+        register_host: Register | None = None,
     ) -> None:
         if max_in_cpu < 0:
             raise ValueError(f"zero_optimization.offload_param.max_in_cpu must be >= 0, got {max_in_cpu}")
@@ -95,12 +96,14 @@ class ParamSwapper:
         self.max_in_cpu = int(max_in_cpu)
         self.pin_memory = pin_memory
         self.min_swap_bytes = min_swap_bytes
+        self.register_host = register_host
         self.pool = BufferPool(
             int(buffer_count),
             self.buffer_size * _itemsize(dtype),
             pin_memory,
             "zero_optimization.offload_param.buffer_count",
             "zero_optimization.offload_param.buffer_size",
+            register=register_host,
         )
         self.space = SwapSpace(nvme_path, "param", "params.swp", aio, job_id, rank)
         self.parts: dict[Any, _Partition] = {}
@@ -140,6 +143,21 @@ class ParamSwapper:
         )
 
     # -- registration ------------------------------------------------------------
+    def _resident_tensor(self, numel: int, dtype: Any) -> Any:
+        """Memory for a CPU-resident partition: pinned through `register_host`
+        when given (a GPU's registration), else locked, or pageable without
+        ``pin_memory``."""
+        if not self.pin_memory:
+            return _empty(numel, dtype)
+        if self.register_host is not None:
+            t, registered = registered_tensor(numel, dtype, self.register_host)
+            if registered:
+                self._resident_locked += registered
+                return t
+        t = new_locked_tensor(numel, dtype)
+        self._resident_locked += locked_nbytes(t)
+        return t
+
     def register(self, part_id: Any, numel: int, dtype: Any | None = None) -> State:
         """Declare a partition; returns where it will live (RESIDENT or ON_DRIVE)."""
         self._check_open()
@@ -153,8 +171,7 @@ class ParamSwapper:
         if not small and not self._cpu_full and self.resident_numel + numel > self.max_in_cpu:
             self._cpu_full = True
         if small or not self._cpu_full:
-            t = new_locked_tensor(numel, dtype) if self.pin_memory else _empty(numel, dtype)
-            self._resident_locked += locked_nbytes(t)
+            t = self._resident_tensor(numel, dtype)
             if not small:
                 self.resident_numel += numel
             self.counters["resident_bytes"] += nbytes

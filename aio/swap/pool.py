@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
-from ..pinned import Lease, PinnedPool, page_round
+from ..pinned import Lease, PinnedPool, Register, page_round
 
 
 class PoolExhaustedError(RuntimeError):
@@ -17,9 +18,23 @@ class BufferPool:
 
     ``count_key``/``size_key`` name the config keys that errors point at, e.g.
     ``"zero_optimization.offload_param.buffer_count"`` and ``"...buffer_size"``.
+
+    `register` (with `pin`): page-lock the buffers through it, e.g. a CUDA
+    compute device's cudaHostRegister, instead of ``mlock``: copies between a
+    buffer and the GPU are then DMA transfers, and RLIMIT_MEMLOCK (64 KiB
+    under docker's defaults) does not apply. If it refuses, the buffers are
+    ``mlock``-ed as without it.
     """
 
-    def __init__(self, count: int, slot_bytes: int, pin: bool, count_key: str, size_key: str) -> None:
+    def __init__(
+        self,
+        count: int,
+        slot_bytes: int,
+        pin: bool,
+        count_key: str,
+        size_key: str,
+        register: Register | None = None,
+    ) -> None:
         if count <= 0:
             raise ValueError(f"{count_key} must be positive, got {count}")
         if slot_bytes <= 0:
@@ -29,6 +44,8 @@ class BufferPool:
         self.pin = pin
         self.count_key = count_key
         self.size_key = size_key
+        self.register = register
+        self.registered_bytes = 0
         self._pool: PinnedPool | None = None
 
     @property
@@ -45,10 +62,18 @@ class BufferPool:
     def pinned_bytes(self) -> int:
         """Bytes this pool has page-locked right now: 0 before the first use or
         when not pinned, else every buffer (whole pages)."""
-        return self._pool.locked_bytes if self._pool is not None else 0
+        return self._pool.locked_bytes + self.registered_bytes if self._pool is not None else 0
 
     def _get(self) -> PinnedPool:
         if self._pool is None:
+            if self.pin and self.register is not None:
+                pool = PinnedPool(self.count, self.slot_bytes, lock=False)
+                undo = self.register(pool.base_ptr, pool.total_bytes)
+                if undo is not None:
+                    weakref.finalize(pool, undo)
+                    self.registered_bytes = pool.total_bytes
+                    self._pool = pool
+                    return pool
             self._pool = PinnedPool(self.count, self.slot_bytes, lock=self.pin)
         return self._pool
 

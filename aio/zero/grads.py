@@ -7,8 +7,9 @@ stored buffer back and adds to it.
 Gradients computed on a GPU come down without stopping the host: each one
 (in chunks of at most the staging size) is queued for a copy into pinned
 staging on a side stream, and added into its buffer later -- by a following
-gradient's hook once a few copies are queued, or at the end of backward --
-so backward keeps running while earlier gradients travel. Gradients are
+gradient's hook once its copy has finished (a hook waits only when the
+staging ring is full or :data:`IN_FLIGHT` copies are queued), or at the end
+of backward -- so backward keeps running while earlier gradients travel. Gradients are
 still added one by one in arrival order, so the sums are exactly those of
 blocking copies. On the CPU nothing is copied and each gradient is added at
 once."""
@@ -22,7 +23,10 @@ from .optimizer import GradientBuffer, PendingWrite, ZeroOptimizer
 from .placement import SubGroupLayout
 from .streams import DeviceCopies, HostCopies, Ticket, copies_for
 
-IN_FLIGHT = 2  # gradient copies left running when a hook returns
+# Gradient copies a hook leaves running, at most: a hook lands the finished
+# ones and waits only beyond this many (or when the staging ring is full),
+# so backward never runs in lockstep with its copies.
+IN_FLIGHT = 64
 
 
 class _Arriving(NamedTuple):
@@ -40,9 +44,17 @@ class GradientAccumulator:
     """The gradients of one accumulation window (`gas` micro-steps).
 
     `record_norms`: keep each parameter's gradient norm at the window's last
-    micro-step (for clipping and overflow checks)."""
+    micro-step (for clipping and overflow checks). `copies`: how gradients
+    come down from the compute device (default: by the first gradient's device)."""
 
-    def __init__(self, opt: ZeroOptimizer, layout: SubGroupLayout, gas: int, record_norms: bool) -> None:
+    def __init__(
+        self,
+        opt: ZeroOptimizer,
+        layout: SubGroupLayout,
+        gas: int,
+        record_norms: bool,
+        copies: HostCopies | DeviceCopies | None = None,
+    ) -> None:
         self.opt = opt
         self.layout = layout
         self.gas = gas
@@ -54,7 +66,9 @@ class GradientAccumulator:
         self._flushed: set[int] = set()  # sub-groups written part-way through this micro-step
         self._pending: list[PendingWrite] = []  # gradient writes in flight
         self._norms: dict[int, Any] = {}  # place order -> grad norm (accumulation boundary)
-        self._copies: HostCopies | DeviceCopies | None = None  # chosen by the first gradient's device
+        # The compute device's copies (the parameter store's, sharing its side
+        # stream); None: chosen by the first gradient's device.
+        self._copies: HostCopies | DeviceCopies | None = copies
         self._arriving: collections.deque[_Arriving] = collections.deque()
 
     def is_boundary(self) -> bool:

@@ -10,7 +10,9 @@ Two guards:
 - ``F.linear`` on a parameter managed by aio.zero goes through
   :class:`_Linear`, which saves the parameter itself and computes exactly the
   gradients autograd's addmm/mm backward computes (same kernels, same operand
-  order, so results are bit-identical to an in-memory run).
+  order, so results are bit-identical to an in-memory run; under
+  ``torch.autocast`` it casts as autocast does and converts each gradient
+  back to its input's dtype, as autograd does in memory).
 - :func:`saved_tensor_guard` (used around every trainer forward): any other
   saved tensor that lives in a swap buffer is copied when saved, trading
   memory for correctness.
@@ -26,28 +28,78 @@ _orig_linear: Any = None
 _LinearFn: Any = None
 
 
+def _autocast_state(input: Any) -> tuple[str, Any] | None:
+    """(device type, dtype) of the autocast that F.linear on ``input`` runs
+    under now, or None: autocast is per device type, and the input's device
+    picks it (device-generic, unlike torch.amp.custom_fwd)."""
+    import torch
+
+    dev = input.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return dev, torch.get_autocast_dtype(dev)
+    return None
+
+
+def _autocast_cast(t: Any, dev: str, dtype: Any) -> Any:
+    """What autocast's ``cached_cast`` does to one argument of a
+    lower-precision op: a floating-point tensor on the autocast device, other
+    than float64, goes to ``dtype`` (a plain ``to``, so the same bits)."""
+    import torch
+
+    if t is None or t.device.type != dev or not t.is_floating_point() or t.dtype in (torch.float64, dtype):
+        return t
+    return t.to(dtype)
+
+
+def _linear_grads(ctx: Any, grad: Any, input: Any, weight: Any) -> tuple[Any, Any, Any]:
+    """The gradients autograd's addmm/mm backward computes for linear (same
+    kernels, same operand order), in the dtype of ``grad`` and the operands."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gi = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gi = g2.mm(weight).view(*grad.shape[:-1], weight.shape[1])
+    if ctx.needs_input_grad[1]:
+        gw = g2.t().mm(input.reshape(-1, input.shape[-1]))
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        gb = g2.sum(0)
+    return gi, gw, gb
+
+
 def _make_fn() -> Any:
     import torch
 
     class _Linear(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, input: Any, weight: Any, bias: Any) -> Any:
-            ctx.save_for_backward(input, weight)
             ctx.has_bias = bias is not None
-            return _orig_linear(input, weight, bias)
+            ctx.amp = amp = _autocast_state(input)
+            if amp is None:
+                ctx.save_for_backward(input, weight)
+                return _orig_linear(input, weight, bias)
+            # Cast here rather than in autocast's linear kernel: its weight
+            # cache would keep a low-precision copy of every offloaded weight
+            # alive until the autocast region ends. The cast input is saved
+            # (as autograd saves it in memory); the weight is cast again in
+            # backward, after it is fetched again.
+            x = _autocast_cast(input, *amp)
+            ctx.dtypes = (input.dtype, weight.dtype, bias.dtype if bias is not None else None)
+            ctx.save_for_backward(x, weight)
+            return _orig_linear(x, _autocast_cast(weight, *amp), _autocast_cast(bias, *amp))
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             input, weight = ctx.saved_tensors
-            g2 = grad.reshape(-1, grad.shape[-1])
-            gi = gw = gb = None
-            if ctx.needs_input_grad[0]:
-                gi = g2.mm(weight).view(*grad.shape[:-1], weight.shape[1])
-            if ctx.needs_input_grad[1]:
-                gw = g2.t().mm(input.reshape(-1, input.shape[-1]))
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = g2.sum(0)
-            return gi, gw, gb
+            if ctx.amp is None:
+                return _linear_grads(ctx, grad, input, weight)
+            # Autograd in memory: mm's on the cast tensors, then each cast's
+            # backward converts the gradient to its input's dtype. Autocast
+            # is off so that a backward() called inside the region does not
+            # cast again.
+            with torch.autocast(ctx.amp[0], enabled=False):
+                grads = _linear_grads(ctx, grad, input, _autocast_cast(weight, *ctx.amp))
+            return tuple(
+                g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)
+            )
 
     return _Linear
 

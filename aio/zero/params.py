@@ -97,12 +97,6 @@ def trim_malloc() -> None:
         pass
 
 
-def _placeholder(dtype: Any, device: Any) -> Any:
-    import torch
-
-    return torch.empty(0, dtype=dtype, device=device)
-
-
 class ParamStore:
     """Owns parameter partitions (drive or CPU memory) and hands them out.
 
@@ -117,6 +111,7 @@ class ParamStore:
         self.dtype = cfg.torch_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.on_drive = cfg.param_device == "nvme"
+        self.copies: HostCopies | DeviceCopies = copies_for(self.device)
         self.swapper: ParamSwapper | None = None
         if self.on_drive:
             set_mmap_threshold(BUILD_MMAP_THRESHOLD)
@@ -130,6 +125,7 @@ class ParamStore:
                 pin_memory=p.pin_memory,
                 aio=cfg.offload.aio.handle_kwargs(),
                 min_swap_bytes=cfg.persistence_threshold * torch.empty(0, dtype=self.dtype).element_size(),
+                register_host=self.copies.register_host,
             )
         self.resident: dict[int, Any] = {}  # part_id -> flat CPU tensor (memory backend)
         # sub-group index -> (one low-precision tensor its partitions' resident
@@ -140,7 +136,6 @@ class ParamStore:
         self.speculative: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.next_part_id = 0
         self.buffer_ptrs: set[int] = set()  # storages of swap buffers (see linear.py)
-        self.copies: HostCopies | DeviceCopies = copies_for(self.device)
         # part_id -> the upload still reading that part's host memory: the
         # memory is not overwritten or handed back before the ticket is done.
         self.uploading: dict[int, Ticket] = {}
@@ -148,7 +143,9 @@ class ParamStore:
         # pool once their upload is done (checked without blocking until a
         # buffer is needed).
         self.deferred: dict[int, Ticket] = {}
-        self.counters = {"write_copy_bytes": 0, "writes": 0}
+        self.counters = {"write_copy_bytes": 0, "writes": 0, "pace_waits": 0}
+        # Fences of the last modules fetched on a GPU (see pace()).
+        self.window: collections.deque[Ticket] = collections.deque()
         self.closed = False
 
     # -- adoption ------------------------------------------------------------------------
@@ -189,7 +186,7 @@ class ParamStore:
             self.swapper.register(part_id, numel)
             self.swapper.write(part_id, src.cpu())
         else:
-            host = torch.empty(numel, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            host = self.copies.host_tensor(numel, self.dtype)
             host.copy_(src)
             self.resident[part_id] = host
         del src
@@ -198,7 +195,7 @@ class ParamStore:
         if self._stays_materialised(part_id):
             param.data = self._host(part_id).view(param.aio_shape)
         else:
-            param.data = _placeholder(self.dtype, self.device)
+            param.data = self.copies.placeholder(self.dtype)
 
     def pack(self, groups: list[list[Any]]) -> None:
         """With the memory backend in bfloat16 or float16 on a CPU model, lay
@@ -259,6 +256,20 @@ class ParamStore:
         each step's temporaries (with parameters on the drive, the build-time
         bound is relaxed; see set_mmap_threshold)."""
         set_mmap_threshold(TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD)
+
+    def pace(self, ahead: int) -> None:
+        """A module is about to be fetched: mark where the compute stream is,
+        and block the host until the GPU has run everything queued before the
+        module fetched `ahead` fetches ago. Device memory freed by earlier
+        modules (marked used by the compute stream) can only be reused once
+        the GPU has passed it, so without this a host running ahead would
+        hold most of the model on the device. No-op on the CPU."""
+        self.window.append(self.copies.fence())
+        while len(self.window) > ahead:
+            t = self.window.popleft()
+            if not t.done():
+                self.counters["pace_waits"] += 1
+                t.wait()
 
     def acquire(self, params: list[Any]) -> None:
         """Materialise `params` (reads them from the drive if needed)."""
@@ -351,7 +362,7 @@ class ParamStore:
                 del self.refs[part_id]
                 if self._stays_materialised(part_id):
                     continue
-                p.data = _placeholder(self.dtype, self.device)
+                p.data = self.copies.placeholder(self.dtype)
                 if self.swapper is not None:
                     if keep is not None and part_id in keep:
                         self.speculative[part_id] = None
@@ -546,12 +557,12 @@ class ParamStore:
     def pinned_bytes(self) -> int:
         """Bytes page-locked for the parameters right now: the swapper's buffers
         and pinned CPU-resident partitions (nothing with ``pin_memory`` false), or
-        with the memory backend the partitions torch pinned for a GPU model; plus
-        the upload staging ring on a GPU."""
+        with the memory backend the partitions registered for a GPU model (whole
+        pages); plus the upload staging ring on a GPU."""
         staging = self.copies.pinned_bytes()
         if self.swapper is not None:
             return self.swapper.pinned_bytes() + staging
-        return sum(t.nbytes for t in self.resident.values() if _is_pinned(t)) + staging
+        return self.copies.host_registered + staging
 
     def stats(self) -> dict[str, Any]:
         """The swapper's stats(), or in memory ``partitions`` and ``resident_bytes``."""
@@ -582,13 +593,6 @@ class ParamStore:
         finally:
             if self.swapper is not None:
                 self.swapper.close()
-
-
-def _is_pinned(t: Any) -> bool:
-    try:
-        return bool(t.is_pinned())
-    except RuntimeError:  # CPU-only builds may refuse to answer
-        return False
 
 
 def module_params(module: Any) -> list[Any]:

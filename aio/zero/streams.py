@@ -27,6 +27,7 @@ one on machines without a GPU.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any, Protocol
 
 _ALIGN = 64  # bytes; keeps every staged tensor aligned for vector loads
@@ -76,6 +77,7 @@ class HostCopies:
 
     max_download_bytes = 1 << 62
     small_bytes = 0
+    host_registered = 0
 
     def upload(self, hosts: list[Any]) -> tuple[list[Any], Ticket]:
         """The tensors to compute with: `hosts` themselves."""
@@ -84,6 +86,20 @@ class HostCopies:
     def download(self, src: Any) -> tuple[Any, Ticket] | None:
         """The host tensor holding `src`'s values: `src` itself."""
         return src, DONE
+
+    def placeholder(self, dtype: Any) -> Any:
+        """An empty host tensor (what a parameter shows between uses)."""
+        import torch
+
+        return torch.empty(0, dtype=dtype)
+
+    register_host = None  # host memory needs no registration for the CPU
+
+    def host_tensor(self, numel: int, dtype: Any) -> Any:
+        """Host memory for values the device reads: plain memory."""
+        import torch
+
+        return torch.empty(numel, dtype=dtype)
 
     def recycle(self) -> None:
         """Nothing to give back (downloads stage nothing)."""
@@ -94,6 +110,10 @@ class HostCopies:
 
     def synchronize(self) -> None:
         """Nothing is ever in flight."""
+
+    def fence(self) -> Ticket:
+        """The host never runs ahead of the CPU: done."""
+        return DONE
 
 
 class CudaBackend:
@@ -133,6 +153,18 @@ class CudaBackend:
     def record_stream(self, t: Any, stream: Any) -> None:
         """Tell the caching allocator `t` is used on `stream`."""
         t.record_stream(stream)
+
+    def register_host(self, ptr: int, nbytes: int) -> Callable[[], None] | None:
+        """Page-lock `nbytes` of host memory at `ptr` for CUDA (cudaHostRegister),
+        so copies from and to it are DMA transfers; returns the callable that
+        unregisters it, or None if CUDA refused (the memory stays pageable)."""
+        from ..pinned import cuda_register
+
+        return cuda_register(ptr, nbytes)
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device."""
+        self.torch.cuda.synchronize(self.device)
 
 
 class PinnedRing:
@@ -185,6 +217,26 @@ class DeviceCopies:
         self.down = PinnedRing(backend, DOWNLOAD_RING_BYTES)
         self.max_download_bytes = DOWNLOAD_RING_BYTES // 4
         self.counters = {"h2d_copies": 0, "h2d_bytes": 0, "d2h_copies": 0, "d2h_bytes": 0}
+        self.host_registered = 0  # bytes of host_tensor() memory registered (never freed before close)
+
+    def placeholder(self, dtype: Any) -> Any:
+        """An empty device tensor (what a parameter shows between uses)."""
+        return self.backend.empty(0, dtype)
+
+    def register_host(self, ptr: int, nbytes: int) -> Callable[[], None] | None:
+        """Page-lock host memory for the device (see CudaBackend.register_host)."""
+        return self.backend.register_host(ptr, nbytes)
+
+    def host_tensor(self, numel: int, dtype: Any) -> Any:
+        """Host memory for values the device reads: page-aligned, exactly
+        `numel` elements (whole pages) and registered with the device, unlike
+        torch's pinned allocator, which rounds every block up to a power of
+        two and keeps it cached (pageable if the device refuses)."""
+        from ..pinned import registered_tensor
+
+        t, registered = registered_tensor(numel, dtype, self.backend.register_host)
+        self.host_registered += registered
+        return t
 
     # -- host -> device ---------------------------------------------------------------------
     def upload(self, hosts: list[Any]) -> tuple[list[Any], Ticket]:
@@ -279,6 +331,12 @@ class DeviceCopies:
         """Pinned staging memory held, in bytes."""
         return self.up.pinned_bytes() + self.down.pinned_bytes()
 
+    def fence(self) -> Ticket:
+        """A ticket done once the compute stream has run everything queued on it so far."""
+        ev = self.backend.event()
+        ev.record(self.backend.compute())
+        return _EventTicket(ev)
+
     def synchronize(self) -> None:
         """Wait for every upload from staging."""
         while self.up_tickets:
@@ -286,13 +344,30 @@ class DeviceCopies:
             self.up.give_back()
 
 
+_factories: dict[str, Callable[[Any], Any]] = {"cuda": CudaBackend}
+
+
+def set_backend_factory(
+    device_type: str, factory: Callable[[Any], Any] | None
+) -> Callable[[Any], Any] | None:
+    """Make `factory(device)` build the backend (the methods of
+    :class:`CudaBackend`) for compute devices of `device_type`; returns the
+    previous factory. None removes it. This is how the test suite's CUDA
+    simulator stands in for a GPU; nothing else needs it."""
+    prev = _factories.pop(device_type, None)
+    if factory is not None:
+        _factories[device_type] = factory
+    return prev
+
+
 def copies_for(device: Any) -> HostCopies | DeviceCopies:
     """The copy implementation for a compute device."""
     import torch
 
     device = torch.device(device)
-    if device.type == "cuda":
-        return DeviceCopies(CudaBackend(device))
-    if device.type != "cpu":
+    if device.type == "cpu":
+        return HostCopies()
+    factory = _factories.get(device.type)
+    if factory is None:
         raise ValueError(f"aio.zero computes on cpu or cuda, not {device.type}")
-    return HostCopies()
+    return DeviceCopies(factory(device))

@@ -97,6 +97,17 @@ def stepping_optimizer(
     return cls, hyper
 
 
+def move_buffers(model: Any, device: Any) -> None:
+    """Put every module buffer (BatchNorm statistics, position ids, rotary
+    frequencies, masks) on the compute device, as ``model.to(device)`` would:
+    only the parameters are the store's, and a buffer left on the host fails
+    the first forward on a GPU ("expected all tensors on the same device")."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
 class OffloadTrainer:
     """See :func:`initialize`. DeepSpeed-style loop::
 
@@ -141,6 +152,7 @@ class OffloadTrainer:
         cfg = self.cfg
         for n, p in plan.named:
             self.store.adopt(p, n)
+        move_buffers(self.module, self.device)
         self.opt = opt = make_optimizer(cfg, *stepping_optimizer(cfg, self.optimizer_cls, self.hyper))
         self.layout = layout = SubGroupLayout(plan.packed)
         for gi, numel in enumerate(layout.group_numel):
@@ -152,10 +164,12 @@ class OffloadTrainer:
             self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
         if self.store.swapper is not None or self.device.type != "cpu":
             install_linear()
-            self.fetcher = Fetcher(self.store, list(self.module.modules()), cfg.prefetch_bucket_size)
+            self.fetcher = Fetcher(
+                self.store, list(self.module.modules()), cfg.prefetch_bucket_size, cfg.aio_zero.modules_ahead
+            )
         self.scaling = GradScaling(cfg)
         self.grads = GradientAccumulator(
-            opt, layout, cfg.gradient_accumulation_steps, self.scaling.needs_norms
+            opt, layout, cfg.gradient_accumulation_steps, self.scaling.needs_norms, self.store.copies
         )
 
     @property

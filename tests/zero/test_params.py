@@ -40,7 +40,6 @@ def _fake_device_store(tmp_path, monkeypatch, param_device, sizes):
     """A ParamStore whose compute device is a fake CUDA device (aio.zero.streams
     with fake streams): uploads run only when the fake runs them."""
     from aio.config import load_train_config
-    from aio.zero import params as params_mod
     from aio.zero.params import ParamStore
     from aio.zero.streams import DeviceCopies
 
@@ -52,7 +51,6 @@ def _fake_device_store(tmp_path, monkeypatch, param_device, sizes):
     ps = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
     for i, p in enumerate(ps):
         store.adopt(p, f"p{i}")
-    monkeypatch.setattr(params_mod, "_placeholder", lambda dtype, device: torch.empty(0, dtype=dtype))
     store.device = torch.device("cuda")
     backend = FakeBackend(first="compute")
     store.copies = DeviceCopies(backend, small_bytes=1024)  # 20_000 fp32 elements count as large
