@@ -3,6 +3,11 @@
 Writes then reads a file in a temporary directory (or --dir) with direct
 async I/O and prints GB/s. For a proper comparison against fio and buffered
 I/O, see bench/throughput.py; to tune settings for a drive, aio-sweep.
+
+``aio-check --gpu`` checks aio's GPU path instead (aio.gpucheck): host <->
+GPU copy rates from aio's pinned memory, drive reads straight into CUDA
+tensors, and an aio.zero training step on the GPU against the same step in
+GPU memory; PASS/FAIL lines, exit status 0 only if all pass, 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ def build_parser() -> CliParser:
     ap.add_argument(
         "--repeat", type=int_in(1, 1_000_000), default=3, help="runs per direction; the best is shown"
     )
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="self-check of aio's GPU path: pinned-memory copy rates, drive reads into CUDA tensors, "
+        "an aio.zero step on the GPU (--size bytes per copy; exit 2 without CUDA)",
+    )
     return ap
 
 
@@ -50,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.block_size > 1 << 30:
         ap.error(f"--block-size {args.block_size} is larger than 1 GiB")
+    if args.gpu:
+        from .gpucheck import gpu_main
+
+        return run_cli("aio-check", lambda: gpu_main(args), "scratch files removed")
     return run_cli("aio-check", lambda: _check(args), "scratch file removed")
 
 

@@ -41,7 +41,10 @@ class Init:
     """Context manager; pass the same config to :func:`aio.zero.initialize`.
 
     ``device``: where the model computes (default CPU; a CUDA device keeps
-    only placeholders there). ``enabled=False`` makes it a no-op (handy for
+    only placeholders there). Construction runs on the host either way:
+    weight initialisation inside the block sees host tensors and draws from
+    the host RNG, so a model built for a GPU has the values of the same
+    model built in memory with the same seed. ``enabled=False`` makes it a no-op (handy for
     one code path with and without offload).
     """
 
@@ -65,6 +68,10 @@ class Init:
         if self.store is None:
             self.store = ParamStore(self.cfg, self.device)
         store = self.store
+        # Construction code (weight init, checkpoint loading) works on host
+        # values with the host RNG, as the same build in memory does; the
+        # parameters go to the device only when training fetches them.
+        store.on_host += 1
         guard = self._guard = PlaceholderGuard(store)
 
         def wrap(cls: type) -> None:
@@ -159,6 +166,8 @@ class Init:
         if guard is not None:
             guard.__exit__(None, None, None)
             guard.close_opened()
+        if self.store is not None:
+            self.store.on_host -= 1
         if self._orig_register is not None:
             torch.nn.Module.register_parameter = self._orig_register  # type: ignore[method-assign]
             self._orig_register = None

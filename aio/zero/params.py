@@ -144,6 +144,9 @@ class ParamStore:
         # buffer is needed).
         self.deferred: dict[int, Ticket] = {}
         self.counters = {"write_copy_bytes": 0, "writes": 0, "pace_waits": 0}
+        # > 0 while aio.zero.Init builds a model: parameters fetched then are
+        # host tensors even for a GPU model (see _materialise_all).
+        self.on_host = 0
         # Fences of the last modules fetched on a GPU (see pace()).
         self.window: collections.deque[Ticket] = collections.deque()
         self.closed = False
@@ -308,10 +311,11 @@ class ParamStore:
         self._materialise_all(todo, tensors)
 
     def _materialise_all(self, params: list[Any], hosts: list[Any]) -> None:
-        """Point `params` at their values: on a CPU model the host tensors
-        themselves; on a device, copies queued on the side stream (large
-        parameters one by one, the small ones of this call in one transfer)."""
-        if self.device.type == "cpu":
+        """Point `params` at their values: on a CPU model (or while a model is
+        built, :attr:`on_host`) the host tensors themselves; on a device,
+        copies queued on the side stream (large parameters one by one, the
+        small ones of this call in one transfer)."""
+        if self.device.type == "cpu" or self.on_host:
             for p, host in zip(params, hosts, strict=True):
                 if self.swapper is not None:
                     self.buffer_ptrs.add(host.untyped_storage().data_ptr())

@@ -533,8 +533,13 @@ class CudaSim:
         seq, vc = s._enqueue("copy", (dst.data_ptr(), src.data_ptr(), n))
         self._copy_access(src, False, s, seq, vc, "copy reads")
         self._copy_access(dst, True, s, seq, vc, "copy writes")
-        if pageable:  # staged through the driver: the host waits for it
-            self.host_wait(s, seq)
+        if pageable:
+            # Staged through the driver: the call returns once the pageable
+            # side is read (H2D) or written (D2H); the host sees the device
+            # side complete only for D2H (CUDA's documented behaviour).
+            self.run_to(s, seq)
+            if not d_dev:
+                self.host_observe({s.name: seq})
         self.after_call()
 
     def _copy_access(self, t, write, s, seq, vc, what):

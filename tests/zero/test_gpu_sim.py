@@ -45,3 +45,141 @@ def test_training_on_simulated_gpu_equals_memory(sim, tmp_path, param, opt):
         got = train_on_device(engine, 3)
     assert got == want
     assert sim.stats()["pageable_h2d"] == 0
+
+
+class WithBuffers(torch.nn.Module):
+    """A GPT with the buffers real models carry: position ids (BERT), a
+    frequency table (Llama's rotary inv_freq) and BatchNorm statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = gpt()
+        self.register_buffer("position_ids", torch.arange(S).unsqueeze(0), persistent=False)
+        self.register_buffer("inv_freq", 1.0 / (100.0 ** (torch.arange(0, V, 2).float() / V)))
+        self.norm = torch.nn.BatchNorm1d(V)
+
+    def forward(self, x):
+        h = self.gpt(x)
+        pos = self.position_ids[:, : x.shape[1]].unsqueeze(-1).float()
+        h = h + torch.cos(pos * self.inv_freq.repeat(2)) * 0.01
+        return self.norm(h.transpose(1, 2)).transpose(1, 2)
+
+
+def with_buffers():
+    torch.manual_seed(0)
+    return WithBuffers()
+
+
+def train_buffers_in_memory(steps):
+    from aio.optim import CPUAdamW
+
+    m = with_buffers()
+    opt = CPUAdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
+    out = []
+    for step in range(steps):
+        x, y = batch(step, 0, B, S, V)
+        loss = torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out, m.norm.running_mean.clone()
+
+
+def test_module_buffers_follow_the_device(sim, tmp_path):
+    """BatchNorm statistics, position ids and frequency tables are on the
+    device after initialize(): the first forward does not mix devices, and
+    training (BatchNorm's running statistics too) equals memory."""
+    want, want_mean = train_buffers_in_memory(3)
+    cfg = cfg_for(tmp_path, gas=1, clip=0)
+    with aio.zero.initialize(with_buffers(), cfg, device="cuda") as engine:
+        got = []
+        for step in range(3):
+            x, y = batch(step, 0, B, S, V)
+            out = engine(x.to("cuda"))
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), y.to("cuda").flatten())
+            engine.backward(loss)
+            engine.step()
+            got.append(loss.item())
+        assert all(b.device.type == "cuda" for b in engine.module.buffers())
+        assert torch.equal(engine.state_dict()["norm.running_mean"], want_mean)
+    assert got == want
+
+
+def test_a_buffer_left_on_the_host_is_a_device_mismatch(sim, tmp_path, monkeypatch):
+    """What the simulator does when buffers stay behind (the bug fixed above):
+    CUDA's error on the first forward."""
+    import aio.zero.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "move_buffers", lambda model, device: None)
+    with aio.zero.initialize(with_buffers(), cfg_for(tmp_path), device="cuda") as engine:
+        x, _ = batch(0, 0, B, S, V)
+        with pytest.raises(RuntimeError, match="same device"):
+            engine(x.to("cuda"))
+
+
+def module_bytes(model):
+    return max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_device_memory_is_bounded_when_the_host_runs_ahead(tmp_path, ahead):
+    """Lazy GPU (it never runs unless the host waits): freed parameter blocks
+    are reused only once the GPU has passed them, so the host must wait; peak
+    device memory stays at a few modules, not the model. Every host wait is
+    one of: a module fetch's pacing, a gradient copy, an item()."""
+    model = gpt()
+    total = sum(p.numel() * 4 for p in model.parameters())
+    largest = module_bytes(model)
+    cfg = cfg_for(tmp_path, aio_zero={"modules_ahead": ahead})
+    with CudaSim(scheduler="lazy") as sim:
+        with aio.zero.initialize(model, cfg, device="cuda") as engine:
+            train_on_device(engine, 2)
+            stats = engine.stats()
+        peak = sim.stats()["peak_device_bytes"]
+        waits = sim.stats()["blocking_waits"]
+    fetches = stats["fetcher"]["fetches"]
+    assert peak <= (ahead + 2) * largest + 16 * 1024 < total
+    assert stats["params"]["pace_waits"] <= fetches
+    assert waits <= fetches + 4 * 2 * 2  # per micro-step: loss.item(), end of backward, step
+
+
+def test_eager_gpu_needs_almost_no_host_waits(tmp_path):
+    """When the GPU keeps up, nothing blocks: no pacing waits, a handful per run."""
+    with CudaSim(scheduler="eager") as sim:
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path), device="cuda") as engine:
+            train_on_device(engine, 2)
+            assert engine.stats()["params"]["pace_waits"] == 0
+        assert sim.stats()["blocking_waits"] <= 4
+
+
+def test_init_on_a_gpu_builds_the_values_of_memory(sim, tmp_path):
+    """Init(device='cuda'): weight initialisation runs on host tensors with the
+    host RNG (the simulated device has its own generator), so values and the
+    host RNG stream equal the same build in memory."""
+    from aio.train import build_gpt
+
+    from .common import H, L, W
+
+    torch.manual_seed(0)
+    ref = build_gpt(V, W, L, H, S)
+    after_ref = torch.get_rng_state()
+    cfg = cfg_for(tmp_path)
+    torch.manual_seed(0)
+    with aio.zero.Init(cfg, device="cuda"):
+        model = build_gpt(V, W, L, H, S)
+    assert torch.equal(torch.get_rng_state(), after_ref)
+    with aio.zero.initialize(model, cfg, device="cuda") as engine:
+        got = engine.state_dict()
+    for name, t in ref.state_dict().items():
+        assert torch.equal(got[name], t), name
+
+
+def test_training_under_a_users_stream(tmp_path):
+    """Inside the user's own stream (``with torch.cuda.stream(s)``), aio's
+    copies order against that stream, not the default one."""
+    want = train_in_memory(2)
+    with CudaSim(scheduler="lazy") as sim:
+        with sim.stream(sim.new_stream("user")):
+            with aio.zero.initialize(gpt(), cfg_for(tmp_path), device="cuda") as engine:
+                assert train_on_device(engine, 2) == want
