@@ -66,8 +66,14 @@ class AioFuture:
         return int(self._req.offset)
 
     def done(self) -> bool:
-        """True once the I/O has finished (successfully or not)."""
-        return bool(self._req.done())
+        """True once the I/O has finished (successfully or not). A read into a
+        CUDA tensor lands in host memory first: done() copies it to the device
+        before saying True, so the tensor holds the data once done() is."""
+        if not self._req.done():
+            return False
+        if self._finalize is not None and os.getpid() == self._pid:
+            self._settle()  # the read's last step; an error is kept for result()
+        return True
 
     def _wait_until(self, until: float | None) -> bool:
         if self._req.done():

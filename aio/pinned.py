@@ -4,8 +4,9 @@ Two ways to get it, pinned differently:
 
 - ``new_locked_tensor`` (and the handle's ``new_cpu_locked_tensor``):
   without CUDA, memory locked with ``mlock`` by the core (the kernel never
-  pages it out and direct I/O lands straight in it). With CUDA available,
-  page-aligned memory registered with ``cudaHostRegister`` instead, so it
+  pages it out and direct I/O lands straight in it). Once this process uses
+  CUDA (``torch.cuda.is_initialized()``; pinning never creates a context on
+  its own), page-aligned memory registered with ``cudaHostRegister`` instead, so it
   also serves fast host<->GPU copies (torch's own pinned allocator is the
   fallback; it may hand out memory that is not page-aligned, which the core
   then stages through an aligned bounce buffer). ``pinned_kind`` says which.
@@ -20,6 +21,7 @@ Locking costs about 1 s per GiB, so allocate once and reuse.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -40,10 +42,14 @@ MLOCK, CUDA_REGISTER, CUDA_PIN_MEMORY = "mlock", "cuda_register", "cuda_pin_memo
 
 
 def _cuda_available() -> bool:
+    """Whether this process already uses CUDA. Pinning through CUDA creates a
+    context (hundreds of MiB on GPU 0), so a job that never touched CUDA (CPU
+    offload only) gets ``mlock``-ed memory instead; so does a forked child of
+    a CUDA parent, where CUDA cannot be used at all."""
     try:
         import torch
 
-        return bool(torch.cuda.is_available())
+        return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
     except Exception:  # pragma: no cover - torch missing or broken CUDA setup
         return False
 
@@ -67,11 +73,13 @@ def _count_cuda(nbytes: int) -> None:
         _cuda_pinned += nbytes
 
 
-def _unregister(ptr: int, nbytes: int, buf: Any) -> None:
+def _unregister(ptr: int, nbytes: int, buf: Any, pid: int) -> None:
     # Runs when the last view of the memory is gone; `buf` (the mapping) is
-    # released only after the registration is.
+    # released only after the registration is. A forked child never
+    # registered it (and cannot call CUDA): nothing to undo there.
     try:
-        _cudart().cudaHostUnregister(ptr)
+        if os.getpid() == pid:
+            _cudart().cudaHostUnregister(ptr)
     finally:
         _count_cuda(-nbytes)
         del buf
@@ -96,10 +104,12 @@ def cuda_register(ptr: int, nbytes: int) -> Callable[[], None] | None:
         _clear_cuda_error()
         return None
     _count_cuda(nbytes)
+    pid = os.getpid()
 
     def unregister() -> None:
         try:
-            _cudart().cudaHostUnregister(ptr)
+            if os.getpid() == pid:  # a forked child has no registration to undo
+                _cudart().cudaHostUnregister(ptr)
         finally:
             _count_cuda(-nbytes)
 
@@ -146,7 +156,7 @@ def _cuda_pinned_bytes(nbytes: int) -> tuple[memoryview, str]:
     mv = memoryview(buf)
     if _cuda_ok(_cudart().cudaHostRegister(buf.ptr, nbytes, 0)):
         _count_cuda(nbytes)
-        weakref.finalize(mv, _unregister, buf.ptr, nbytes, buf)
+        weakref.finalize(mv, _unregister, buf.ptr, nbytes, buf, os.getpid())
         return mv, CUDA_REGISTER
     _clear_cuda_error()
     del mv, buf

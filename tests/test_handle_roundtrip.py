@@ -164,3 +164,25 @@ def test_caller_owned_descriptor(engine, pattern, fpath):
         assert np.array_equal(out, data)
     finally:
         os.close(fd)
+
+
+@pytest.mark.cuda
+def test_a_done_read_into_a_cuda_tensor_holds_the_data(tmp_path):
+    """done() is True only once the bytes are in device memory (the read
+    lands in host memory first; done() copies it up)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import aio
+
+    data = torch.arange(1 << 16, dtype=torch.uint8) % 251
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+    dev = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    with aio.AsyncIOHandle() as h:
+        fut = h.async_pread(dev, path, 0)
+        while not fut.done():
+            pass
+        assert torch.equal(dev.cpu(), data)
+        assert fut.result() == 1 << 16

@@ -192,3 +192,83 @@ def test_pool_release_waits_for_io_in_flight_on_the_slot(tmp_path):
     assert bool((t == 7).all())
     nxt.release()
     h.close()
+
+
+class _FakeCudart:
+    def __init__(self):
+        self.calls = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append("register")
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append("unregister")
+        return 0
+
+    def cudaGetLastError(self):
+        self.calls.append("get_last_error")
+        return 0
+
+
+def test_pinning_does_not_start_cuda_in_a_process_that_never_used_it(monkeypatch):
+    """A CPU-offload job on a GPU machine: CUDA is available but never
+    initialised; pinning must not create a context (it mlocks instead)."""
+    from aio import pinned
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(pinned, "_cudart", lambda: fake)
+    t = pinned.new_locked_tensor(1024, torch.uint8)
+    assert pinned.pinned_kind(t) == "mlock" and fake.calls == []
+
+
+def test_registration_is_undone_only_by_the_process_that_made_it(monkeypatch):
+    """A forked child (another pid) that drops a registered tensor calls no
+    CUDA function (it cannot); the parent unregisters."""
+    import os
+
+    from aio import pinned
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(pinned, "_cudart", lambda: fake)
+    undo = pinned.cuda_register(4096, 4096)
+    assert undo is not None and fake.calls == ["register"]
+    real = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: real + 1)
+    undo()
+    assert fake.calls == ["register"]
+    monkeypatch.setattr(os, "getpid", lambda: real)
+    undo2 = pinned.cuda_register(8192, 4096)
+    undo2()
+    assert fake.calls == ["register", "register", "unregister"]
+
+
+def test_a_refused_registration_clears_cudas_error(monkeypatch):
+    from aio import pinned
+
+    fake = _FakeCudart()
+    fake.cudaHostRegister = lambda ptr, n, f: (fake.calls.append("register"), 1)[1]
+    monkeypatch.setattr(pinned, "_cudart", lambda: fake)
+    assert pinned.cuda_register(4096, 4096) is None
+    assert fake.calls == ["register", "get_last_error"]
+
+
+def test_registered_tensor_is_page_aligned_exact_and_unregistered_when_freed():
+    from aio import pinned
+
+    calls = []
+
+    def register(ptr, nbytes):
+        calls.append(("register", ptr % 4096, nbytes))
+        return lambda: calls.append(("unregister",))
+
+    t, registered = pinned.registered_tensor(5000, torch.float32, register)
+    assert t.numel() == 5000 and t.data_ptr() % 4096 == 0
+    assert registered == 20480 and calls == [("register", 0, 20480)]  # whole pages, no power of two
+    del t
+    import gc
+
+    gc.collect()
+    assert calls[-1] == ("unregister",)

@@ -183,3 +183,29 @@ def test_training_under_a_users_stream(tmp_path):
         with sim.stream(sim.new_stream("user")):
             with aio.zero.initialize(gpt(), cfg_for(tmp_path), device="cuda") as engine:
                 assert train_on_device(engine, 2) == want
+
+
+def test_checkpoint_resume_on_the_gpu_matches_uninterrupted(sim, tmp_path):
+    """Save after 2 steps on the (simulated) GPU, load into a fresh model,
+    train on: the losses equal 4 uninterrupted steps in memory."""
+    want = train_in_memory(4)
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a"), device="cuda") as engine:
+        first = train_on_device(engine, 2)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    torch.manual_seed(123)
+    from aio.train import build_gpt
+
+    from .common import H, L, W
+
+    with aio.zero.initialize(build_gpt(V, W, L, H, S), cfg_for(tmp_path / "b"), device="cuda") as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        second = [_device_step(engine, step) for step in range(2, 4)]
+    assert first + second == want
+
+
+def _device_step(engine, step, gas=2):
+    for micro in range(gas):
+        loss = device_loss(engine, step, micro)
+        engine.backward(loss)
+        engine.step()
+    return loss.item()
