@@ -25,13 +25,11 @@ class Fetcher:
     identity autograd function, before its backward), release them right after.
     The module order of each pass is recorded on the first pass and used to
     prefetch up to `prefetch_bucket_size` elements of drive partitions ahead.
-    On a GPU the host uploads at most `modules_ahead` modules ahead of the
-    GPU (:meth:`ParamStore.pace`).
+    On a GPU the host uploads at most ``aio_zero.modules_ahead`` modules
+    ahead of the GPU (:meth:`ParamStore.pace`).
     :meth:`remove` takes the hooks off."""
 
-    def __init__(
-        self, store: ParamStore, modules: list[Any], prefetch_bucket_size: int, modules_ahead: int = 2
-    ) -> None:
+    def __init__(self, store: ParamStore, modules: list[Any], prefetch_bucket_size: int) -> None:
         self.store = store
         self.mods = [m for m in modules if module_params(m)]
         self.index = {id(m): i for i, m in enumerate(self.mods)}
@@ -39,7 +37,6 @@ class Fetcher:
         self.mdrive = [store.on_drive_part_ids(ps) for ps in self.mparams]
         self.numel = {p.aio_id: p.aio_numel for ps in self.mparams for p in ps}
         self.bucket = prefetch_bucket_size
-        self.ahead = modules_ahead
         # Buffers kept free for the module being fetched (prefetch never takes them).
         self.reserve = max([len(d) for d in self.mdrive] + [1])
         self.traces: dict[str, list[int] | None] = {"fw": None, "bw": None}
@@ -111,7 +108,7 @@ class Fetcher:
             params = [p for p in params if p.aio_id not in self.bw_held]
             for p in params:
                 self.bw_held[p.aio_id] = p
-        self.store.pace(self.ahead)
+        self.store.pace()
         self.store.acquire(params)
         self.counters["fetches"] += 1
         self._prefetch()

@@ -23,7 +23,8 @@ from typing import Any
 
 from .config import check_drive_paths, load_train_config
 from .init_guard import PlaceholderGuard
-from .params import ParamStore, module_params, trim_malloc
+from .malloc import trim_malloc
+from .params import ParamStore, module_params
 
 
 def _subclasses(cls: type) -> list[type]:

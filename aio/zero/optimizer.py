@@ -3,8 +3,9 @@
 :class:`ZeroOptimizer` is what :class:`aio.zero.OffloadTrainer` needs from
 the optimizer side: sub-groups of fp32 master weights, a place to accumulate
 each sub-group's gradient, a step over every sub-group, checkpoints and
-accounting. Two implementations: :class:`aio.zero.optim.MemoryOptimizer`
-(state in CPU memory) and :class:`SwappedOptimizer` (state on the drive,
+accounting. Two implementations, a file each:
+:class:`aio.zero.memory_optimizer.MemoryOptimizer` (state in CPU memory) and
+:class:`aio.zero.swapped_optimizer.SwappedOptimizer` (state on the drive,
 :class:`aio.swap.OptimizerSwapper` with the gradient-buffer methods added).
 :func:`make_optimizer` picks one from the config; the trainer never asks
 which one it has.
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
-
-from ..swap import OptimizerSwapper
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -157,96 +156,17 @@ def set_lr(hyper: dict[str, Any], optimizer: Any, lr: float) -> None:
             pg["lr"] = lr
 
 
-class SwappedOptimizer(OptimizerSwapper):
-    """:class:`aio.swap.OptimizerSwapper` as a :class:`ZeroOptimizer`: master
-    weights and optimizer state on the drive.
-
-    Gradients (``aio_zero.gradients``): with ``cpu`` (the default) each
-    sub-group's fp32 gradient is accumulated in CPU memory that lives as long
-    as the optimizer -- as DeepSpeed keeps its gradient partitions -- and is
-    stepped from there (:meth:`~aio.swap.OptimizerSwapper.hold_gradient`): no
-    drive I/O and no pinned buffer for gradients. With ``nvme`` it is gathered
-    in one of the swapper's pinned buffers and written to the drive, and the
-    step reads it back: 8 bytes of I/O per element per step for the least memory.
-    """
-
-    gradients_on_drive = False
-
-    def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
-        """The sub-group's gradient buffer (see open_gradient()); None only when
-        gradients go through pinned buffers and none is free now."""
-        if not self.gradients_on_drive:
-            return self.open_gradient(index, numel, resume)
-        lease = self.try_acquire_buffer()
-        return None if lease is None else self._fill(index, numel, resume, lease)
-
-    def open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer:
-        """Sub-group `index`'s gradient buffer, holding the gradient accumulated so
-        far when `resume` (read back from the drive with ``gradients: nvme``),
-        else zeroed; waits for a free pinned buffer with ``gradients: nvme``."""
-        if self.gradients_on_drive:
-            return self._fill(index, numel, resume, self.acquire_buffer())
-        import torch
-
-        self._check_usable()
-        held = self.groups[index].grad_mem
-        if held is None or held.numel() != numel:
-            held = torch.zeros(numel, dtype=torch.float32)
-            self.hold_gradient(index, held)  # validates numel against the sub-group
-        elif not resume:
-            held.zero_()
-        return GradientBuffer(held)
-
-    def _fill(self, index: int, numel: int, resume: bool, lease: Lease) -> GradientBuffer:
-        import torch
-
-        try:
-            buf = lease.tensor(torch.float32, numel)
-            if resume:
-                self.read_gradient(index, buf)
-            else:
-                buf.zero_()
-        except BaseException:
-            lease.release()
-            raise
-        return GradientBuffer(buf, lease)
-
-    def close_gradient(self, index: int, buf: GradientBuffer) -> PendingWrite | None:
-        """With ``gradients: cpu`` nothing to store (None: the gradient already is
-        where step() reads it). With ``nvme``, start writing it to the drive; the
-        buffer goes back when the returned write is waited for or abandoned.
-        ValueError if `buf` was closed already."""
-        if not self.gradients_on_drive:
-            return None
-        lease, buf.lease = buf.lease, None
-        if lease is None:
-            raise ValueError(f"sub-group {index}: this gradient buffer was closed already")
-        try:
-            fut = self.write_gradient(index, buf.tensor)
-        except BaseException:
-            lease.release()
-            raise
-        return PendingWrite(lease, fut)
-
-    def set_lr(self, lr: float) -> None:
-        """The learning rate from the next step on."""
-        set_lr(self.hyper, self.optimizer, lr)
-
-    def io_bytes(self) -> int:
-        """Bytes this swapper has read and written so far (master weights, states and
-        gradients)."""
-        return int(self.counters["bytes_read"] + self.counters["bytes_written"])
-
-
 def make_optimizer(cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any]) -> ZeroOptimizer:
     """The optimizer backend ``zero_optimization.offload_optimizer.device`` asks for."""
     if cfg.optimizer_device == "nvme":
+        from .swapped_optimizer import SwappedOptimizer
+
         # from_config is typed as returning its base class; it builds a cls.
         swapped: SwappedOptimizer = SwappedOptimizer.from_config(  # type: ignore[assignment]
             cfg.offload, optimizer_cls, hyper, state_dtype=cfg.aio_zero.optimizer_states
         )
         swapped.gradients_on_drive = cfg.aio_zero.gradients == "nvme"
         return swapped
-    from .optim import MemoryOptimizer
+    from .memory_optimizer import MemoryOptimizer
 
     return MemoryOptimizer(optimizer_cls, hyper)

@@ -20,7 +20,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..swap import ParamSwapper, PoolExhaustedError, State, SwapStateError
-from .streams import DeviceCopies, HostCopies, Ticket, copies_for
+from .malloc import BUILD_MMAP_THRESHOLD, TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD, set_mmap_threshold
+from .streams import DeviceCopies, HostCopies, copies_for
+from .uploads import UploadPolicy, Uploads
 
 
 def check_fits(cfg: Any, name: str, numel: int) -> None:
@@ -40,63 +42,6 @@ def check_fits(cfg: Any, name: str, numel: int) -> None:
         )
 
 
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-BUILD_MMAP_THRESHOLD = 1 << 20
-TRAIN_MMAP_THRESHOLD = 8 << 20
-TRAIN_TRIM_THRESHOLD = 64 << 20
-_mmap_threshold: int | None = None
-_trim_threshold: int | None = None
-
-
-def set_mmap_threshold(nbytes: int, trim_bytes: int | None = None) -> None:
-    """Fix glibc's mmap threshold: blocks of `nbytes` or more get their own
-    mapping, returned to the OS on free (process-wide; a no-op without glibc).
-    With `trim_bytes`, also its trim threshold: free memory at the top of the
-    heap goes back to the OS only beyond that much.
-
-    glibc's own threshold rises with every large block freed, up to 32 MiB;
-    blocks under it come from the heap and stay in the process when freed.
-    Streaming a model through memory (building it, adopting it) then leaves
-    RSS growing with the model: while building, :data:`BUILD_MMAP_THRESHOLD`
-    (1 MiB) keeps every parameter-sized tensor in its own mapping. In
-    training, the same setting makes every large temporary of a step a fresh
-    mapping, faulted in page by page (minor faults and system time each
-    step): :data:`TRAIN_MMAP_THRESHOLD` (8 MiB) lets the heap recycle the
-    step's temporaries up to that size while keeping peak RSS close to the
-    1 MiB figure (a fully adaptive threshold more than doubled it).
-
-    A fixed mmap threshold also stops glibc from raising the trim threshold
-    (to twice the mmap threshold, at most 64 MiB), leaving it at 128 KiB:
-    the temporaries a step frees at the top of the heap (a backward's
-    gradients) went back to the OS and the next step faulted them in again,
-    ~1000 minor faults per step in CPU offload against DeepSpeed's handful.
-    Training sets :data:`TRAIN_TRIM_THRESHOLD` (64 MiB, glibc's own most)."""
-    global _mmap_threshold, _trim_threshold
-    if (_mmap_threshold, _trim_threshold) == (nbytes, trim_bytes):
-        return
-    _mmap_threshold, _trim_threshold = nbytes, trim_bytes
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, nbytes)
-        if trim_bytes is not None:
-            libc.mallopt(_M_TRIM_THRESHOLD, trim_bytes)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def trim_malloc() -> None:
-    """Give free heap memory back to the OS (after building a model)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class ParamStore:
     """Owns parameter partitions (drive or CPU memory) and hands them out.
 
@@ -104,7 +49,7 @@ class ParamStore:
     materialised (``.data`` set to its full tensor) while its count is > 0.
     """
 
-    def __init__(self, cfg: Any, device: Any = None) -> None:
+    def __init__(self, cfg: Any, device: Any = None, policy: UploadPolicy | None = None) -> None:
         import torch
 
         self.cfg = cfg
@@ -136,19 +81,13 @@ class ParamStore:
         self.speculative: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.next_part_id = 0
         self.buffer_ptrs: set[int] = set()  # storages of swap buffers (see linear.py)
-        # part_id -> the upload still reading that part's host memory: the
-        # memory is not overwritten or handed back before the ticket is done.
-        self.uploading: dict[int, Ticket] = {}
-        # part_id -> ticket: dropped partitions whose buffer goes back to the
-        # pool once their upload is done (checked without blocking until a
-        # buffer is needed).
-        self.deferred: dict[int, Ticket] = {}
-        self.counters = {"write_copy_bytes": 0, "writes": 0, "pace_waits": 0}
+        # Host memory an upload still reads is not overwritten or handed back
+        # before the upload is done; the host never runs too far ahead.
+        self.uploads = Uploads(self.copies, policy or UploadPolicy(cfg.aio_zero.modules_ahead))
+        self.counters = {"write_copy_bytes": 0, "writes": 0}
         # > 0 while aio.zero.Init builds a model: parameters fetched then are
         # host tensors even for a GPU model (see _materialise_all).
         self.on_host = 0
-        # Fences of the last modules fetched on a GPU (see pace()).
-        self.window: collections.deque[Ticket] = collections.deque()
         self.closed = False
 
     # -- adoption ------------------------------------------------------------------------
@@ -260,19 +199,9 @@ class ParamStore:
         bound is relaxed; see set_mmap_threshold)."""
         set_mmap_threshold(TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD)
 
-    def pace(self, ahead: int) -> None:
-        """A module is about to be fetched: mark where the compute stream is,
-        and block the host until the GPU has run everything queued before the
-        module fetched `ahead` fetches ago. Device memory freed by earlier
-        modules (marked used by the compute stream) can only be reused once
-        the GPU has passed it, so without this a host running ahead would
-        hold most of the model on the device. No-op on the CPU."""
-        self.window.append(self.copies.fence())
-        while len(self.window) > ahead:
-            t = self.window.popleft()
-            if not t.done():
-                self.counters["pace_waits"] += 1
-                t.wait()
+    def pace(self) -> None:
+        """A module is about to be fetched (see :meth:`Uploads.pace`)."""
+        self.uploads.pace()
 
     def acquire(self, params: list[Any]) -> None:
         """Materialise `params` (reads them from the drive if needed)."""
@@ -284,7 +213,7 @@ class ParamStore:
             self.refs[part_id] += 1
             if self.refs[part_id] == 1:
                 self.speculative.pop(part_id, None)
-                self.deferred.pop(part_id, None)  # in use again: keep its buffer
+                self.uploads.keep(part_id)  # in use again: keep its buffer
                 if not self._stays_materialised(part_id):
                     todo.append(p)
         if not todo:
@@ -321,35 +250,17 @@ class ParamStore:
                     self.buffer_ptrs.add(host.untyped_storage().data_ptr())
                 p.data = host.view(p.aio_shape)
             return
-        small = [i for i, h in enumerate(hosts) if h.nbytes <= self.copies.small_bytes]
-        groups = [[i] for i, h in enumerate(hosts) if h.nbytes > self.copies.small_bytes]
-        if small:
-            groups.append(small)
-        for group in groups:
-            devs, ticket = self.copies.upload([hosts[i] for i in group])
-            for i, dev in zip(group, devs, strict=True):
-                p = params[i]
-                self.uploading[p.aio_id] = ticket
-                p.data = dev.view(p.aio_shape)
+        self.uploads.upload(params, hosts)
 
     def _materialise(self, p: Any, host: Any) -> None:
         self._materialise_all([p], [host])
 
-    def _host_settled(self, part_id: int) -> None:
-        """Wait for the upload still reading `part_id`'s host memory, if any."""
-        ticket = self.uploading.pop(part_id, None)
-        if ticket is not None:
-            ticket.wait()
-
     def _reap(self, block: bool) -> None:
         """Hand back the buffers of dropped partitions whose upload is done
         (with `block`, of all of them, waiting as needed)."""
-        if not self.deferred or self.swapper is None:
+        if self.swapper is None:
             return
-        done = [part_id for part_id, t in self.deferred.items() if block or t.done()]
-        for part_id in done:
-            self.deferred.pop(part_id).wait()
-            self.uploading.pop(part_id, None)
+        done = self.uploads.reap(block)
         if done:
             self.swapper.release(done)
 
@@ -370,10 +281,7 @@ class ParamStore:
                 if self.swapper is not None:
                     if keep is not None and part_id in keep:
                         self.speculative[part_id] = None
-                    elif (ticket := self.uploading.get(part_id)) is not None and not ticket.done():
-                        self.deferred[part_id] = ticket  # still being copied up
-                    else:
-                        self.uploading.pop(part_id, None)
+                    elif not self.uploads.defer(part_id):  # not still being copied up
                         release.append(part_id)
         if release and self.swapper is not None:
             self.swapper.release(release)
@@ -395,14 +303,11 @@ class ParamStore:
 
     def _make_room(self, need: int) -> None:
         assert self.swapper is not None
-        while self.swapper.pool.available() < need and self.deferred:
-            part_id = next(iter(self.deferred))  # the oldest upload: done first
-            self.deferred.pop(part_id).wait()
-            self.uploading.pop(part_id, None)
+        while self.swapper.pool.available() < need and (part_id := self.uploads.reap_oldest()) is not None:
             self.swapper.release([part_id])
         while self.swapper.pool.available() < need and self.speculative:
             part_id, _ = self.speculative.popitem(last=False)
-            self._host_settled(part_id)
+            self.uploads.settle(part_id)
             self.swapper.release([part_id])
         if self.swapper.pool.available() < need:
             in_use = sum(1 for part_id in self.refs if self.swapper.parts[part_id].lease is not None)
@@ -443,7 +348,7 @@ class ParamStore:
         """Store new values (flat, any float dtype; converted). The caller may
         reuse `flat` right away: an asynchronous write goes from a copy."""
         part_id = param.aio_id
-        self._host_settled(part_id)  # an upload may still read the old values
+        self.uploads.settle(part_id)  # an upload may still read the old values
         self.counters["writes"] += 1
         self.counters["write_copy_bytes"] += self._host(part_id).nbytes if self.swapper is None else 0
         if self.swapper is None:
@@ -473,10 +378,9 @@ class ParamStore:
 
     def synchronize(self) -> None:
         """Wait for every parameter read, write and upload in flight; raises the first failure."""
-        for part_id in list(self.uploading):
-            self._host_settled(part_id)
-        self._reap(block=True)
-        self.copies.synchronize()
+        done = self.uploads.synchronize()
+        if done and self.swapper is not None:
+            self.swapper.release(done)
         if self.swapper is not None:
             self.swapper.synchronize()
 
@@ -570,7 +474,7 @@ class ParamStore:
 
     def stats(self) -> dict[str, Any]:
         """The swapper's stats(), or in memory ``partitions`` and ``resident_bytes``."""
-        copies = dict(self.counters, **getattr(self.copies, "counters", {}))
+        copies = dict(self.counters, **self.uploads.counters, **getattr(self.copies, "counters", {}))
         if self.swapper is not None:
             return dict(self.swapper.stats(), **copies)
         return {
@@ -590,10 +494,7 @@ class ParamStore:
             return
         self.closed = True
         try:
-            for part_id in list(self.uploading):
-                self._host_settled(part_id)
-            self.deferred.clear()
-            self.copies.synchronize()
+            self.uploads.close()
         finally:
             if self.swapper is not None:
                 self.swapper.close()

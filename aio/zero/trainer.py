@@ -27,10 +27,12 @@ from .grads import GradientAccumulator
 from .hooks import Fetcher
 from .init_guard import PlaceholderCheck
 from .linear import install_linear, saved_tensor_guard
+from .malloc import trim_malloc
 from .optimizer import ZeroOptimizer, make_optimizer
-from .params import ParamStore, trim_malloc
+from .params import ParamStore
 from .placement import Plan, SubGroupLayout, plan_placement
 from .scaler import GradScaling
+from .uploads import UploadPolicy
 
 
 def initialize(model: Any, config: Any, optimizer: Any = None, device: Any = None) -> OffloadTrainer:
@@ -150,6 +152,7 @@ class OffloadTrainer:
         """Allocate: parameters into the store, the optimizer's sub-groups with
         their master weights, the gradient hooks and the fetcher."""
         cfg = self.cfg
+        self.store.uploads.policy = UploadPolicy(cfg.aio_zero.modules_ahead)  # Init's store too
         for n, p in plan.named:
             self.store.adopt(p, n)
         move_buffers(self.module, self.device)
@@ -164,9 +167,7 @@ class OffloadTrainer:
             self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
         if self.store.swapper is not None or self.device.type != "cpu":
             install_linear()
-            self.fetcher = Fetcher(
-                self.store, list(self.module.modules()), cfg.prefetch_bucket_size, cfg.aio_zero.modules_ahead
-            )
+            self.fetcher = Fetcher(self.store, list(self.module.modules()), cfg.prefetch_bucket_size)
         self.scaling = GradScaling(cfg)
         self.grads = GradientAccumulator(
             opt, layout, cfg.gradient_accumulation_steps, self.scaling.needs_norms, self.store.copies

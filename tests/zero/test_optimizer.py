@@ -10,8 +10,9 @@ import torch
 import aio.zero.trainer
 from aio import pinned
 from aio.config import load_train_config
-from aio.zero.optim import MemoryOptimizer
-from aio.zero.optimizer import SwappedOptimizer, ZeroOptimizer, make_optimizer
+from aio.zero.memory_optimizer import MemoryOptimizer
+from aio.zero.optimizer import ZeroOptimizer, make_optimizer
+from aio.zero.swapped_optimizer import SwappedOptimizer
 
 MEMBERS = sorted(n for n in vars(ZeroOptimizer) if not n.startswith("_")) + ["hyper"]
 

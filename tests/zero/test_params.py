@@ -53,7 +53,7 @@ def _fake_device_store(tmp_path, monkeypatch, param_device, sizes):
         store.adopt(p, f"p{i}")
     store.device = torch.device("cuda")
     backend = FakeBackend(first="compute")
-    store.copies = DeviceCopies(backend, small_bytes=1024)  # 20_000 fp32 elements count as large
+    store.copies = store.uploads.copies = DeviceCopies(backend, small_bytes=1024)  # 20_000 fp32: large
     return store, ps, backend
 
 
@@ -82,22 +82,24 @@ def test_swap_buffer_goes_back_only_after_its_upload(tmp_path, monkeypatch):
     try:
         store.acquire(ps[:3])
         store.drop(ps[:3])
-        assert set(store.deferred) == {p.aio_id for p in ps[:3]} and pool.available() == pool.count - 3
+        assert (
+            set(store.uploads.deferred) == {p.aio_id for p in ps[:3]} and pool.available() == pool.count - 3
+        )
         store.acquire(ps[3:6])  # 3 free buffers: nothing waited
         assert b.synchronizes() == 0
         store.drop(ps[3:6])
         store.acquire(ps[:1])  # still buffered: reused without a wait
-        assert b.synchronizes() == 0 and ps[0].aio_id not in store.deferred
+        assert b.synchronizes() == 0 and ps[0].aio_id not in store.uploads.deferred
         b.run_all()
         store.acquire(ps[1:2])  # done uploads give their buffers back without a wait
-        assert b.synchronizes() == 0 and not store.deferred
+        assert b.synchronizes() == 0 and not store.uploads.deferred
         b.run_all()
         for p in ps[:2]:
             assert torch.equal(p.data, store.read(p))
         store.drop(ps[:2])
         store.acquire(ps[2:])
         store.drop(ps[2:])
-        assert len(store.deferred) == 5 and pool.available() == 1
+        assert len(store.uploads.deferred) == 5 and pool.available() == 1
         store.acquire(ps[:2])  # one buffer short: waits for the oldest upload, once
         assert b.synchronizes() == 1
         b.run_all()
@@ -170,7 +172,7 @@ def test_malloc_bound_while_building_relaxed_for_training(tmp_path, monkeypatch,
     """Parameters on the drive are built under a 1 MiB mmap threshold; every
     training pass (CPU offload too, where no parameter is fetched) recycles
     its temporaries in the heap: 8 MiB mmap, 64 MiB trim thresholds."""
-    from aio.zero import params as params_mod
+    from aio.zero import malloc as params_mod
 
     monkeypatch.setattr(params_mod, "_mmap_threshold", None)
     monkeypatch.setattr(params_mod, "_trim_threshold", None)
