@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import discover_state_spec
-from ..pinned import Lease
+from ..pinned import Lease, Register
 from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
 from .param import SwapStateError
@@ -96,6 +96,7 @@ class OptimizerSwapper:
         job_id: str | None = None,
         rank: int | None = None,
         state_dtype: str = "fp32",
+        register_host: Register | None = None,
     ) -> None:
         import torch
 
@@ -105,6 +106,8 @@ class OptimizerSwapper:
         self.hyper = dict(hyper or {})
         self.spec = discover_state_spec(optimizer_cls, **self.hyper)
         self.state_dtype = state_dtype
+        # Page-locks the buffers instead of mlock (a GPU job's cudaHostRegister; see BufferPool).
+        self.register_host = register_host
         # float32 states kept as bfloat16 on the drive (widened in their buffer for the step)
         self.narrowed = [n for n, dt in self.spec if state_dtype == "bf16" and dt == torch.float32]
         _check_buffer_count(buffer_count, optimizer_cls, self.spec, pipeline_read, pipeline_write)
@@ -210,6 +213,7 @@ class OptimizerSwapper:
                 self.pin_memory,
                 BUFFER_COUNT_KEY,
                 "zero_optimization.sub_group_size",
+                register=self.register_host,
             )
         return self.pool
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
-    from ..pinned import Lease
+    from ..pinned import Lease, Register
     from ..swap.drives import IOFuture
 
 
@@ -156,14 +156,22 @@ def set_lr(hyper: dict[str, Any], optimizer: Any, lr: float) -> None:
             pg["lr"] = lr
 
 
-def make_optimizer(cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any]) -> ZeroOptimizer:
-    """The optimizer backend ``zero_optimization.offload_optimizer.device`` asks for."""
+def make_optimizer(
+    cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any], register_host: Register | None = None
+) -> ZeroOptimizer:
+    """The optimizer backend ``zero_optimization.offload_optimizer.device`` asks
+    for. `register_host`: how the drive backend page-locks its buffers (a GPU
+    job's cudaHostRegister; default mlock)."""
     if cfg.optimizer_device == "nvme":
         from .swapped_optimizer import SwappedOptimizer
 
         # from_config is typed as returning its base class; it builds a cls.
         swapped: SwappedOptimizer = SwappedOptimizer.from_config(  # type: ignore[assignment]
-            cfg.offload, optimizer_cls, hyper, state_dtype=cfg.aio_zero.optimizer_states
+            cfg.offload,
+            optimizer_cls,
+            hyper,
+            state_dtype=cfg.aio_zero.optimizer_states,
+            register_host=register_host,
         )
         swapped.gradients_on_drive = cfg.aio_zero.gradients == "nvme"
         return swapped

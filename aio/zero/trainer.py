@@ -156,7 +156,9 @@ class OffloadTrainer:
         for n, p in plan.named:
             self.store.adopt(p, n)
         move_buffers(self.module, self.device)
-        self.opt = opt = make_optimizer(cfg, *stepping_optimizer(cfg, self.optimizer_cls, self.hyper))
+        self.opt = opt = make_optimizer(
+            cfg, *stepping_optimizer(cfg, self.optimizer_cls, self.hyper), self.store.copies.register_host
+        )
         self.layout = layout = SubGroupLayout(plan.packed)
         for gi, numel in enumerate(layout.group_numel):
             opt.register_subgroup(gi, numel)

@@ -209,3 +209,21 @@ def _device_step(engine, step, gas=2):
         engine.backward(loss)
         engine.step()
     return loss.item()
+
+
+def test_gpu_job_pins_through_the_device_not_mlock(tmp_path):
+    """Swap pools (parameters and optimizer) and resident partitions of a GPU
+    job are registered with the device, exact and page-aligned: nothing is
+    mlock-ed (docker's 64 KiB RLIMIT_MEMLOCK cannot break it) and every
+    upload is a DMA copy."""
+    from aio import _C
+
+    before = _C.locked_bytes()
+    cfg = cfg_for(tmp_path)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100  # small ones resident
+    with CudaSim(scheduler="random", seed=5) as sim:
+        with aio.zero.initialize(gpt(), cfg, device="cuda") as engine:
+            train_on_device(engine, 1)
+            assert _C.locked_bytes() == before
+            assert engine.pinned_bytes() > 0
+        assert sim.stats()["pageable_h2d"] == 0 and sim.stats()["pageable_d2h"] == 0
