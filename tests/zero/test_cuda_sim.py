@@ -127,3 +127,41 @@ def test_a_swap_buffer_released_while_its_upload_is_queued_is_a_hazard(tmp_path,
     with pytest.raises(Hazard, match="leased again"), CudaSim(scheduler="lazy"):
         with aio.zero.initialize(gpt(), cfg_for(tmp_path), device="cuda") as engine:
             train_on_device(engine, 1)
+
+
+def _publish_without_wait(self, devs, ev):
+    for d in devs:
+        self.backend.record_stream(d, self.backend.compute())
+
+
+def _download_without_producer_wait(self, src):
+    stage = self.down.take(src.nbytes)
+    if stage is None:
+        return None
+    b = self.backend
+    host = stage.view(src.dtype)
+    with b.on(b.side):
+        b.copy(host, src)
+        ev = b.event()
+        ev.record(b.side)
+    return host, streams._EventTicket(ev)
+
+
+@pytest.mark.parametrize("scheduler", ["lazy", "eager"])
+@pytest.mark.parametrize(
+    "attr,broken,where",
+    [
+        ("_publish", _publish_without_wait, "kernel aten.embedding"),
+        ("download", _download_without_producer_wait, "copy reads"),
+    ],
+    ids=["upload-no-wait-event", "download-no-producer-wait"],
+)
+def test_training_with_an_ordering_step_missing_is_caught(
+    tmp_path, monkeypatch, scheduler, attr, broken, where
+):
+    """The trainer's first step with one ordering step taken out of the data
+    path raises, whatever the schedule (the clocks do not depend on it)."""
+    monkeypatch.setattr(DeviceCopies, attr, broken)
+    with pytest.raises(Hazard, match=where), CudaSim(scheduler=scheduler):
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path), device="cuda") as engine:
+            train_on_device(engine, 1)
