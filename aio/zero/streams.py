@@ -91,7 +91,9 @@ class HostCopies:
         """An empty host tensor (what a parameter shows between uses)."""
         import torch
 
-        return torch.empty(0, dtype=dtype)
+        # An explicit device: a default-device context (transformers builds
+        # under torch.device("meta")) must not change where parameters live.
+        return torch.empty(0, dtype=dtype, device="cpu")
 
     register_host = None  # host memory needs no registration for the CPU
 
@@ -99,7 +101,7 @@ class HostCopies:
         """Host memory for values the device reads: plain memory."""
         import torch
 
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, device="cpu")
 
     def recycle(self) -> None:
         """Nothing to give back (downloads stage nothing)."""

@@ -455,7 +455,7 @@ class CudaSim:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         nbytes = numel * itemsize
         if nbytes == 0:
-            t = torch.empty(0, dtype=dtype)
+            t = torch.empty(0, dtype=dtype, device="cpu")
             t.untyped_storage()._sim_dev = True
             return t
         off, size = self.alloc.alloc(nbytes, stream)
