@@ -126,7 +126,12 @@ class CudaBackend:
 
         self.torch = torch
         self.device = torch.device(device)
-        self.side = torch.cuda.Stream(self.device)
+        # A high-priority stream: torch hands out streams round-robin from a
+        # pool of 32 per priority, so a default-priority one may be the very
+        # stream another library (or the user) queues long kernels on; the
+        # high-priority pool is rarely used, and copies then also go first
+        # when the GPU has a choice (FSDP2's copy streams do the same).
+        self.side = torch.cuda.Stream(self.device, priority=-1)
 
     def compute(self) -> Any:
         """The stream compute kernels run on (the current stream)."""
