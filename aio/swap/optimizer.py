@@ -41,6 +41,7 @@ from ..pinned import Lease, Register
 from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
 from .param import SwapStateError
+from .param_groups import TorchGroups
 from .pool import BufferPool
 from .storage import (
     align_up,
@@ -97,6 +98,7 @@ class OptimizerSwapper:
         rank: int | None = None,
         state_dtype: str = "fp32",
         register_host: Register | None = None,
+        group_hyper: list[dict[str, Any]] | None = None,
     ) -> None:
         import torch
 
@@ -108,6 +110,7 @@ class OptimizerSwapper:
         self.state_dtype = state_dtype
         # Page-locks the buffers instead of mlock (a GPU job's cudaHostRegister; see BufferPool).
         self.register_host = register_host
+        self.torch_groups = TorchGroups(group_hyper)
         # float32 states kept as bfloat16 on the drive (widened in their buffer for the step)
         self.narrowed = [n for n, dt in self.spec if state_dtype == "bf16" and dt == torch.float32]
         _check_buffer_count(buffer_count, optimizer_cls, self.spec, pipeline_read, pipeline_write)
@@ -174,13 +177,15 @@ class OptimizerSwapper:
 
         return max(_part_bytes(numel, dt) for dt in [torch.float32, *(d for _, d in self.spec)])
 
-    def register_subgroup(self, index: int, numel: int) -> None:
-        """Reserve the drive extent for sub-group `index` of `numel` elements."""
+    def register_subgroup(self, index: int, numel: int, group: int = 0) -> None:
+        """Reserve the drive extent for sub-group `index` of `numel` elements,
+        stepped with torch param group `group`'s hyper-parameters (``group_hyper``)."""
         self._check_usable()
         import torch
 
         if index in self.groups:
             raise ValueError(f"sub-group {index} is already registered")
+        self.torch_groups.add(index, group)
         if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
             raise ValueError(f"sub-group {index}: numel must be a positive int, got {numel!r}")
         if self.sub_group_size is not None and numel > self.sub_group_size:
@@ -375,8 +380,8 @@ class OptimizerSwapper:
     # -- the step ----------------------------------------------------------------------
     def _ensure_optimizer(self) -> None:
         if self.optimizer is None:
-            proxies = [self.groups[i].proxy for i in sorted(self.groups)]
-            self.optimizer = self.optimizer_cls(proxies, **self.hyper)
+            proxies = {i: self.groups[i].proxy for i in self.groups}
+            self.optimizer = self.optimizer_cls(self.torch_groups.build(proxies), **self.hyper)
 
     def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None, lowp: Any = None) -> None:
         import torch

@@ -33,7 +33,10 @@ def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: 
     with checkpoint_dir(path) as tmp:
         save_plain(client_state or {}, os.path.join(tmp, "client_state.pt"), "client_state")
         trainer.store.export_checkpoint(os.path.join(tmp, "params"))
-        trainer.optimizer.export_checkpoint(os.path.join(tmp, "optimizer"))
+        trainer.zero_optimizer.export_checkpoint(os.path.join(tmp, "optimizer"))
+        save_plain(
+            _schedule_state(trainer), os.path.join(tmp, "schedule.pt"), "the param groups and lr scheduler"
+        )
         write_json_durably(os.path.join(tmp, "engine.json"), _meta(trainer))
     latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
     with open(latest_tmp, "w") as f:
@@ -58,6 +61,45 @@ def _meta(trainer: OffloadTrainer) -> dict[str, Any]:
     }
 
 
+def _schedule_state(trainer: OffloadTrainer) -> dict[str, Any]:
+    """What an LR schedule changes: every param group's values (lr, weight
+    decay... and a scheduler's own keys such as ``initial_lr``) and the
+    scheduler's state."""
+    groups = [{k: v for k, v in g.items() if _plain(v)} for g in trainer.optimizer.hyper()]
+    sched = trainer.lr_scheduler
+    return {"param_groups": groups, "lr_scheduler": sched.state_dict() if sched is not None else None}
+
+
+def _plain(v: Any) -> bool:
+    return (
+        v is None
+        or isinstance(v, (bool, int, float, str))
+        or (isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float)) for x in v))
+    )
+
+
+def _verify_schedule(trainer: OffloadTrainer, path: str) -> dict[str, Any] | None:
+    """The checkpoint's schedule state (None in a checkpoint from before it was saved)."""
+    f = os.path.join(path, "schedule.pt")
+    if not os.path.exists(f):
+        return None
+    state = load_plain(f)
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(trainer.optimizer.param_groups):
+        raise ValueError(f"{path}: the checkpoint's param groups do not match this optimizer's")
+    return state
+
+
+def _apply_schedule(trainer: OffloadTrainer, state: dict[str, Any] | None) -> None:
+    if state is None:
+        return
+    for g, saved in zip(trainer.optimizer.param_groups, state["param_groups"], strict=True):
+        g.update({k: v for k, v in saved.items() if k in g or k == "initial_lr"})
+    trainer.zero_optimizer.set_group_hyper(trainer.optimizer.hyper())
+    if trainer.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
 def _param_shapes(trainer: OffloadTrainer) -> list[list[Any]]:
     return [[s.param.aio_name, list(s.param.aio_shape)] for s in trainer.layout.ordered()]
 
@@ -75,13 +117,15 @@ def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, 
     meta = verify_meta(trainer, path)
     client = load_plain(os.path.join(path, "client_state.pt"))
     params = trainer.store.verify_checkpoint(os.path.join(path, "params"))
-    opt = trainer.optimizer.verify_checkpoint(os.path.join(path, "optimizer"))
+    opt = trainer.zero_optimizer.verify_checkpoint(os.path.join(path, "optimizer"))
+    schedule = _verify_schedule(trainer, path)
     # Verified: only I/O errors can fail from here, and the swappers then
     # refuse to be used or exported until a checkpoint loads.
     trainer.reset_window()
     trainer.store.synchronize()
     trainer.store.apply_checkpoint(os.path.join(path, "params"), params)
-    trainer.optimizer.apply_checkpoint(os.path.join(path, "optimizer"), opt)
+    trainer.zero_optimizer.apply_checkpoint(os.path.join(path, "optimizer"), opt)
+    _apply_schedule(trainer, schedule)
     for k in _COUNTERS:
         setattr(trainer, k, meta[k])
     scaler = trainer.scaling.scaler

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..swap.param_groups import TorchGroups
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain
 from .optimizer import GradientBuffer, PendingWrite, set_lr
 
@@ -16,20 +17,24 @@ class MemoryOptimizer:
     """A :class:`aio.zero.optimizer.ZeroOptimizer` with master weights,
     gradients and optimizer state in CPU memory."""
 
-    def __init__(self, optimizer_cls: Any, hyper: dict[str, Any]) -> None:
+    def __init__(
+        self, optimizer_cls: Any, hyper: dict[str, Any], group_hyper: list[dict[str, Any]] | None = None
+    ) -> None:
         self.optimizer_cls = optimizer_cls
         self.hyper = dict(hyper)
+        self.torch_groups = TorchGroups(group_hyper)
         self.master: dict[int, Any] = {}
         self.grads: dict[int, Any] = {}
         self.proxies: dict[int, Any] = {}
         self.optimizer: Any = None
         self.steps = 0
 
-    def register_subgroup(self, index: int, numel: int) -> None:
+    def register_subgroup(self, index: int, numel: int, group: int = 0) -> None:
         """Allocate sub-group `index`: `numel` fp32 master weights (zeros) and a
-        gradient buffer of the same size."""
+        gradient buffer of the same size; it steps with param group `group`."""
         import torch
 
+        self.torch_groups.add(index, group)
         self.master[index] = torch.zeros(numel, dtype=torch.float32)
         self.grads[index] = torch.zeros(numel, dtype=torch.float32)
         self.proxies[index] = torch.nn.Parameter(self.master[index])
@@ -57,8 +62,13 @@ class MemoryOptimizer:
         """Nothing in flight: the next window zeroes the buffers."""
 
     def set_lr(self, lr: float) -> None:
-        """The learning rate from the next step on."""
+        """The learning rate of every param group from the next step on."""
         set_lr(self.hyper, self.optimizer, lr)
+        self.torch_groups.update(self.optimizer, [{"lr": lr}] * len(self.torch_groups.hyper))
+
+    def set_group_hyper(self, values: list[dict[str, Any]]) -> None:
+        """Param group k's hyper-parameters from `values[k]` from the next step on."""
+        self.torch_groups.update(self.optimizer, values)
 
     def io_bytes(self) -> int:
         """Always 0: nothing goes to a drive."""
@@ -66,7 +76,7 @@ class MemoryOptimizer:
 
     def _ensure_optimizer(self) -> None:
         if self.optimizer is None:
-            self.optimizer = self.optimizer_cls([self.proxies[i] for i in sorted(self.proxies)], **self.hyper)
+            self.optimizer = self.optimizer_cls(self.torch_groups.build(self.proxies), **self.hyper)
 
     def step(
         self,

@@ -69,9 +69,10 @@ class ZeroOptimizer(Protocol):
 
     hyper: dict[str, Any]
 
-    def register_subgroup(self, index: int, numel: int) -> None:
-        """Declare sub-group `index` of `numel` fp32 elements (the trainer registers
-        every sub-group, 0 up, before initializing any)."""
+    def register_subgroup(self, index: int, numel: int, group: int = 0) -> None:
+        """Declare sub-group `index` of `numel` fp32 elements, stepped with torch
+        param group `group`'s hyper-parameters (the trainer registers every
+        sub-group, 0 up, before initializing any)."""
         ...
 
     def initialize(self, index: int, master: Any) -> None:
@@ -112,7 +113,12 @@ class ZeroOptimizer(Protocol):
         ...
 
     def set_lr(self, lr: float) -> None:
-        """The learning rate from the next step on."""
+        """The learning rate of every param group from the next step on."""
+        ...
+
+    def set_group_hyper(self, values: list[dict[str, Any]]) -> None:
+        """Param group k's hyper-parameters (lr, weight decay, betas...) from
+        `values[k]` from the next step on (the keys it has; others ignored)."""
         ...
 
     def export_checkpoint(self, directory: str) -> None:
@@ -157,11 +163,16 @@ def set_lr(hyper: dict[str, Any], optimizer: Any, lr: float) -> None:
 
 
 def make_optimizer(
-    cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any], register_host: Register | None = None
+    cfg: TrainConfig,
+    optimizer_cls: Any,
+    hyper: dict[str, Any],
+    register_host: Register | None = None,
+    group_hyper: list[dict[str, Any]] | None = None,
 ) -> ZeroOptimizer:
     """The optimizer backend ``zero_optimization.offload_optimizer.device`` asks
     for. `register_host`: how the drive backend page-locks its buffers (a GPU
-    job's cudaHostRegister; default mlock)."""
+    job's cudaHostRegister; default mlock). `group_hyper`: each torch param
+    group's hyper-parameters over `hyper` (default: one group)."""
     if cfg.optimizer_device == "nvme":
         from .swapped_optimizer import SwappedOptimizer
 
@@ -172,9 +183,10 @@ def make_optimizer(
             hyper,
             state_dtype=cfg.aio_zero.optimizer_states,
             register_host=register_host,
+            group_hyper=group_hyper,
         )
         swapped.gradients_on_drive = cfg.aio_zero.gradients == "nvme"
         return swapped
     from .memory_optimizer import MemoryOptimizer
 
-    return MemoryOptimizer(optimizer_cls, hyper)
+    return MemoryOptimizer(optimizer_cls, hyper, group_hyper)

@@ -32,11 +32,16 @@ class Plan:
     store: ParamStore | None
     device: Any
     packed: list[list[Any]]
+    group_of: list[int]  # each sub-group's torch param group
+    order: dict[int, int]  # id(param) -> position among the trainable parameters in model order
 
 
-def plan_placement(model: Any, cfg: TrainConfig, device: Any) -> Plan:
+def plan_placement(model: Any, cfg: TrainConfig, device: Any, groups: list[list[Any]] | None = None) -> Plan:
     """Check `model` against `cfg` (raising before any allocation) and pack its
-    trainable parameters into sub-groups."""
+    trainable parameters into sub-groups; with torch param `groups` (each a
+    list of parameters), each group's trainable parameters into sub-groups of
+    their own (a sub-group never mixes two groups). A trainable parameter in
+    no group is refused: nothing would step it."""
     import torch
 
     named = _unique_named_params(model)
@@ -56,7 +61,34 @@ def plan_placement(model: Any, cfg: TrainConfig, device: Any) -> Plan:
         for n, _p in named:
             check_fits(cfg, n, sizes[n])
     check_drive_paths(cfg)
-    return Plan(named, store, torch.device(device), pack_subgroups(trainable, sizes, cfg.sub_group_size))
+    order = {id(p): i for i, (_n, p) in enumerate(trainable)}
+    packed: list[list[Any]] = []
+    group_of: list[int] = []
+    for k, members in enumerate(_group_members(trainable, groups)):
+        if members:
+            subs = pack_subgroups(members, sizes, cfg.sub_group_size)
+            packed.extend(subs)
+            group_of.extend([k] * len(subs))
+    return Plan(named, store, torch.device(device), packed, group_of, order)
+
+
+def _group_members(
+    trainable: list[tuple[str, Any]], groups: list[list[Any]] | None
+) -> list[list[tuple[str, Any]]]:
+    """The trainable (name, param) pairs of each group, in model order."""
+    if groups is None:
+        return [trainable]
+    index = {id(p): k for k, ps in enumerate(groups) for p in ps}
+    missing = [n for n, p in trainable if id(p) not in index]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} parameters require grad but are in no param group of the optimizer "
+            f"(e.g. {missing[:3]}); add them to a group or freeze them (requires_grad_(False))"
+        )
+    out: list[list[tuple[str, Any]]] = [[] for _ in groups]
+    for n, p in trainable:
+        out[index[id(p)]].append((n, p))
+    return out
 
 
 def _check_sub_group_size(sgs: int, trainable: list[tuple[str, Any]], sizes: dict[str, int]) -> None:
@@ -108,17 +140,18 @@ class SubGroupLayout:
     sub-groups: ``places`` by parameter id, ``groups`` in order, and each
     sub-group's element count."""
 
-    def __init__(self, packed: list[list[Any]]) -> None:
+    def __init__(self, packed: list[list[Any]], order: dict[int, int] | None = None) -> None:
         self.places: dict[int, ParamPlace] = {}
         self.groups: list[list[ParamPlace]] = []
         self.group_numel: list[int] = []
-        order = 0
+        seq = 0
         for gi, members in enumerate(packed):
             group = []
             off = 0
             for p in members:
-                place = ParamPlace(p, gi, off, p.aio_numel, order)
-                order += 1
+                # Model order (gradient norms are summed in it, as clip_grad_norm_ does).
+                place = ParamPlace(p, gi, off, p.aio_numel, order[id(p)] if order else seq)
+                seq += 1
                 group.append(place)
                 self.places[p.aio_id] = place
                 off += p.aio_numel

@@ -4,7 +4,7 @@ implementing :class:`aio.zero.optimizer.ZeroOptimizer`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..swap import OptimizerSwapper
 from .optimizer import GradientBuffer, PendingWrite, set_lr
@@ -85,8 +85,13 @@ class SwappedOptimizer(OptimizerSwapper):
         return PendingWrite(lease, fut)
 
     def set_lr(self, lr: float) -> None:
-        """The learning rate from the next step on."""
+        """The learning rate of every param group from the next step on."""
         set_lr(self.hyper, self.optimizer, lr)
+        self.torch_groups.update(self.optimizer, [{"lr": lr}] * len(self.torch_groups.hyper))
+
+    def set_group_hyper(self, values: list[dict[str, Any]]) -> None:
+        """Param group k's hyper-parameters from `values[k]` from the next step on."""
+        self.torch_groups.update(self.optimizer, values)
 
     def io_bytes(self) -> int:
         """Bytes this swapper has read and written so far (master weights, states and

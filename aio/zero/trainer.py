@@ -32,19 +32,27 @@ from .optimizer import ZeroOptimizer, make_optimizer
 from .params import ParamStore
 from .placement import Plan, SubGroupLayout, plan_placement
 from .scaler import GradScaling
+from .torch_optimizer import OffloadOptimizer, attach_scheduler, backend_group_hyper
 from .uploads import UploadPolicy
 
 
-def initialize(model: Any, config: Any, optimizer: Any = None, device: Any = None) -> OffloadTrainer:
+def initialize(
+    model: Any, config: Any, optimizer: Any = None, device: Any = None, lr_scheduler: Any = None
+) -> OffloadTrainer:
     """Wrap `model` for offloaded training (DeepSpeed's entry point name).
 
     `config`: a DeepSpeed-format dict or JSON path (see docs/zero.md).
-    `optimizer`: a torch optimizer instance (its class and hyper-parameters
-    are used; it is never stepped itself), a torch optimizer class (with
+    `optimizer`: a torch optimizer instance (its class and its param groups
+    -- each group's parameters and hyper-parameters -- are used; it is never
+    stepped itself, and its ``param_groups`` are read at every step, so a
+    scheduler on it is honoured), a torch optimizer class (with
     ``optimizer.params`` from the config), or None (``optimizer.type`` from
-    the config). Every config problem is raised before anything is allocated.
+    the config). `lr_scheduler`: a scheduler on that optimizer or on
+    ``engine.optimizer``, or a callable building one from
+    ``engine.optimizer``; stepped after each optimizer step, as DeepSpeed
+    does. Every config problem is raised before anything is allocated.
     """
-    return OffloadTrainer(model, config, optimizer=optimizer, device=device)
+    return OffloadTrainer(model, config, optimizer=optimizer, device=device, lr_scheduler=lr_scheduler)
 
 
 def resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str, Any]]:
@@ -58,11 +66,6 @@ def resolve_optimizer(cfg: TrainConfig, optimizer: Any) -> tuple[Any, dict[str, 
             )
         return cfg.optimizer_class(), dict(cfg.optimizer_params)
     if isinstance(optimizer, torch.optim.Optimizer):
-        if len(optimizer.param_groups) != 1:
-            raise ValueError(
-                "aio.zero steps the whole model as one parameter group; the optimizer has "
-                f"{len(optimizer.param_groups)} groups (per-group settings are not supported)"
-            )
         import inspect
 
         accepted = inspect.signature(type(optimizer).__init__).parameters
@@ -99,6 +102,12 @@ def stepping_optimizer(
     return cls, hyper
 
 
+def _is_optimizer(optimizer: Any) -> bool:
+    import torch
+
+    return isinstance(optimizer, torch.optim.Optimizer)
+
+
 def move_buffers(model: Any, device: Any) -> None:
     """Put every module buffer (BatchNorm statistics, position ids, rotary
     frequencies, masks) on the compute device, as ``model.to(device)`` would:
@@ -119,12 +128,18 @@ class OffloadTrainer:
         trainer.step()   # steps the optimizer at accumulation boundaries
     """
 
-    def __init__(self, model: Any, config: Any, optimizer: Any = None, device: Any = None) -> None:
+    def __init__(
+        self, model: Any, config: Any, optimizer: Any = None, device: Any = None, lr_scheduler: Any = None
+    ) -> None:
         self.closed = True  # until fully built: close() must not touch missing parts
         self.cfg = cfg = load_train_config(config)
         self.optimizer_cls, self.hyper = resolve_optimizer(cfg, optimizer)
         self.module = model
-        plan = plan_placement(model, cfg, device)  # every check, before any allocation
+        self._user_optimizer = optimizer if _is_optimizer(optimizer) else None
+        groups = None if self._user_optimizer is None else [g["params"] for g in optimizer.param_groups]
+        plan = plan_placement(model, cfg, device, groups)  # every check, before any allocation
+        self._torch_opt: OffloadOptimizer | None = None
+        self.lr_scheduler: Any = None
         self.device = plan.device
         self.store = plan.store if plan.store is not None else ParamStore(cfg, self.device)
         self.opt: ZeroOptimizer | None = None
@@ -142,6 +157,7 @@ class OffloadTrainer:
             raise
         self.closed = False
         trim_malloc()
+        self.lr_scheduler = attach_scheduler(lr_scheduler, self.optimizer, self._user_optimizer)
         self.global_steps = 0
         self.skipped_steps = 0
         self.abandoned_windows = 0
@@ -156,12 +172,18 @@ class OffloadTrainer:
         for n, p in plan.named:
             self.store.adopt(p, n)
         move_buffers(self.module, self.device)
-        self.opt = opt = make_optimizer(
-            cfg, *stepping_optimizer(cfg, self.optimizer_cls, self.hyper), self.store.copies.register_host
+        cls, hyper = stepping_optimizer(cfg, self.optimizer_cls, self.hyper)
+        self.layout = layout = SubGroupLayout(plan.packed, plan.order)
+        groups = self._param_groups(plan)
+        group_hyper = backend_group_hyper(cls, hyper, groups)
+        self.opt = opt = make_optimizer(cfg, cls, hyper, self.store.copies.register_host, group_hyper)
+        self._torch_opt = OffloadOptimizer(
+            [{"params": g["params"], **h} for g, h in zip(groups, group_hyper, strict=True)], hyper, opt
         )
-        self.layout = layout = SubGroupLayout(plan.packed)
+        if self._user_optimizer is not None:  # a scheduler on the user's optimizer reaches us
+            self._torch_opt.share_groups(self._user_optimizer.param_groups)
         for gi, numel in enumerate(layout.group_numel):
-            opt.register_subgroup(gi, numel)
+            opt.register_subgroup(gi, numel, plan.group_of[gi])
         for gi in range(len(layout.groups)):
             opt.initialize(gi, layout.gather_master(gi, self.store.read))
         self.store.pack([[s.param for s in group] for group in layout.groups])
@@ -195,8 +217,24 @@ class OffloadTrainer:
         """The fp16 :class:`aio.zero.scaler.LossScaler`, or None."""
         return self.scaling.scaler
 
+    def _param_groups(self, plan: Plan) -> list[dict[str, Any]]:
+        """The torch param groups: the user's optimizer's, or one of every
+        trainable parameter."""
+        if self._user_optimizer is not None:
+            return list(self._user_optimizer.param_groups)
+        return [{"params": [p for _n, p in plan.named if p.requires_grad]}]
+
     @property
-    def optimizer(self) -> ZeroOptimizer:
+    def optimizer(self) -> OffloadOptimizer:
+        """The torch optimizer face (:class:`aio.zero.torch_optimizer.OffloadOptimizer`):
+        ``param_groups`` read at every step (LR schedulers work on it); other
+        attributes are the backend's (:attr:`zero_optimizer`)."""
+        if self._torch_opt is None:
+            raise ValueError("this aio.zero trainer was not built")
+        return self._torch_opt
+
+    @property
+    def zero_optimizer(self) -> ZeroOptimizer:
         """The optimizer backend (a :class:`aio.zero.optimizer.ZeroOptimizer`)."""
         if self.opt is None:
             raise ValueError("this aio.zero trainer was not built")
@@ -232,14 +270,17 @@ class OffloadTrainer:
         return loss
 
     def get_lr(self) -> float:
-        """The learning rate of the next step."""
-        return float(self.optimizer.hyper["lr"])
+        """The learning rate of the next step (param group 0's; see
+        ``optimizer.param_groups`` for every group's)."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def set_lr(self, lr: float) -> None:
-        """Change the learning rate from the next step on (for a schedule)."""
+        """Change every param group's learning rate from the next step on."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
             raise ValueError(f"lr must be a number >= 0, got {lr!r}")
-        self.optimizer.set_lr(lr)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.zero_optimizer.set_lr(lr)
 
     def zero_grad(self) -> None:
         """Nothing to do: gradients never stay on the parameters (kept for API compatibility)."""
@@ -283,8 +324,26 @@ class OffloadTrainer:
         if scale.skip:
             self.skipped_steps += 1
         else:
-            self._optimizer_step(scale.grad_scale)
+            self._step_through_torch_optimizer(scale.grad_scale)
         self.grads.end_window()
+
+    def _step_through_torch_optimizer(self, grad_scale: Any) -> None:
+        """The step goes through ``optimizer.step()`` (a scheduler built on it
+        sees the step), with every param group's current hyper-parameters;
+        then the scheduler steps, as in DeepSpeed."""
+        opt = self.optimizer
+        self.zero_optimizer.set_group_hyper(opt.hyper())
+        opt._run_step = lambda: self._optimizer_step(grad_scale)
+        try:
+            opt.step()
+        finally:
+            opt._run_step = None
+        if self.lr_scheduler is not None:
+            # A scheduler on the user's optimizer watches that optimizer's
+            # step() (never called: this one stepped); say it ran, as torch's
+            # own wrapper would, so it does not warn about the order.
+            self.lr_scheduler.optimizer._opt_called = True
+            self.lr_scheduler.step()
 
     def _optimizer_step(self, grad_scale: Any) -> None:
         self._param_writes = []
@@ -292,7 +351,7 @@ class OffloadTrainer:
         # parameters written by the update itself.
         lowp = {gi: flat for gi, (flat, _) in self.store.packed.items()}
         try:
-            self.optimizer.step(after=self._store_params, grad_scale=grad_scale, lowp=lowp)
+            self.zero_optimizer.step(after=self._store_params, grad_scale=grad_scale, lowp=lowp)
         finally:
             self.store.settle(self._param_writes)
             self._param_writes = []
@@ -382,14 +441,14 @@ class OffloadTrainer:
             "loss_scale": self.scaler.scale if self.scaler else None,
             "pinned_bytes": self.pinned_bytes(),
             "params": self.store.stats(),
-            "optimizer": self.optimizer.stats(),
+            "optimizer": self.zero_optimizer.stats(),
             "fetcher": dict(self.fetcher.counters) if self.fetcher else None,
             "grads": self.grads.stats(),
         }
 
     def io_bytes(self) -> int:
         """Bytes read and written by the parameter and optimizer swappers so far."""
-        total = self.optimizer.io_bytes()
+        total = self.zero_optimizer.io_bytes()
         if self.store.swapper is not None:
             c = self.store.swapper.counters
             total += c["bytes_read"] + c["bytes_written"]
