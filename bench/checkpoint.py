@@ -170,7 +170,7 @@ class Worker:
         self.info: dict[str, Any] = {"losses": rec["loss"], "step_s": rec["step_s"]}
         self.phases: dict[str, float] = {}
         if self.v == "aio":
-            store, opt = self.engine.store, self.engine.optimizer
+            store, opt = self.engine.store, self.engine.zero_optimizer
             for obj, part in ((store, "params"), (opt, "optimizer")):
                 for m in ("export", "verify", "apply"):
                     Timed(obj, f"{m}_checkpoint", f"{part} {m}", self.phases)
