@@ -17,6 +17,7 @@ low-precision parameters back.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -34,6 +35,8 @@ from .placement import Plan, SubGroupLayout, plan_placement
 from .scaler import GradScaling
 from .torch_optimizer import OffloadOptimizer, attach_scheduler, backend_group_hyper
 from .uploads import UploadPolicy
+
+logger = logging.getLogger("aio.zero")
 
 
 def initialize(
@@ -100,6 +103,22 @@ def stepping_optimizer(
     if match and isinstance(cls, type) and issubclass(cls, CPUAdam):
         hyper = {**hyper, "match_torch": True}  # a CPUAdam class given as it is
     return cls, hyper
+
+
+def _warn_if_nothing_on_drive(store: ParamStore, params: list[Any], cfg: TrainConfig) -> None:
+    """``offload_param.device: nvme`` that pages nothing: one warning line."""
+    if store.swapper is None or store.on_drive_part_ids(params):
+        return
+    p = cfg.offload.offload_param
+    total = sum(q.aio_numel for q in params)
+    logger.warning(
+        "offload_param.device is nvme but every parameter stays in CPU memory: max_in_cpu=%d "
+        "elements and stage3_param_persistence_threshold=%d keep all %d of this model's; set "
+        "zero_optimization.offload_param.max_in_cpu lower (0: everything on the drive)",
+        p.max_in_cpu,
+        cfg.persistence_threshold,
+        total,
+    )
 
 
 def _is_optimizer(optimizer: Any) -> bool:
@@ -171,6 +190,7 @@ class OffloadTrainer:
         self.store.uploads.policy = UploadPolicy(cfg.aio_zero.modules_ahead)  # Init's store too
         for n, p in plan.named:
             self.store.adopt(p, n)
+        _warn_if_nothing_on_drive(self.store, [p for _n, p in plan.named], cfg)
         move_buffers(self.module, self.device)
         cls, hyper = stepping_optimizer(cfg, self.optimizer_cls, self.hyper)
         self.layout = layout = SubGroupLayout(plan.packed, plan.order)

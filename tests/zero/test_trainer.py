@@ -392,3 +392,24 @@ def test_torch_adam_must_be_a_bool(tmp_path):
     cfg["optimizer"]["params"]["torch_adam"] = "yes"
     with pytest.raises(ConfigError, match="torch_adam"):
         aio.zero.initialize(gpt(), cfg)
+
+
+def test_nvme_offload_that_pages_nothing_says_so(tmp_path, caplog):
+    """DeepSpeed's default max_in_cpu (1e9) keeps a small model's parameters
+    in memory although the config says nvme: one warning line at start."""
+    import logging
+
+    cfg = cfg_for(tmp_path)
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 1_000_000_000
+    with caplog.at_level(logging.WARNING, logger="aio"):
+        with aio.zero.initialize(gpt(), cfg):
+            pass
+    lines = [
+        r.getMessage() for r in caplog.records if "every parameter stays in CPU memory" in r.getMessage()
+    ]
+    assert len(lines) == 1 and "max_in_cpu=1000000000" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aio"):
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path / "b")):
+            pass
+    assert not [r for r in caplog.records if "stays in CPU memory" in r.getMessage()]
