@@ -110,6 +110,8 @@ def _warn_if_nothing_on_drive(store: ParamStore, params: list[Any], cfg: TrainCo
     if store.swapper is None or store.on_drive_part_ids(params):
         return
     p = cfg.offload.offload_param
+    if p is None:  # cannot be: the store swaps only with an offload_param block
+        return
     total = sum(q.aio_numel for q in params)
     logger.warning(
         "offload_param.device is nvme but every parameter stays in CPU memory: max_in_cpu=%d "
