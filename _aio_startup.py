@@ -31,7 +31,10 @@ def _enable() -> None:
 
 
 class _LoaderThenEnable:
-    """Wraps DeepSpeed's own loader: runs it, then enables aio."""
+    """Wraps DeepSpeed's own loader: runs it, then enables aio. The finder
+    leaves ``sys.meta_path`` only here, when DeepSpeed really executes: a
+    mere ``importlib.util.find_spec("deepspeed")`` (transformers' and
+    accelerate's ``is_deepspeed_available``) gets a spec and changes nothing."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -47,23 +50,32 @@ class _LoaderThenEnable:
         module.__loader__ = self._inner
         if module.__spec__ is not None:
             module.__spec__.loader = self._inner
+        _remove()
         self._inner.exec_module(module)
         _enable()
 
 
 class _DeepSpeedFinder:
     """A meta path finder that finds nothing itself: for ``deepspeed`` it asks
-    the rest of ``sys.meta_path`` and wraps the loader it gets."""
+    the rest of ``sys.meta_path`` and wraps the loader it gets. It stays on
+    the path until that loader runs (any number of find_spec calls before)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._searching = threading.local()
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "deepspeed":
+        if fullname != "deepspeed" or getattr(self._searching, "on", False):
             return None
         import importlib.util
 
-        # One shot: leave the path before searching, so the search below
-        # does not come back here.
-        _remove()
-        spec = importlib.util.find_spec(fullname)
+        # The search below walks sys.meta_path again: this finder steps aside then.
+        self._searching.on = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._searching.on = False
         if spec is not None and spec.loader is not None:
             # Duck-typed (create_module/exec_module): importlib.abc stays unimported.
             spec.loader = _LoaderThenEnable(spec.loader)  # type: ignore[assignment]

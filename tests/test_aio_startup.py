@@ -95,3 +95,30 @@ def test_false_values_leave_deepspeed_alone(tmp_path, value):
     out = run("simulated", tmp_path, value)
     assert [m for m in out["aio_modules"] if m != "_aio_startup"] == []
     assert out["swapper_builder"].startswith("deepspeed")
+
+
+PRELUDES = {
+    "find_spec": "import importlib.util as u; u.find_spec('deepspeed'); u.find_spec('deepspeed')",
+    "transformers": "from transformers.integrations import is_deepspeed_available as a; assert a()",
+    "accelerate": "from accelerate.utils import is_deepspeed_available; assert is_deepspeed_available()",
+    "hf-trainer": "from transformers import Trainer, TrainingArguments",
+}
+
+
+@pytest.mark.parametrize("prelude", list(PRELUDES))
+def test_served_after_libraries_ask_whether_deepspeed_exists(tmp_path, prelude):
+    """transformers' and accelerate's is_deepspeed_available() call
+    importlib.util.find_spec('deepspeed'): the hook must survive that and
+    serve the import that comes later (the real libraries, not fakes)."""
+    lib = prelude.split("-")[0]
+    if lib in ("transformers", "accelerate", "hf"):
+        pytest.importorskip("transformers" if lib == "hf" else lib)
+    cmd = [sys.executable, "-c", pth_line() + "\n" + PRELUDES[prelude] + "\n" + SCRIPT]
+    env = {k: v for k, v in os.environ.items() if k != "AIO_DEEPSPEED"}
+    env.update(DS_ACCELERATOR="cpu", AIO_DEEPSPEED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["handle"] == "aio.integrations.deepspeed.DeepSpeedAioHandle"
+    assert out["swapper_builder"] == "aio.integrations.deepspeed"
