@@ -13,6 +13,8 @@ import math
 import sys
 import warnings
 
+from .hf_auto import filled_note, stand_in_autos
+from .load import ConfigError, read_config_data
 from .memory import estimate_memory
 from .train import load_train_config
 
@@ -168,9 +170,14 @@ def _run(a: argparse.Namespace) -> int:
     if a.cmd == "validate":
         # Every key aio reads, training keys included: what validate calls OK,
         # aio.zero.initialize and aio-train accept.
+        data, where = read_config_data(a.config)
+        data, filled = stand_in_autos(data)
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
-            cfg = load_train_config(a.config)
+            try:
+                cfg = load_train_config(data)
+            except ConfigError as e:
+                raise ConfigError(e.problems, where) from None
         print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
         for n in notes:
             print(f"aio-config: note: {n.message}", file=sys.stderr)
@@ -183,6 +190,8 @@ def _run(a: argparse.Namespace) -> int:
                     "engine takes one directory (give it one, or a RAID-0 mount)",
                     file=sys.stderr,
                 )
+        if filled:
+            print(f"aio-config: note: {filled_note(filled)}", file=sys.stderr)
         print("config OK", file=sys.stderr)
         return 0
     dtype, source = estimate_dtype(a.config, a.dtype)
