@@ -15,6 +15,8 @@ parameter's placeholder:
 - any other operation runs on the real values, fetched for it, and whatever
   it wrote is stored again -- so ``normal_``, ``fill_``, ``copy_`` and reads
   happen in the same order, with the same random numbers, as in memory;
+- ``.detach()`` outside a module's build (``state_dict()``) answers with a
+  meta tensor of the parameter's shape and dtype, holding no buffer;
 - ``.data``, and any operation whose result is a view of the parameter
   (``weight[padding_idx]``, ``.view``, ``.t()``...), fetches the parameter
   and leaves it fetched -- what is done through the view cannot be seen --
@@ -81,6 +83,8 @@ class PlaceholderGuard(TorchFunctionMode):
             return func(*args, **kwargs)
         if name in _SHAPE and args and args[0] is stored[0] and len(stored) == 1:
             return _shape_answer(name, stored[0], args[1:], kwargs)
+        if name == "detach" and not self.building and args and args[0] is stored[0]:
+            return _detached(stored[0])
         stored = _unique(stored)
         self.store.acquire(stored)
         try:
@@ -144,6 +148,19 @@ class PlaceholderCheck(TorchFunctionMode):
                     "aio.zero.register_external_parameter(module, param)"
                 )
         return func(*args, **kwargs)
+
+
+def _detached(p: Any) -> Any:
+    """``param.detach()`` of a stored parameter outside any module's build
+    (``Module.state_dict()`` detaches every parameter): a meta tensor of its
+    shape and dtype. Reading the shape, dtype or keys works; reading or
+    writing values through it fails loudly (use ``param`` itself, which the
+    guard fetches around each operation). Fetching instead would hold a swap
+    buffer per parameter until the Init block ends: ``from_pretrained`` walks
+    ``state_dict()`` and ran out of DeepSpeed's default 5 buffers."""
+    import torch
+
+    return torch.empty(p.aio_shape, dtype=p.dtype, device="meta")
 
 
 def _shallow(args: tuple, kwargs: dict) -> list[Any]:

@@ -147,3 +147,29 @@ def test_multihead_attention_built_under_init_equals_memory(tmp_path):
         torch.manual_seed(0)
         model = torch.nn.MultiheadAttention(32, 4)
     _assert_equal_params(init.store, model, mem)
+
+
+_AUTO = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM",
+         "t5": "AutoModelForSeq2SeqLM"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_from_pretrained_at_deepspeeds_default_buffer_count(tmp_path, name):
+    """offload_param.buffer_count 5 (DeepSpeed's default) with every tensor on
+    the drive: from_pretrained's state_dict() walk holds no swap buffer, the
+    sharded checkpoint loads exactly, and training matches memory."""
+    saved = _build(name)
+    ckpt = tmp_path / "ckpt"
+    saved.save_pretrained(ckpt, max_shard_size="20KB")
+    cfg = _zero_config(tmp_path / "drive")
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 5
+    (tmp_path / "drive").mkdir()
+    auto = getattr(tf, _AUTO[name])
+    with aio.zero.Init(cfg) as init:
+        model = auto.from_pretrained(ckpt, attn_implementation="eager")
+        assert len(init.store.refs) <= 2  # at most the views a model keeps (BERT ties its decoder bias)
+    _assert_equal_params(init.store, model, saved)
+    ref = auto.from_pretrained(ckpt, attn_implementation="eager")
+    want = _train(ref, name, steps=2)
+    with aio.zero.initialize(model, cfg) as engine:
+        assert _train(model, name, engine, steps=2) == want
