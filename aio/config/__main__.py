@@ -166,34 +166,48 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli("aio-config", lambda: _run(a))
 
 
+def _validate(a: argparse.Namespace) -> int:
+    """``aio-config validate``: the config as aio.zero reads it, with notes."""
+    # Every key aio reads, training keys included: what validate calls OK,
+    # aio.zero.initialize and aio-train accept.
+    data, where = read_config_data(a.config)
+    data, filled = stand_in_autos(data)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        try:
+            cfg = load_train_config(data)
+        except ConfigError as e:
+            raise ConfigError(e.problems, where) from None
+    print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
+    for n in notes:
+        print(f"aio-config: note: {n.message}", file=sys.stderr)
+    for key in ("offload_param", "offload_optimizer"):
+        blk = getattr(cfg.offload, key)
+        if blk is not None and len(blk.nvme_dirs()) > 1:
+            print(
+                f"aio-config: note: zero_optimization.{key}.nvme_path lists "
+                f"{len(blk.nvme_dirs())} drives: aio.zero stripes over them; DeepSpeed's own "
+                "engine takes one directory (give it one, or a RAID-0 mount)",
+                file=sys.stderr,
+            )
+    if filled:
+        print(f"aio-config: note: {filled_note(filled)}", file=sys.stderr)
+    op = cfg.offload.offload_param
+    if op is not None and op.device == "nvme" and op.max_in_cpu >= 1_000_000_000:
+        print(
+            f"aio-config: note: offload_param.device is nvme but max_in_cpu={op.max_in_cpu} keeps "
+            f"the first {op.max_in_cpu:,} parameter elements in CPU memory: a smaller model never "
+            "pages parameters to the drive; set zero_optimization.offload_param.max_in_cpu "
+            "(0: all on the drive)",
+            file=sys.stderr,
+        )
+    print("config OK", file=sys.stderr)
+    return 0
+
+
 def _run(a: argparse.Namespace) -> int:
     if a.cmd == "validate":
-        # Every key aio reads, training keys included: what validate calls OK,
-        # aio.zero.initialize and aio-train accept.
-        data, where = read_config_data(a.config)
-        data, filled = stand_in_autos(data)
-        with warnings.catch_warnings(record=True) as notes:
-            warnings.simplefilter("always")
-            try:
-                cfg = load_train_config(data)
-            except ConfigError as e:
-                raise ConfigError(e.problems, where) from None
-        print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
-        for n in notes:
-            print(f"aio-config: note: {n.message}", file=sys.stderr)
-        for key in ("offload_param", "offload_optimizer"):
-            blk = getattr(cfg.offload, key)
-            if blk is not None and len(blk.nvme_dirs()) > 1:
-                print(
-                    f"aio-config: note: zero_optimization.{key}.nvme_path lists "
-                    f"{len(blk.nvme_dirs())} drives: aio.zero stripes over them; DeepSpeed's own "
-                    "engine takes one directory (give it one, or a RAID-0 mount)",
-                    file=sys.stderr,
-                )
-        if filled:
-            print(f"aio-config: note: {filled_note(filled)}", file=sys.stderr)
-        print("config OK", file=sys.stderr)
-        return 0
+        return _validate(a)
     dtype, source = estimate_dtype(a.config, a.dtype)
     est = estimate_memory(
         a.config,

@@ -1,7 +1,9 @@
 """Map Lightning ``DeepSpeedStrategy`` keyword arguments onto aio's models.
 
-:func:`lightning_config` builds the DeepSpeed config dict the way Lightning
-2.6 does (``DeepSpeedStrategy.__init__`` / ``_create_default_config``);
+:func:`lightning_config` gets the DeepSpeed config dict from Lightning's own
+``DeepSpeedStrategy`` when Lightning is installed, else builds it the way
+Lightning 2.6 does (:func:`builtin_config`: ``DeepSpeedStrategy.__init__`` /
+``_create_default_config``);
 :func:`from_lightning` validates it and warns about keyword combinations that
 do not do what they read as. The main one: ``remote_device="nvme"`` is only the
 device ``deepspeed.zero.Init`` creates the model on, and DeepSpeed replaces it
@@ -125,9 +127,35 @@ def _check_keywords(kwargs: Mapping[str, Any]) -> None:
 
 def lightning_config(**kwargs: Any) -> dict[str, Any]:
     """The DeepSpeed config ``DeepSpeedStrategy(**kwargs).config`` holds before
-    setup (Lightning 2.6): an explicit ``config=`` (dict or JSON path), else a
-    path in ``$PL_DEEPSPEED_CONFIG_PATH``, else the dict built from the keywords.
-    Unknown keywords are a :class:`ConfigError`."""
+    setup: built by Lightning's own ``DeepSpeedStrategy`` when Lightning (and
+    the DeepSpeed it needs) can be imported, else by :func:`builtin_config`,
+    aio's copy of Lightning 2.6's rules. Unknown keywords are a
+    :class:`ConfigError` either way."""
+    _check_keywords(kwargs)
+    theirs = _strategy_config(kwargs)
+    return theirs if theirs is not None else builtin_config(**kwargs)
+
+
+def _strategy_config(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``DeepSpeedStrategy(**kwargs).config`` (its __init__ builds the config;
+    setup, the part needing a GPU, is not run), or None without Lightning or
+    DeepSpeed, or if the strategy refuses to be built here."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from lightning.pytorch.strategies import DeepSpeedStrategy
+
+            cfg = DeepSpeedStrategy(**kwargs).config
+    except Exception:  # noqa: BLE001 - any failure: aio's own copy of the rules
+        return None
+    return dict(cfg) if isinstance(cfg, Mapping) else None
+
+
+def builtin_config(**kwargs: Any) -> dict[str, Any]:
+    """aio's copy of how Lightning 2.6 builds the config (the fallback of
+    :func:`lightning_config`): an explicit ``config=`` (dict or JSON path),
+    else a path in ``$PL_DEEPSPEED_CONFIG_PATH``, else the dict built from
+    the keywords."""
     _check_keywords(kwargs)
     config = kwargs.get("config")
     if config is None and ENV_VAR in os.environ:
@@ -240,12 +268,30 @@ def _traps(kwargs: Mapping[str, Any], cfg: Mapping[str, Any], from_keywords: boo
         )
     zero = cfg.get("zero_optimization") or {}
     nvme = [b for b in ("offload_param", "offload_optimizer") if _device(zero.get(b)) == "nvme"]
+    out += _max_in_cpu_trap(zero)
     if nvme and "nvme_path" not in kwargs:
         out.append(
             f"DeepSpeedStrategy: nvme_path is not given, so the NVMe offload goes to Lightning's "
             f"default {_DEFAULTS['nvme_path']!r}; set nvme_path to a directory on the NVMe drive"
         )
     return out
+
+
+def _max_in_cpu_trap(zero: Mapping[str, Any]) -> list[str]:
+    """``offload_param.device: nvme`` with DeepSpeed's default max_in_cpu (1e9
+    elements): the first billion parameter elements stay in CPU memory, so a
+    model smaller than that never pages parameters to the drive."""
+    param = zero.get("offload_param")
+    if _device(param) != "nvme" or not isinstance(param, Mapping):
+        return []
+    n = param.get("max_in_cpu", _DEFAULTS["max_in_cpu"])
+    if not isinstance(n, (int, float)) or n < _DEFAULTS["max_in_cpu"]:
+        return []
+    return [
+        f"DeepSpeedStrategy: max_in_cpu={int(n)} keeps the first {int(n):,} parameter elements in CPU "
+        "memory before any goes to the drive, so a model of fewer parameters never pages them to "
+        "NVMe; set max_in_cpu (0: every parameter on the drive)"
+    ]
 
 
 def _remote_nvme_trap(kwargs: Mapping[str, Any], cfg: Mapping[str, Any], from_keywords: bool) -> str:

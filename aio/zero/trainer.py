@@ -172,13 +172,13 @@ class OffloadTrainer:
             if cfg.aio_zero.short_openmp_spin(nvme):
                 self._omp = OpenMPThrottle()
             self._build(plan)
+            self.lr_scheduler = attach_scheduler(lr_scheduler, self.optimizer, self._user_optimizer)
         except BaseException:
             self.closed = False
             self.close()
             raise
         self.closed = False
         trim_malloc()
-        self.lr_scheduler = attach_scheduler(lr_scheduler, self.optimizer, self._user_optimizer)
         self.global_steps = 0
         self.skipped_steps = 0
         self.abandoned_windows = 0

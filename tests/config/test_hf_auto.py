@@ -69,3 +69,13 @@ def test_every_stand_in_is_a_key_an_integration_fills(path):
     node[last] = "auto"
     out, done = stand_in_autos(data)
     assert done == [path] and "auto" not in json.dumps(out)
+
+
+def test_validate_says_when_max_in_cpu_keeps_parameters_off_the_drive(tmp_path, capsys):
+    """The HF template leaves max_in_cpu at DeepSpeed's 1e9: a note says so."""
+    assert main(["validate", write(tmp_path, HF_TEMPLATE)]) == 0
+    assert "max_in_cpu=1000000000" in capsys.readouterr().err
+    cfg = json.loads(json.dumps(HF_TEMPLATE))
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
+    assert main(["validate", write(tmp_path, cfg)]) == 0
+    assert "max_in_cpu" not in capsys.readouterr().err

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from aio.config import ConfigError, from_lightning, load_config
-from aio.config.lightning import _DEFAULTS, _IGNORED, ENV_VAR, lightning_config
+from aio.config.lightning import _DEFAULTS, _IGNORED, ENV_VAR, builtin_config, lightning_config
 
 NVME = {
     "stage": 3,
@@ -18,6 +18,7 @@ NVME = {
     "offload_params_device": "nvme",
     "offload_optimizer_device": "nvme",
     "nvme_path": "/mnt/nvme",
+    "max_in_cpu": 0,
 }
 
 # Keyword sets whose config must equal Lightning's own, key for key.
@@ -78,7 +79,8 @@ def _quiet(fn, **kw):
 def test_config_is_lightnings_own(strategy_cls, no_env, kw):
     # DeepSpeedStrategy builds its config in __init__; setup (the part that needs CUDA) is not run.
     theirs = _quiet(strategy_cls, **kw).config
-    ours = lightning_config(**kw)
+    ours = builtin_config(**kw)  # the fallback without Lightning
+    assert lightning_config(**kw) == theirs
     assert set(ours) == set(theirs)
     for key, value in theirs.items():
         assert ours[key] == value, key
@@ -89,10 +91,12 @@ def test_registered_nvme_strategy(strategy_cls, no_env):
     from lightning.pytorch.strategies import StrategyRegistry
 
     kw = StrategyRegistry["deepspeed_stage_3_offload_nvme"]["init_params"]
-    assert lightning_config(**kw) == _quiet(strategy_cls, **kw).config
-    with pytest.warns(UserWarning, match="nvme_path is not given") as rec:
+    assert builtin_config(**kw) == _quiet(strategy_cls, **kw).config
+    with pytest.warns(UserWarning) as rec:
         c = from_lightning(**kw)
-    assert len(rec) == 1 and c.nvme_paths() == ["/local_nvme"]
+    said = sorted(str(r.message).split(":")[1].split()[0] for r in rec)
+    assert len(rec) == 2 and said == ["max_in_cpu=1000000000", "nvme_path"], said
+    assert c.nvme_paths() == ["/local_nvme"]
 
 
 def test_keywords_and_defaults_match_lightning(strategy_cls):
@@ -197,3 +201,11 @@ def test_errors_name_the_keyword(no_env):
     paths = [p for p, _ in ei.value.problems]
     assert "params_buffer_count (zero_optimization.offload_param.buffer_count)" in paths
     assert "queue_depth (aio.queue_depth)" in paths
+
+
+def test_default_max_in_cpu_with_nvme_params_warns(no_env):
+    """Lightning's max_in_cpu default (DeepSpeed's 1e9) keeps a smaller
+    model's parameters in memory although they read as offloaded to NVMe."""
+    kw = {k: v for k, v in NVME.items() if k != "max_in_cpu"}
+    with pytest.warns(UserWarning, match="max_in_cpu=1000000000 keeps"):
+        from_lightning(**kw)

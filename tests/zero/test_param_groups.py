@@ -150,6 +150,11 @@ def test_engine_optimizer_is_a_torch_optimizer(tmp_path):
         assert engine.optimizer.stats()["subgroups"] >= 1  # the backend's, through the face
         with pytest.raises(RuntimeError, match="engine.step"):
             engine.optimizer.step()
-        with pytest.raises(ValueError, match="another optimizer"):
-            other = torch.optim.SGD(copy.deepcopy(gpt()).parameters(), lr=1.0)
-            aio.zero.initialize(gpt(), cfg_for(tmp_path / "y"), lr_scheduler=warmup_then_decay(other))
+    from aio import _C
+
+    parked = _C.omp_parked_threads()
+    other = torch.optim.SGD(copy.deepcopy(gpt()).parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="another optimizer"):
+        aio.zero.initialize(gpt(), cfg_for(tmp_path / "y"), lr_scheduler=warmup_then_decay(other))
+    assert _C.omp_parked_threads() == parked  # the refused trainer was closed (no throttle left)
+    assert not list((tmp_path / "y").rglob("*.swp"))  # and its swap files removed
