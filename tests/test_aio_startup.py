@@ -98,7 +98,6 @@ def test_false_values_leave_deepspeed_alone(tmp_path, value):
 
 
 PRELUDES = {
-    "find_spec": "import importlib.util as u; u.find_spec('deepspeed'); u.find_spec('deepspeed')",
     "transformers": "from transformers.integrations import is_deepspeed_available as a; assert a()",
     "accelerate": "from accelerate.utils import is_deepspeed_available; assert is_deepspeed_available()",
     "hf-trainer": "from transformers import Trainer, TrainingArguments",

@@ -348,6 +348,7 @@ class CudaSim:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         self.scheduler = scheduler
+        self.seed = seed
         self.rng = random.Random(seed)
         self.streams = []
         self.default = self.new_stream("default")

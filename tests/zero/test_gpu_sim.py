@@ -38,13 +38,21 @@ def train_on_device(engine, steps, gas=2):
     return out
 
 
-@pytest.mark.parametrize("param,opt", [("nvme", "nvme"), ("cpu", "cpu"), ("nvme", "cpu")])
-def test_training_on_simulated_gpu_equals_memory(sim, tmp_path, param, opt):
+# Everything on the drive in every schedule; the other offloads in the lazy
+# and eager ones (CI time).
+TRAINING = [(m, s, "nvme", "nvme") for m, s in MODES] + [
+    (m, 0, param, opt) for m in ("lazy", "eager") for param, opt in (("cpu", "cpu"), ("nvme", "cpu"))
+]
+
+
+@pytest.mark.parametrize("mode,seed,param,opt", TRAINING, ids=[f"{m}-{s}-{p}-{o}" for m, s, p, o in TRAINING])
+def test_training_on_simulated_gpu_equals_memory(tmp_path, mode, seed, param, opt):
     want = train_in_memory(3)
-    with aio.zero.initialize(gpt(), cfg_for(tmp_path, param=param, opt=opt), device="cuda") as engine:
-        got = train_on_device(engine, 3)
+    with CudaSim(scheduler=mode, seed=seed) as sim:
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path, param=param, opt=opt), device="cuda") as engine:
+            got = train_on_device(engine, 3)
+        assert sim.stats()["pageable_h2d"] == 0
     assert got == want
-    assert sim.stats()["pageable_h2d"] == 0
 
 
 class WithBuffers(torch.nn.Module):
@@ -106,13 +114,13 @@ def test_module_buffers_follow_the_device(sim, tmp_path):
     assert got == want
 
 
-def test_a_buffer_left_on_the_host_is_a_device_mismatch(sim, tmp_path, monkeypatch):
+def test_a_buffer_left_on_the_host_is_a_device_mismatch(tmp_path, monkeypatch):
     """What the simulator does when buffers stay behind (the bug fixed above):
     CUDA's error on the first forward."""
     import aio.zero.trainer as trainer_mod
 
     monkeypatch.setattr(trainer_mod, "move_buffers", lambda model, device: None)
-    with aio.zero.initialize(with_buffers(), cfg_for(tmp_path), device="cuda") as engine:
+    with CudaSim(), aio.zero.initialize(with_buffers(), cfg_for(tmp_path), device="cuda") as engine:
         x, _ = batch(0, 0, B, S, V)
         with pytest.raises(RuntimeError, match="same device"):
             engine(x.to("cuda"))
@@ -185,9 +193,15 @@ def test_training_under_a_users_stream(tmp_path):
                 assert train_on_device(engine, 2) == want
 
 
-def test_checkpoint_resume_on_the_gpu_matches_uninterrupted(sim, tmp_path):
+@pytest.mark.parametrize("mode,seed", MODES[:3], ids=[f"{m}-{s}" for m, s in MODES[:3]])
+def test_checkpoint_resume_on_the_gpu_matches_uninterrupted(tmp_path, mode, seed):
     """Save after 2 steps on the (simulated) GPU, load into a fresh model,
     train on: the losses equal 4 uninterrupted steps in memory."""
+    with CudaSim(scheduler=mode, seed=seed):
+        _checkpoint_resume(tmp_path)
+
+
+def _checkpoint_resume(tmp_path):
     want = train_in_memory(4)
     with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a"), device="cuda") as engine:
         first = train_on_device(engine, 2)
