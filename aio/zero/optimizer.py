@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..config import TrainConfig
     from ..pinned import Lease, Register
     from ..swap.drives import IOFuture
+    from ..swap.param_groups import TorchGroups
 
 
 class GradientBuffer:
@@ -153,13 +154,16 @@ class ZeroOptimizer(Protocol):
         ...
 
 
-def set_lr(hyper: dict[str, Any], optimizer: Any, lr: float) -> None:
-    """The learning rate for the next step: in the hyper-parameters and, once
-    the torch optimizer exists, in its parameter groups."""
+def set_lr(hyper: dict[str, Any], optimizer: Any, lr: float, groups: TorchGroups | None = None) -> None:
+    """The learning rate for the next step: in the hyper-parameters, in every
+    group of `groups` and, once the torch optimizer exists, in its parameter
+    groups."""
     hyper["lr"] = lr
     if optimizer is not None:
         for pg in optimizer.param_groups:
             pg["lr"] = lr
+    if groups is not None:
+        groups.update(optimizer, [{"lr": lr}] * len(groups.hyper))
 
 
 def make_optimizer(

@@ -86,8 +86,7 @@ class SwappedOptimizer(OptimizerSwapper):
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every param group from the next step on."""
-        set_lr(self.hyper, self.optimizer, lr)
-        self.torch_groups.update(self.optimizer, [{"lr": lr}] * len(self.torch_groups.hyper))
+        set_lr(self.hyper, self.optimizer, lr, self.torch_groups)
 
     def set_group_hyper(self, values: list[dict[str, Any]]) -> None:
         """Param group k's hyper-parameters from `values[k]` from the next step on."""

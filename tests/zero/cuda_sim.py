@@ -443,6 +443,18 @@ class CudaSim:
             msg = self.late_hazards.pop(0)
             raise Hazard(msg)
 
+    @contextlib.contextmanager
+    def device_rng(self):
+        """Random numbers drawn inside come from the device's generator; the
+        host's stream does not move (CUDA's generator is a separate one)."""
+        host = torch.get_rng_state()
+        torch.set_rng_state(self.dev_rng_state)
+        try:
+            yield
+        finally:
+            self.dev_rng_state = torch.get_rng_state()
+            torch.set_rng_state(host)
+
     # -- memory ------------------------------------------------------------------------------
     def is_device(self, t):
         try:
@@ -748,14 +760,8 @@ class _DispatchMode(TorchDispatchMode):
         return out
 
     def _device_random(self, func, args, kwargs):
-        sim = self.sim
-        host_state = torch.get_rng_state()
-        torch.set_rng_state(sim.dev_rng_state)
-        try:
+        with self.sim.device_rng():
             return func(*args, **kwargs)
-        finally:
-            sim.dev_rng_state = torch.get_rng_state()
-            torch.set_rng_state(host_state)
 
     def _tag_outputs(self, out, s, seq, vc, func):
         sim = self.sim
@@ -815,13 +821,8 @@ class _FunctionMode(TorchFunctionMode):
 
     def _random_or(self, func, args, kwargs):
         if getattr(func, "__name__", "") in ("randn", "rand", "randint", "randperm", "normal", "randn_like"):
-            host = torch.get_rng_state()
-            torch.set_rng_state(self.sim.dev_rng_state)
-            try:
+            with self.sim.device_rng():
                 return func(*args, **kwargs)
-            finally:
-                self.sim.dev_rng_state = torch.get_rng_state()
-                torch.set_rng_state(host)
         return func(*args, **kwargs)
 
     def _ask(self, name, t, func, args, kwargs):
