@@ -48,8 +48,9 @@ import bisect
 import collections
 import contextlib
 import ctypes
+import linecache
 import random
-import traceback
+import sys
 import weakref
 
 import torch
@@ -79,7 +80,21 @@ class Deadlock(RuntimeError):
 
 
 def _stack():
-    return traceback.extract_stack(limit=16)[:-3]
+    """The caller's stack as (file, line, function) tuples: cheap to take at
+    every access (no source lines read); formatted only for a Hazard."""
+    out = []
+    f = sys._getframe(3)
+    while f is not None and len(out) < 14:
+        out.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+        f = f.f_back
+    return out[::-1]
+
+
+def _format(stack):
+    return "".join(
+        f'  File "{fn}", line {ln}, in {name}\n    {linecache.getline(fn, ln).strip()}\n'
+        for fn, ln, name in stack
+    )
 
 
 def _joined(a, b):
@@ -207,8 +222,8 @@ class Accesses:
 
 
 def _hazard_text(r, what, actor, lo, hi):
-    old = "".join(traceback.format_list(r.stack))
-    new = "".join(traceback.format_list(_stack()))
+    old = _format(r.stack)
+    new = _format(_stack())
     return (
         f"unordered access to bytes [{lo:#x}, {hi:#x}): {what} on {actor} is not ordered after "
         f"{'write' if r.write else 'read'} ({r.what}) on {r.actor} at [{r.lo:#x}, {r.hi:#x}), seq {r.seq}\n"

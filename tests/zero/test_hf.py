@@ -153,7 +153,7 @@ _AUTO = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert"
          "t5": "AutoModelForSeq2SeqLM"}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "t5"])
 def test_from_pretrained_at_deepspeeds_default_buffer_count(tmp_path, name):
     """offload_param.buffer_count 5 (DeepSpeed's default) with every tensor on
     the drive: from_pretrained's state_dict() walk holds no swap buffer, the
