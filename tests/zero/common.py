@@ -77,11 +77,13 @@ def train_in_memory(steps, gas=2, clip=0.5, model=None):
     return out
 
 
-def train_engine(engine, steps, gas=2, start=0):
+def train_engine(engine, steps, gas=2, start=0, loss_fn=None):
+    """Losses of `steps` steps through `engine` (`loss_fn(engine, step, micro)`, default loss_of)."""
+    loss_fn = loss_fn or loss_of
     out = []
     for step in range(start, start + steps):
         for micro in range(gas):
-            loss = loss_of(engine, step, micro)
+            loss = loss_fn(engine, step, micro)
             engine.backward(loss)
             engine.step()
         out.append(loss.item())

@@ -8,7 +8,7 @@ import torch
 import aio.zero
 from aio.train import batch
 
-from .common import B, S, V, cfg_for, gpt, train_in_memory
+from .common import B, S, V, cfg_for, gpt, train_engine, train_in_memory
 from .cuda_sim import CudaSim
 
 MODES = [("lazy", 0), ("eager", 0), ("random", 1), ("random", 2)]
@@ -29,14 +29,7 @@ def device_loss(engine, step, micro):
 
 
 def train_on_device(engine, steps, gas=2):
-    out = []
-    for step in range(steps):
-        for micro in range(gas):
-            loss = device_loss(engine, step, micro)
-            engine.backward(loss)
-            engine.step()
-        out.append(loss.item())
-    return out
+    return train_engine(engine, steps, gas, loss_fn=device_loss)
 
 
 # Everything on the drive in every schedule; the other offloads in the lazy
