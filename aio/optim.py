@@ -200,10 +200,23 @@ def _check_tensors(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any) -> int:
         _check_fp32("grad", grad, n)
         _check_fp32("exp_avg", exp_avg, n, states)
         _check_fp32("exp_avg_sq", exp_avg_sq, n, states)
-    ptrs = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
-    if n > 0 and len(set(ptrs)) != 4:
-        raise ValueError("param, grad, exp_avg and exp_avg_sq must be four different tensors")
+    if n > 0 and not _disjoint([_span(t) for t in (param, grad, exp_avg, exp_avg_sq)]):
+        # Torch refuses such operands too: the kernel reads and writes each
+        # element of all four at once, so shared memory gives silent garbage.
+        raise ValueError(
+            "param, grad, exp_avg and exp_avg_sq must be four different tensors whose memory does not overlap"
+        )
     return int(n)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def _disjoint(spans: list[tuple[int, int]]) -> bool:
+    """Whether no two (address, bytes) ranges share a byte."""
+    spans = sorted(s for s in spans if s[1] > 0)
+    return all(a + na <= b for (a, na), (b, _) in zip(spans, spans[1:], strict=False))
 
 
 _LOWP_CODES = {"none": 0, "bfloat16": 1, "float16": 2}
@@ -214,6 +227,8 @@ def _task_fields(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], low
     checks :func:`adam_update` makes (its state made by ``CPUAdam._state_of``)."""
     m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
     n = _check_tensors(p, grad, m, v)
+    if n > 0 and not _disjoint([_span(t) for t in (p, grad, m, v, step)]):
+        raise ValueError("the optimizer's step count shares memory with the parameter, gradient or state")
     lowp_ptr, lowp_kind = _check_lowp(low, n)
     bf16 = 1 if m.dtype is torch.bfloat16 else 0
     return [p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr(),
@@ -247,10 +262,20 @@ def _usual_task(p: Any, grad: Any, state: Any, low: Any, keep: list[Any]) -> lis
     except (AttributeError, RuntimeError):  # not a tensor; sparse CSR or mkldnn (no strides or pointer)
         return None
     # The layouts left that are not strided have a null pointer (jagged nested).
-    if not fields[4] or (n > 0 and (len(set(fields[:4])) != 4 or not all(fields[:4]))):
+    if not fields[4] or (n > 0 and not (all(fields[:4]) and _disjoint_f32(fields[:5], 4 * n))):
         return None
     keep += (grad, m, v, step)
     return fields
+
+
+def _disjoint_f32(ptrs: list[int], nbytes: int) -> bool:
+    """:func:`_disjoint` for the usual task: four tensors of `nbytes` and
+    the 4-byte step count (the common case in few operations)."""
+    a, b, c, d = sorted(ptrs[:4])
+    if b - a < nbytes or c - b < nbytes or d - c < nbytes:
+        return False
+    s = ptrs[4]
+    return not any(p - 4 < s < p + nbytes for p in (a, b, c, d))
 
 
 # OpenMP runtimes, by file name, in the order preferred when several are in

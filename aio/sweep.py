@@ -132,15 +132,25 @@ class SweepError(CliError):
 
 
 class Progress:
-    """A progress bar on stderr (redrawn on a terminal, a line every 5 s otherwise)."""
+    """A progress bar on stderr: redrawn in place on a terminal, fitted to its
+    width; a line every 5 s otherwise. A sweep runs in stages whose trial
+    counts are known only when each begins (:meth:`begin`): the bar counts
+    the current stage's trials and names it ("refine, stage 2 of 3")."""
 
     def __init__(self, total: int, quiet: bool) -> None:
         self.total = total
         self.done = 0
+        self.label = ""
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.t0 = time.monotonic()
         self._last_line = 0.0
+
+    def begin(self, label: str, total: int) -> None:
+        """Start a stage of `total` trials named `label`."""
+        if self.done and self.tty and not self.quiet:
+            sys.stderr.write("\n")  # the finished stage's line stays on screen
+        self.label, self.total, self.done = label, total, 0
 
     def step(self, note: str) -> None:
         """Count one finished trial and show it with `note`."""
@@ -148,25 +158,26 @@ class Progress:
         if self.quiet:
             return
         frac = min(1.0, self.done / max(self.total, 1))
-        bar = "#" * int(frac * 30)
+        bar = "#" * int(frac * 20)
         took = time.monotonic() - self.t0
-        line = f"[{bar:<30s}] {self.done}/{self.total} trials {took:5.0f}s  {note}"
+        label = f"{self.label}: " if self.label else ""
+        line = f"{label}[{bar:<20s}] {self.done}/{self.total} trials {took:4.0f}s  {note}".rstrip()
         now = time.monotonic()
         if self.tty:
-            sys.stderr.write("\r" + line[:150].ljust(150))
+            # One column short of the width: writing the last column wraps on
+            # some terminals, and a wrapped line is never redrawn in place.
+            width = max(20, shutil.get_terminal_size((80, 24)).columns - 1)
+            sys.stderr.write("\r" + line[:width] + "\x1b[K")
             sys.stderr.flush()
         elif now - self._last_line > 5 or self.done == self.total:
             sys.stderr.write(line + "\n")
             self._last_line = now
 
-    def grow(self, extra: int) -> None:
-        """Add `extra` trials to the expected total."""
-        self.total += extra
-
     def close(self) -> None:
         """End the bar's line on a terminal."""
-        if self.tty and not self.quiet:
+        if self.tty and not self.quiet and self.done:
             sys.stderr.write("\n")
+            self.done = 0
 
 
 class Drive:
@@ -395,6 +406,7 @@ class Sweep:
         self.rng = random.Random(self.seed)
         self.t0 = time.monotonic()
         self.progress = Progress(0, self.quiet)
+        self._stages: tuple[str, ...] = ()
         self.out_of_budget = False
         # (setting, direction) -> GB/s samples, so ranking stays cheap.
         self._samples: dict[tuple[Setting, str], list[float]] = {}
@@ -413,7 +425,7 @@ class Sweep:
     def measure(self, settings: Sequence[Setting], repeats: int, stage: str) -> None:
         """Each repeat visits every setting in a fresh random order, so slow
         drift of the drive (bursts, host cache) spreads over all of them."""
-        self.progress.grow(len(settings) * repeats * len(self.directions))
+        self.progress.begin(self._stage_label(stage), len(settings) * repeats * len(self.directions))
         nbytes = self.drive.io_size * len(self.drive.paths)
         for _ in range(repeats):
             order = list(settings)
@@ -475,6 +487,31 @@ class Sweep:
         return (min(scores), max(scores)) if scores else (0.0, 0.0)
 
     # -- searches ------------------------------------------------------------------
+    STAGES = {
+        "exhaustive": ("exhaustive",),
+        "smart": ("coarse", "refine", "confirm"),
+    }
+    STAGE_HELP = {
+        "exhaustive": "every setting of the grid",
+        "coarse": "block size x queue depth x single_submit",
+        "refine": "threads x overlap_events around the 4 best",
+        "confirm": "the 6 leaders head to head",
+    }
+
+    def plan(self, mode: str) -> str:
+        """What `mode` ("smart" or "exhaustive") will run, in one line for the
+        user, said up front since each stage's size is known only when it
+        begins."""
+        stages = self.STAGES[mode]
+        self._stages = stages
+        return "; ".join(f"{i}. {st} ({self.STAGE_HELP[st]})" for i, st in enumerate(stages, 1))
+
+    def _stage_label(self, stage: str) -> str:
+        stages = self._stages
+        if stage in stages and len(stages) > 1:
+            return f"{stage}, stage {stages.index(stage) + 1} of {len(stages)}"
+        return stage
+
     def exhaustive(self) -> None:
         """Measure every setting of the grid `repeats` times."""
         self.measure(self.space.all(), self.repeats, "exhaustive")
@@ -513,7 +550,7 @@ class Sweep:
         final pick is the best median relative score."""
         if len(leaders) < 2:
             return
-        self.progress.grow(len(leaders) * 2 * rounds * len(self.directions))
+        self.progress.begin(self._stage_label("confirm"), len(leaders) * 2 * rounds * len(self.directions))
         nbytes = self.drive.io_size * len(self.drive.paths)
         rel: dict[Setting, list[float]] = {s: [] for s in leaders}
         for _ in range(rounds):
@@ -825,6 +862,7 @@ def _sweep(a: argparse.Namespace, space: Space) -> int:
         if not drive.locked:
             log("aio-sweep: the buffer is NOT locked (mlock refused); rates may be a little low")
         sweep = Sweep(drive, space, directions, a.repeats, a.budget_seconds, a.seed, quiet=False)
+        log(f"aio-sweep: stages: {sweep.plan(mode)}")
         t0 = time.monotonic()
         (sweep.exhaustive if a.exhaustive else sweep.smart)()
         sweep.progress.close()

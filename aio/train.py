@@ -97,13 +97,24 @@ def gpt_params(vocab: int, width: int, layers: int, seq: int) -> int:
     return vocab * width + seq * width + layers * per_block + 2 * width
 
 
+# Tokens the synthetic data uses (the default --vocab uses all of them). With
+# every token of a 32000-word vocabulary equally likely, a batch of 64
+# tokens teaches nothing the next batch shares: a 2B model's loss rose.
+ACTIVE_VOCAB = 512
+
+
 def batch(step: int, micro: int, batch_size: int, seq: int, vocab: int) -> tuple[Any, Any]:
-    """Synthetic sequences with learnable structure (each token determines the next)."""
+    """Synthetic sequences with learnable structure: arithmetic progressions
+    (each token and its predecessor determine the next) over the first
+    :data:`ACTIVE_VOCAB` tokens, so a large vocabulary also has something
+    every batch teaches (which tokens occur at all, as in text) and the loss
+    falls in the first steps at any size."""
     torch = _torch()
     g = torch.Generator().manual_seed(1000 * step + micro)
-    start = torch.randint(0, vocab, (batch_size, 1), generator=g)
+    active = min(vocab, ACTIVE_VOCAB)
+    start = torch.randint(0, active, (batch_size, 1), generator=g)
     stride = torch.randint(1, 7, (batch_size, 1), generator=g)
-    seqs = (start + stride * torch.arange(seq + 1)) % vocab
+    seqs = (start + stride * torch.arange(seq + 1)) % active
     return seqs[:, :-1], seqs[:, 1:]
 
 
@@ -131,6 +142,42 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+# The default learning rate at width BASE_WIDTH, scaled as 1/width above it:
+# Adam moves every weight by about lr per step, so a layer's output moves
+# in proportion to width x lr; at 1e-3 a 2560-wide model's loss rose
+# (10.95, 11.01, 11.06) where a 256-wide one's falls.
+BASE_LR = 1e-3
+BASE_WIDTH = 256
+
+
+def default_lr(width: int) -> float:
+    """``aio-train``'s learning rate for a model `width` wide."""
+    return BASE_LR * min(1.0, BASE_WIDTH / width)
+
+
+def lr_of(args: argparse.Namespace) -> float:
+    """``--lr``, or :func:`default_lr` of ``--width`` when it was not given."""
+    return float(args.lr) if args.lr is not None else default_lr(args.width)
+
+
+# Pinned bytes the built-in config lets the optimizer swapper's buffers hold.
+OPTIMIZER_BUFFER_BUDGET = 2 << 30
+
+
+def optimizer_buffers(largest: int) -> dict[str, Any]:
+    """The built-in config's ``offload_optimizer`` buffers for AdamW (4
+    tensors per sub-group), each sized for the `largest` parameter in fp32:
+    11 buffers read ahead and write behind in full; where 11 would pass
+    :data:`OPTIMIZER_BUFFER_BUDGET`, 7 write behind only; past that, 4 step
+    without pipelining. Each is a setting the swapper runs in full (a
+    pipelining short of buffers would overlap only partly, and says so)."""
+    per_buffer = 4 * largest
+    for count, read, write in ((11, True, True), (7, False, True)):
+        if count * per_buffer <= OPTIMIZER_BUFFER_BUDGET:
+            return {"buffer_count": count, "pipeline_read": read, "pipeline_write": write}
+    return {"buffer_count": 4, "pipeline_read": False, "pipeline_write": False}
+
+
 def make_config(args: argparse.Namespace, nvme_path: str | list[str]) -> dict[str, Any]:
     """The DeepSpeed-format config dict for this run: the ``--config`` file as
     read (not validated here; the size and offload flags then do not change
@@ -151,7 +198,7 @@ def make_config(args: argparse.Namespace, nvme_path: str | list[str]) -> dict[st
             "stage3_prefetch_bucket_size": max(largest, 2 * 4 * args.width * args.width),
             "stage3_param_persistence_threshold": 10_000,
         },
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr_of(args), "weight_decay": 0.01}},
         "gradient_accumulation_steps": args.gas,
         "gradient_clipping": args.clip,
     }
@@ -164,13 +211,7 @@ def make_config(args: argparse.Namespace, nvme_path: str | list[str]) -> dict[st
             "buffer_size": largest,
             "max_in_cpu": 0,
         }
-        z["offload_optimizer"] = {
-            "device": "nvme",
-            "nvme_path": nvme_path,
-            "buffer_count": 4,
-            "pipeline_read": True,
-            "pipeline_write": True,
-        }
+        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, **optimizer_buffers(largest)}
         if args.optimizer_states != "fp32":
             cfg["aio_zero"] = {"optimizer_states": args.optimizer_states}
     elif args.offload == "cpu":
@@ -267,7 +308,7 @@ def train_in_memory(args: argparse.Namespace, out: Any, config: Any = None) -> d
     from .zero.trainer import stepping_optimizer
 
     torch = _torch()
-    cls, hyper = torch.optim.AdamW, {"lr": args.lr, "weight_decay": 0.01}
+    cls, hyper = torch.optim.AdamW, {"lr": lr_of(args), "weight_decay": 0.01}
     if args.dtype != "bf16":
         cls, hyper = stepping_optimizer(load_train_config(config or {}), cls, hyper)
     torch.manual_seed(args.seed)
@@ -337,7 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int_in(1, 1 << 24), default=8)
     ap.add_argument("--gas", type=int_in(1, 1 << 20), default=1, help="gradient accumulation steps")
     ap.add_argument("--clip", type=_number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
-    ap.add_argument("--lr", type=_number_arg(0.0), default=1e-3)
+    ap.add_argument(
+        "--lr",
+        type=_number_arg(0.0),
+        default=None,
+        help=f"AdamW learning rate (default: {BASE_LR:g} x {BASE_WIDTH}/width, at most {BASE_LR:g})",
+    )
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--sub-group-size", type=int_in(1, big), default=1_000_000)
     ap.add_argument(
@@ -361,10 +407,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.lr = lr_of(args)
     if args.width % args.heads:
         ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
     if args.optimizer_states != "fp32" and args.offload != "nvme":
         ap.error("--optimizer-states bf16 stores the states on the drive: it needs --offload nvme")
+    if args.config and args.nvme_path:
+        ap.error("--nvme-path does not apply with --config: the config's offload blocks name their nvme_path")
     for path in args.nvme_path or []:
         if not os.path.isdir(path):
             ap.error(f"--nvme-path {path} is not a directory")
@@ -378,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args: argparse.Namespace) -> int:
     tmp = None
     nvme: str | list[str]
-    if args.nvme_path is None:
+    if args.config:
+        nvme = "(the --config file's nvme_path)"  # a temporary drive would be unused
+    elif args.nvme_path is None:
         tmp = tempfile.mkdtemp(prefix="aio-train-", dir=os.environ.get("AIO_TRAIN_DIR"))
         nvme = tmp
     else:
@@ -387,7 +438,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = make_config(args, nvme)
         drives = nvme if isinstance(nvme, str) else " ".join(nvme)
-        print(f"aio-train: offload={args.offload} drive={drives} dtype={args.dtype}", file=out)
+        offload = "(from --config)" if args.config else args.offload
+        print(f"aio-train: offload={offload} drive={drives} dtype={args.dtype} lr={args.lr:g}", file=out)
         off = train_offloaded(args, cfg, out)
         result: dict[str, Any] = {"offloaded": off, "args": vars(args)}
         if args.baseline:

@@ -5,7 +5,7 @@ against the model's parameter bytes, pageable host<->device copies, host
 waits per step, for a GPU that keeps up (``eager``) and one that never runs
 ahead of the host (``lazy``), at several ``aio_zero.modules_ahead``.
 
-    PYTHONPATH=. python bench/gpu_sim_counts.py [--steps 2] [--ahead 1 2 4]
+    PYTHONPATH=. python bench/gpu_sim_counts.py [--steps 2] [--ahead 1 2 4] [--gpus eager lazy]
 
 Speed on a real GPU is bench/train_step.py --cuda (scripts/gpu_acceptance.sh).
 """
@@ -45,11 +45,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--ahead", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument(
+        "--gpus", nargs="+", choices=("eager", "lazy"), default=["eager", "lazy"], help="simulated GPUs"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     print("| GPU | modules_ahead | peak device / params | pageable H2D | host waits / step |")
     print("|---|---|---|---|---|")
-    for scheduler in ("eager", "lazy"):
+    for scheduler in args.gpus:
         for ahead in args.ahead:
             c = count(scheduler, ahead, args.steps)
             print(

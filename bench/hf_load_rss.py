@@ -45,7 +45,8 @@ if how == "memory":
     model = tf.AutoModelForCausalLM.from_pretrained(ckpt)
 else:
     cfg = tf.AutoConfig.from_pretrained(ckpt)
-    largest = max(cfg.vocab_size, 4 * cfg.hidden_size) * cfg.hidden_size
+    # the largest of the token and position embeddings and the MLP matrix
+    largest = max(cfg.vocab_size, cfg.n_positions, 4 * cfg.hidden_size) * cfg.hidden_size
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
         "offload_param": {"device": "nvme", "nvme_path": drive, "buffer_count": 5,
                           "buffer_size": largest, "max_in_cpu": 0},
@@ -70,7 +71,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         ckpt = os.path.join(d, "ckpt")
         cfg = tf.GPT2Config(
-            n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64), vocab_size=args.vocab
+            n_layer=args.layers,
+            n_embd=args.width,
+            n_head=max(1, args.width // 64),
+            vocab_size=args.vocab,
+            bos_token_id=args.vocab - 1,  # GPT-2's <|endoftext|> at the default vocabulary
+            eos_token_id=args.vocab - 1,
         )
         model = tf.GPT2LMHeadModel(cfg)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -100,7 +100,9 @@ def gpt2_shapes(d: int = 768, layers: int = 12, vocab: int = 50257, seq: int = 1
     return [(vocab, d), (seq, d)] + block * layers + [(d,), (d,)]
 
 
-def class_variants(shapes: list[tuple[int, ...]]) -> dict[str, Callable[[], None] | str]:
+def class_variants(
+    shapes: list[tuple[int, ...]], deepspeed: bool = True
+) -> dict[str, Callable[[], None] | str]:
     """Each optimizer class over its own copy of the same parameters."""
     from aio.optim import CPUAdamW
 
@@ -114,6 +116,8 @@ def class_variants(shapes: list[tuple[int, ...]]) -> dict[str, Callable[[], None
         "torch fused": torch.optim.AdamW(params(), **HYPER, fused=True).step,  # type: ignore[arg-type]
         "aio": CPUAdamW(params(), **HYPER).step,  # type: ignore[arg-type]
     }
+    if not deepspeed:
+        return out
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -134,7 +138,8 @@ def kernel_variants(sizes: list[int], a: argparse.Namespace) -> dict[str, Callab
     if not a.skip_torch:
         variants["torch single"] = torch_variant(sizes, foreach=False)
     variants["torch fused"] = torch_variant(sizes, fused=True)
-    variants["deepspeed"] = deepspeed_variant(sizes)
+    if not a.skip_deepspeed:
+        variants["deepspeed"] = deepspeed_variant(sizes)
     variants["aio"] = aio_variant(sizes, a.threads, lowp=False)
     variants["aio torch-sqrt"] = aio_variant(sizes, a.threads, lowp=False, match_torch=True)
     variants["aio+bf16"] = aio_variant(sizes, a.threads, lowp=True)
@@ -176,6 +181,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="aio kernel threads")
     ap.add_argument("--skip-torch", action="store_true", help="leave out torch's slow single-tensor AdamW")
+    ap.add_argument(
+        "--skip-deepspeed",
+        action="store_true",
+        help="leave out DeepSpeedCPUAdam (its JIT build takes ~1 min)",
+    )
     ap.add_argument("--gpt-list", action="store_true", help="also GPT-2 124M's tensors through the classes")
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -188,11 +198,16 @@ def main() -> None:
     if a.gpt_list:
         shapes = gpt2_shapes()
         sizes = [torch.Size(s).numel() for s in shapes]
-        bench_layout("GPT-2 124M through the classes", sizes, class_variants(shapes), a)
+        bench_layout("GPT-2 124M through the classes", sizes, class_variants(shapes, not a.skip_deepspeed), a)
         # Its biases and norms alone: in cache, the per-tensor cost of a step.
         small = [s for s in shapes if len(s) == 1]
         sizes = [torch.Size(s).numel() for s in small]
-        bench_layout("GPT-2 124M's biases and norms through the classes", sizes, class_variants(small), a)
+        bench_layout(
+            "GPT-2 124M's biases and norms through the classes",
+            sizes,
+            class_variants(small, not a.skip_deepspeed),
+            a,
+        )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,9 @@ def optimizer_bench(a: argparse.Namespace, base: str) -> dict:
             d,
             torch.optim.Adam,
             hyper,
-            buffer_count=3,
+            # Adam steps a sub-group with 4 buffers (gradient, master, two
+            # moments); reading ahead and writing behind in full takes 11.
+            buffer_count=11 if pipe else 4,
             pipeline_read=pipe,
             pipeline_write=pipe,
             aio=aio_kw,
@@ -89,7 +91,9 @@ def optimizer_bench(a: argparse.Namespace, base: str) -> dict:
     # one write handle, reading every region and writing every write-back.
     sw = swappers["plain"]
     g0 = sw.groups[0]
-    region, wb = g0.region, g0.region - g0.parts["param"][0]
+    # Its extent is grad, param, states: a step reads all of it and writes
+    # back everything from the parameter on.
+    region, wb = g0.nbytes, g0.nbytes - g0.parts["param"][0]
     rbuf = aio.new_locked_tensor(region, torch.uint8)
     rh, wh = aio.AsyncIOHandle(**aio_kw), aio.AsyncIOHandle(**aio_kw)
     raw_path = os.path.join(base, "raw.bin")

@@ -35,6 +35,8 @@ HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 def _gbps(benchmark: Any, nbytes: int) -> None:
     """Record the median and best GB/s of the rounds just measured."""
+    if benchmark.stats is None:  # --benchmark-disable: the call ran once, untimed
+        return
     st = benchmark.stats.stats
     benchmark.extra_info["bytes"] = nbytes
     benchmark.extra_info["GB/s median"] = round(nbytes / st.median / 1e9, 3)

@@ -116,6 +116,10 @@ def test_static_libstdcxx_build_exports_nothing_and_raises_typed_errors(tmp_path
 
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++) on PATH")
+@pytest.mark.skipif(
+    bool(os.environ.get("AIO_CPP_TESTS_DONE")),
+    reason=f"the C++ unit tests ran {os.environ.get('AIO_CPP_TESTS_DONE')} (AIO_CPP_TESTS_DONE)",
+)
 def test_cpp_unit_tests(tmp_path):
     """tests/cpp compiled with plain g++ (-Wall -Wextra -Werror) against csrc/core (no
     Python), and run."""

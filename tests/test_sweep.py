@@ -131,6 +131,30 @@ def test_smart_search_finds_near_best_in_quarter_of_trials(seed):
     assert sm_drive.calls <= ex_drive.calls / 4, (sm_drive.calls, ex_drive.calls)
 
 
+def test_progress_fits_the_terminal_and_names_each_stage(monkeypatch, capsys):
+    """On a terminal the bar is redrawn in place (one line per stage, never
+    one per trial), never wider than the terminal, and says which of the
+    stages announced up front is running."""
+    import shutil
+
+    monkeypatch.setattr(sw.sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=None: os.terminal_size((60, 24)))
+    space = sw.Space([128 << 10, 1 << 20, 4 << 20], [4, 16, 64], [1, 2], [False, True], [True, False])
+    sm = sw.Sweep(FakeDrive(0.03, 0), space, ["read", "write"], repeats=2, quiet=False)
+    plan = sm.plan("smart")
+    assert plan.startswith("1. coarse") and "3. confirm" in plan
+    sm.smart()
+    sm.progress.close()
+    err = capsys.readouterr().err
+    lines = err.split("\n")
+    assert len(lines) == 4 and lines[-1] == "", lines  # one finished line per stage
+    for line in lines[:-1]:
+        for frame in line.split("\r")[1:]:
+            assert len(frame.replace("\x1b[K", "")) <= 59, frame
+    for i, stage in enumerate(("coarse", "refine", "confirm"), 1):
+        assert f"{stage}, stage {i} of 3" in lines[i - 1]
+
+
 def test_budget_stops_early():
     space = sw.Space([1 << 20, 4 << 20], [4, 8], [1], [False], [True])
     s = sw.Sweep(FakeDrive(0.0, 0), space, ["read"], repeats=3, budget_seconds=0.0, quiet=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -146,8 +147,6 @@ def _as_path(v: Any) -> Any:
     _unresolved_auto(v, "a directory on a local drive")
     if v is None:
         return None
-    import os
-
     if isinstance(v, (str, os.PathLike)):
         s = os.fspath(v)
         if not s:
@@ -169,9 +168,15 @@ def _as_paths(v: Any) -> Any:
                 raise ValueError(f"item {i}: {e}") from None
             if out[-1] is None:
                 raise ValueError(f"item {i}: expected a directory path, got None")
-        dup = sorted({p for p in out if out.count(p) > 1})
-        if dup:
-            raise ValueError(f"{dup[0]!r} is listed twice; list each drive once")
+        # The swappers' rule (aio.swap.drives.nvme_path_list): "d", "d/" and a
+        # symlink to d are one directory, and two paths to it would stripe a
+        # drive against itself.
+        seen: dict[str, str] = {}
+        for p in out:
+            real = os.path.realpath(p)
+            if real in seen:
+                raise ValueError(f"{p!r} and {seen[real]!r} are the same directory; list each drive once")
+            seen[real] = p
         return out if len(out) > 1 else out[0]
     return _as_path(v)
 

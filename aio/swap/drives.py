@@ -47,6 +47,12 @@ def nvme_path_list(nvme_path: str | os.PathLike[str] | Sequence[Any]) -> list[st
         items = list(nvme_path)
     if not items:
         raise ValueError("nvme_path: give a directory, or a list of directories (one per drive)")
+    for p in items:
+        if not isinstance(p, (str, os.PathLike)):
+            raise TypeError(f"nvme_path: {p!r} is not a directory path")
+        if not os.fspath(p):
+            # abspath("") is the current directory: never swap there by accident.
+            raise ValueError("nvme_path: an empty path; give the directory on the drive to swap to")
     paths = [os.path.abspath(os.fspath(p)) for p in items]
     seen: dict[str, str] = {}
     for p in paths:
@@ -74,16 +80,28 @@ def _takes_o_direct(path: str) -> bool:
     return True
 
 
-def _bytes_of(buf: Any) -> Any:
+def _bytes_of(buf: Any, write: bool) -> Any:
     """A byte-indexed view of a contiguous tensor or buffer (no copy): slices
-    of it are the pieces handed to each drive's handle."""
+    of it are the pieces handed to each drive's handle. The pieces are plain
+    bytes, so what the handle refuses in the whole buffer (Python object
+    pointers, a read into read-only memory) is refused here, first."""
     import torch
 
     if isinstance(buf, torch.Tensor):
         if not buf.is_contiguous():
             raise ValueError("swap I/O needs a contiguous tensor")
         return buf.reshape(-1).view(torch.uint8)
-    return memoryview(buf).cast("B")
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"swap I/O needs a tensor or buffer object, got {type(buf).__name__}") from None
+    if "O" in mv.format:
+        raise TypeError(f"swap I/O: buffer holds Python object pointers (format {mv.format!r})")
+    if not mv.c_contiguous:
+        raise ValueError("swap I/O needs a C-contiguous buffer")
+    if not write and mv.readonly:
+        raise ValueError("swap I/O: a read needs a writable buffer")
+    return mv.cast("B")
 
 
 @dataclass
@@ -292,7 +310,7 @@ class SwapSpace:
 
     # -- I/O ------------------------------------------------------------------------
     def _submit(self, write: bool, buf: Any, offset: int) -> IOFuture:
-        raw = _bytes_of(buf)
+        raw = _bytes_of(buf, write)
         nbytes = len(raw)
         parts = self.pieces(offset, nbytes)
         if len(parts) == 1:

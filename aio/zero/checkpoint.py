@@ -4,8 +4,12 @@ verified whole before anything is restored."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import stat
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain, write_json_durably
@@ -24,9 +28,7 @@ def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: 
             "save_checkpoint() in the middle of gradient accumulation would lose the partial "
             "gradient; save right after a step() at an accumulation boundary"
         )
-    tag = tag or f"global_step{trainer.global_steps}"
-    if not tag or "/" in tag or tag.startswith("."):
-        raise ValueError(f"bad checkpoint tag {tag!r}")
+    tag = check_tag(f"global_step{trainer.global_steps}" if tag is None else tag)
     _make_dirs_durably(os.path.abspath(save_dir))
     trainer.store.synchronize()
     path = os.path.join(save_dir, tag)
@@ -38,14 +40,80 @@ def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: 
             _schedule_state(trainer), os.path.join(tmp, "schedule.pt"), "the param groups and lr scheduler"
         )
         write_json_durably(os.path.join(tmp, "engine.json"), _meta(trainer))
-    latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
-    with open(latest_tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(save_dir, "latest"))
-    fsync_dir(save_dir)
+    _point_latest(save_dir, tag)
     return path
+
+
+def check_tag(tag: Any) -> str:
+    """`tag` if it names a checkpoint folder exactly and safely, else
+    ValueError (before anything is written): one path component, not
+    ``latest`` (the pointer file), not hidden, no whitespace at either end
+    and no control characters, since ``latest`` must read back as exactly
+    the tag written."""
+    if not isinstance(tag, str):
+        raise TypeError(f"checkpoint tag must be a str, not {type(tag).__name__}")
+    bad = (
+        not tag
+        or tag == "latest"
+        or tag.startswith(".")
+        or "/" in tag
+        or tag != tag.strip()
+        or any(ord(c) < 32 or ord(c) == 127 for c in tag)
+    )
+    if bad:
+        raise ValueError(
+            f"bad checkpoint tag {tag!r}: one folder name, not 'latest', not starting with '.', "
+            "without '/', control characters or surrounding whitespace"
+        )
+    return tag
+
+
+def _point_latest(save_dir: str, tag: str) -> None:
+    """Point ``save_dir/latest`` at `tag`, atomically and durably. The new
+    content goes through a file of unpredictable name created exclusively
+    (mkstemp: O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600), so a name planted in a
+    shared folder (a symlink to someone's file) is never written through;
+    the rename replaces a planted ``latest`` itself, never its target."""
+    fd, tmp = tempfile.mkstemp(prefix=".latest.", dir=save_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_dir, "latest"))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(save_dir)
+
+
+def _read_latest(load_dir: str) -> str:
+    """The tag ``load_dir/latest`` names, read exactly (a trailing newline
+    aside, as an editor leaves one) and checked like a tag to save; the
+    file itself is never a symlink."""
+    latest = os.path.join(load_dir, "latest")
+    try:
+        fd = os.open(latest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "no 'latest' file: pass tag= or save a checkpoint first", latest) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionError(errno.ELOOP, "refusing a 'latest' that is a symlink", latest) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"{latest}: not a regular file")
+        raw = f.read(4097)
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"{latest}: not a checkpoint tag (not UTF-8)") from None
+    text = text[:-1] if text.endswith("\n") else text
+    try:
+        return check_tag(text)
+    except ValueError as e:
+        raise ValueError(f"{latest}: {e}") from None
 
 
 def _meta(trainer: OffloadTrainer) -> dict[str, Any]:
@@ -106,12 +174,7 @@ def _param_shapes(trainer: OffloadTrainer) -> list[list[Any]]:
 
 def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, dict]:
     """See :meth:`aio.zero.OffloadTrainer.load_checkpoint`."""
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(2, "no 'latest' file: pass tag= or save a checkpoint first", latest)
-        with open(latest) as f:
-            tag = f.read().strip()
+    tag = _read_latest(load_dir) if tag is None else check_tag(tag)
     path = os.path.join(load_dir, tag)
     require_complete(path)
     meta = verify_meta(trainer, path)

@@ -395,7 +395,14 @@ def test_nvme_path_takes_one_directory_or_a_list():
     assert c.offload_optimizer.nvme_dirs() == ["/local_nvme"]
     cfg["zero_optimization"]["offload_param"]["nvme_path"] = ["/a"]
     assert load_config(cfg).offload_param.nvme_path == "/a"  # a list of one is one directory
-    for bad, why in (([], "empty list"), (["/a", "/a"], "listed twice"), (["/a", ""], "item 1")):
+    bads = (
+        ([], "empty list"),
+        (["/a", "/a"], "same directory"),
+        (["/a", "/a/"], "same directory"),  # R3-09: one folder spelled two ways
+        (["/a", "/b/../a"], "same directory"),
+        (["/a", ""], "item 1"),
+    )
+    for bad, why in bads:
         cfg["zero_optimization"]["offload_param"]["nvme_path"] = bad
         with pytest.raises(ConfigError, match=why) as ei:
             load_config(cfg)

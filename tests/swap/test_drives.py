@@ -141,6 +141,63 @@ def test_bad_directory_lists_are_refused(tmp_path):
         nvme_path_list([])
 
 
+@pytest.mark.parametrize("how", ["param", "param-list", "optimizer", "list-item"])
+def test_an_empty_path_is_refused_not_the_current_directory(tmp_path, monkeypatch, how):
+    """R3-06: abspath("") is the current directory; "" must be refused with
+    nothing created there."""
+    from aio.swap import OptimizerSwapper
+
+    monkeypatch.chdir(tmp_path)
+    make = {
+        "param": lambda: ParamSwapper("", dtype=torch.float32),
+        "param-list": lambda: ParamSwapper([""], dtype=torch.float32),
+        "optimizer": lambda: OptimizerSwapper("", torch.optim.Adam),
+        "list-item": lambda: nvme_path_list([str(tmp_path), ""]),
+    }[how]
+    with pytest.raises(ValueError, match="empty path"):
+        make()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(TypeError, match="not a directory path"):
+        nvme_path_list([str(tmp_path), 3])
+
+
+_OBJECT_READ = """
+import os, sys, numpy as np, torch
+from aio.swap.drives import SwapSpace
+dirs = sys.argv[1:]
+sp = SwapSpace(dirs, "param", "x.swp", stripe_bytes=4096)
+off = sp.allocate(1 << 16)
+sp.sync_write(torch.full((1 << 16,), 7, dtype=torch.uint8), off)
+victim = np.array([object() for _ in range(1 << 13)], dtype=object)
+for buf, err in ((victim, TypeError), (bytes(1 << 16), ValueError)):
+    try:
+        sp.sync_read(buf, off)
+    except err as e:
+        print(type(e).__name__, e)
+    else:
+        raise SystemExit("accepted " + type(buf).__name__)
+sp.close()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("ndirs", [1, 2])
+def test_reads_into_object_arrays_are_refused_on_any_number_of_drives(tmp_path, ndirs):
+    """R3-07: striped over two drives, a read into a numpy object array
+    wrote over its PyObject pointers (SIGSEGV); it is a TypeError, as with
+    one drive, and a read into read-only memory a ValueError."""
+    import subprocess
+    import sys
+
+    dirs = [str(tmp_path / f"d{i}") for i in range(ndirs)]
+    for d in dirs:
+        os.mkdir(d)
+    cmd = [sys.executable, "-c", _OBJECT_READ, *dirs]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stdout.splitlines()[-1] == "ok"
+
+
 def test_a_missing_drive_leaves_nothing_behind(tmp_path):
     good = tmp_path / "good"
     good.mkdir()

@@ -254,3 +254,51 @@ def test_checkpoint_refuses_mid_accumulation_and_mismatched_model(tmp_path):
     with aio.zero.initialize(other, cfg_for(tmp_path / "b")) as engine:
         with pytest.raises(ValueError, match="do not match"):
             engine.load_checkpoint(str(tmp_path / "c"))
+
+
+def test_latest_is_never_written_through_a_planted_name(tmp_path):
+    """R3-01: in a shared checkpoint folder another user plants the names a
+    save would use as symlinks to a victim file; the save writes none of
+    them, and ``latest`` ends up a regular file naming the new tag."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    ckpt = tmp_path / "shared"
+    ckpt.mkdir()
+    for pid in range(os.getpid() - 5, os.getpid() + 5):  # the old predictable names
+        (ckpt / f".latest.tmp-{pid}").symlink_to(victim)
+    (ckpt / "latest").symlink_to(victim)
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu")) as engine:
+        train_engine(engine, 1)
+        engine.save_checkpoint(str(ckpt))
+        assert victim.read_text() == "precious"
+        assert not (ckpt / "latest").is_symlink() and (ckpt / "latest").read_text() == "global_step1"
+        left = [p for p in os.listdir(ckpt) if p.startswith(".latest.") and not p.startswith(".latest.tmp-")]
+        assert left == [], "the temporary file became `latest`"
+        engine.load_checkpoint(str(ckpt))
+        os.replace(ckpt / "latest", ckpt / "moved")
+        (ckpt / "latest").symlink_to(ckpt / "moved")  # a symlinked pointer is refused on load
+        with pytest.raises(PermissionError, match="symlink"):
+            engine.load_checkpoint(str(ckpt))
+
+
+@pytest.mark.parametrize("tag", ["best\n", " best", "best ", "latest", ".hidden", "a/b", "", "x\ty", "\x7f"])
+def test_ambiguous_tags_are_refused_before_writing(tmp_path, tag):
+    """R3-03/R3-05: a tag that ``latest`` could not name exactly (or that is
+    ``latest`` itself) is refused at save, nothing written; loading by such
+    a tag, or a ``latest`` naming one, is refused too (never another
+    checkpoint)."""
+    ckpt = tmp_path / "c"
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu")) as engine:
+        train_engine(engine, 1)
+        with pytest.raises(ValueError, match="bad checkpoint tag"):
+            engine.save_checkpoint(str(ckpt), tag=tag)
+        assert not ckpt.exists() or os.listdir(ckpt) == []
+        engine.save_checkpoint(str(ckpt), tag="best")
+        with pytest.raises(ValueError, match="bad checkpoint tag"):
+            engine.load_checkpoint(str(ckpt), tag=tag)
+        if tag and tag.rstrip("\n") != "best":  # "best\n" in `latest` is "best" (an editor's newline)
+            (ckpt / "latest").write_text(tag)
+            with pytest.raises(ValueError, match="bad checkpoint tag"):
+                engine.load_checkpoint(str(ckpt))
+        (ckpt / "latest").write_text("best\n")  # an editor's newline is fine
+        engine.load_checkpoint(str(ckpt))

@@ -5,9 +5,15 @@ import json
 import os
 import subprocess
 import sys
+import warnings
+
+import pytest
+import torch
 
 
-def run_train(args, tmp_path, timeout=600):
+def run_train(args, tmp_path, timeout=600, quiet=False):
+    """stdout and the --json result of ``aio-train ARGS``; with `quiet`, also
+    that it printed no warning (on either stream)."""
     out = tmp_path / "result.json"
     env = dict(os.environ, AIO_TRAIN_DIR=str(tmp_path))
     r = subprocess.run(
@@ -18,11 +24,15 @@ def run_train(args, tmp_path, timeout=600):
         env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+    if quiet:
+        assert "warn" not in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
     return r.stdout, json.loads(out.read_text())
 
 
 def test_aio_train_default_matches_in_memory(tmp_path):
-    stdout, res = run_train(["--steps", "3", "--layers", "2", "--width", "64", "--vocab", "256"], tmp_path)
+    stdout, res = run_train(
+        ["--steps", "3", "--layers", "2", "--width", "64", "--vocab", "256"], tmp_path, quiet=True
+    )
     assert "step   3" in stdout and "GB/s" in stdout and "peak RSS" in stdout
     assert "bit-identical" in stdout and res["identical"] is True
     assert res["offloaded"]["losses"] == res["in_memory"]["losses"]
@@ -43,6 +53,42 @@ def test_aio_train_on_two_drives(tmp_path):
         drives = res["offloaded"]["stats"][part]["drives"]
         assert [d["nvme_path"] for d in drives] == [str(d1), str(d2)]
         assert all(d["bytes_written"] > 0 for d in drives)
+
+
+@pytest.mark.parametrize("largest", [1, 65_536, 8_192 * 2_880, 32_000 * 2_560, 10**9])
+def test_builtin_optimizer_buffers_are_a_setting_that_runs_in_full(tmp_path, largest):
+    """aio-train's built-in config never asks for pipelining it has too few
+    buffers for (the swapper would warn at every run), and its buffers stay
+    within the budget except at the minimum AdamW needs."""
+    from aio.swap.optimizer import OptimizerSwapper
+    from aio.train import OPTIMIZER_BUFFER_BUDGET, optimizer_buffers
+
+    b = optimizer_buffers(largest)
+    assert b["buffer_count"] * 4 * largest <= OPTIMIZER_BUFFER_BUDGET or b["buffer_count"] == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OptimizerSwapper(str(tmp_path), torch.optim.AdamW, {"lr": 1e-3}, **b).close()
+
+
+def test_default_lr_falls_with_width_and_config_runs_use_their_own_drive(tmp_path):
+    from aio.train import BASE_LR, default_lr
+
+    assert default_lr(64) == default_lr(256) == BASE_LR
+    assert default_lr(2560) == BASE_LR / 10
+    cfg = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    args = ["--config", str(path), "--steps", "1", "--layers", "1", "--width", "32", "--no-baseline"]
+    stdout, _ = run_train(args, tmp_path)
+    assert "drive=(the --config file's nvme_path)" in stdout
+    assert [p for p in os.listdir(tmp_path) if p.startswith("aio-train-")] == []
+    r = subprocess.run(
+        [sys.executable, "-m", "aio.train", "--config", str(path), "--nvme-path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--nvme-path does not apply with --config" in r.stderr
 
 
 def test_bad_arguments_are_refused(tmp_path):
