@@ -6,6 +6,7 @@ state_dicts and the options they refuse."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -225,47 +226,57 @@ def test_forked_child_steps_on_its_own_pool():
 # Steps every kernel variant (Adam/AdamW, lerp formulas, grad scale, both
 # low-precision copies, bfloat16 moments; block tails and the thread split)
 # on values over many magnitudes, zeros and subnormal second moments (MKL's
-# rare-input path) included, with the square root argv[1] asks for
-# (match_torch "1" or "0"), and prints the instruction set, the square root
-# kind torch's is reproduced with and a digest.
+# rare-input path) included, once per square root argv[1:] asks for
+# (match_torch "1" or "0"), and prints for each the instruction set, the
+# square root kind torch's is reproduced with and a digest.
 _ISA_SCRIPT = textwrap.dedent(
     """
     import hashlib, sys, torch
     from aio.optim import adam_update, kernel_isa
-    match = sys.argv[1] == "1"
-    g = torch.Generator().manual_seed(7)
-    h = hashlib.sha256()
-    cases = [(n, dec, b1, st) for n in (1, 15, 16, 257, 70001) for dec in (False, True)
-             for b1 in (0.9, 0.3) for st in (torch.float32, torch.bfloat16)]
-    for n, decoupled, beta1, states in cases:
-        p = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
-        m, v = torch.zeros(n, dtype=states), torch.zeros(n, dtype=states)
-        low = torch.empty(n, dtype=torch.bfloat16 if decoupled else torch.float16)
-        for step in range(1, 4):
-            grad = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8)
-            grad[: n // 8] = 0.0
-            grad[n // 8 : n // 4] *= 1e-22
-            adam_update(p, grad, m, v, step=step, lr=1e-2, beta1=beta1, beta2=0.999, eps=1e-8,
-                        weight_decay=0.01, decoupled=decoupled, lowp_out=low, threads=2,
-                        grad_scale=0.5 if step == 2 else None, match_torch=match)
-        for t in (p, m, v, low):
-            h.update(t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes())
-    from aio.optim import _vector_sqrt
-    print(kernel_isa(), _vector_sqrt()[0], h.hexdigest())
+    def digest(match):
+      g = torch.Generator().manual_seed(7)
+      h = hashlib.sha256()
+      cases = [(n, dec, b1, st) for n in (1, 15, 16, 257, 70001) for dec in (False, True)
+               for b1 in (0.9, 0.3) for st in (torch.float32, torch.bfloat16)]
+      for n, decoupled, beta1, states in cases:
+          p = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
+          m, v = torch.zeros(n, dtype=states), torch.zeros(n, dtype=states)
+          low = torch.empty(n, dtype=torch.bfloat16 if decoupled else torch.float16)
+          for step in range(1, 4):
+              grad = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8)
+              grad[: n // 8] = 0.0
+              grad[n // 8 : n // 4] *= 1e-22
+              adam_update(p, grad, m, v, step=step, lr=1e-2, beta1=beta1, beta2=0.999, eps=1e-8,
+                          weight_decay=0.01, decoupled=decoupled, lowp_out=low, threads=2,
+                          grad_scale=0.5 if step == 2 else None, match_torch=match)
+          for t in (p, m, v, low):
+              h.update(t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes())
+      from aio.optim import _vector_sqrt
+      return _vector_sqrt()[0], h.hexdigest()
+    for arg in sys.argv[1:]:
+      print(kernel_isa(), *digest(arg == "1"))
     """
 )
 
 _ISAS = ("portable", "avx2", "avx512")
 
 
-def _run_isa(cap: str | None, match: bool) -> list[str]:
+@functools.cache
+def _isa_runs(cap: str | None) -> dict[bool, list[str]]:
+    """Both square roots' (isa, sqrt kind, digest) under an instruction-set
+    cap, from one process (the uncapped reference is shared by the tests)."""
     env = {k: v for k, v in os.environ.items() if k != "AIO_MAX_CPU_ISA"}
     if cap is not None:
         env["AIO_MAX_CPU_ISA"] = cap
-    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, "1" if match else "0"], env=env, timeout=120,
+    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, "0", "1"], env=env, timeout=240,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    return r.stdout.split()
+    lines = r.stdout.splitlines()
+    return {False: lines[0].split(), True: lines[1].split()}
+
+
+def _run_isa(cap: str | None, match: bool) -> list[str]:
+    return _isa_runs(cap)[match]
 
 
 @pytest.mark.parametrize("cap", ["avx2", "portable"])

@@ -105,6 +105,24 @@ def stepping_optimizer(
     return cls, hyper
 
 
+def stepping_class(
+    cfg: TrainConfig, optimizer_cls: Any, hyper: dict[str, Any], groups: list[dict[str, Any]]
+) -> tuple[Any, dict[str, Any]]:
+    """:func:`stepping_optimizer` for every param group at once: the fused
+    class only when it steps each group's options (one group with, say,
+    ``amsgrad=True`` makes every group step with torch's own class, which
+    then also steps the others exactly as torch does)."""
+    cls, out = stepping_optimizer(cfg, optimizer_cls, hyper)
+    if cls is optimizer_cls:
+        return cls, out
+    for g in groups:
+        # The keys the class's constructor takes (`hyper`'s), each group's value.
+        opts = {k: g[k] for k in hyper if k in g}
+        if stepping_optimizer(cfg, optimizer_cls, {**hyper, **opts})[0] is not cls:
+            return optimizer_cls, hyper
+    return cls, out
+
+
 def _warn_if_nothing_on_drive(store: ParamStore, params: list[Any], cfg: TrainConfig) -> None:
     """``offload_param.device: nvme`` that pages nothing: one warning line."""
     if store.swapper is None or store.on_drive_part_ids(params):
@@ -194,9 +212,9 @@ class OffloadTrainer:
             self.store.adopt(p, n)
         _warn_if_nothing_on_drive(self.store, [p for _n, p in plan.named], cfg)
         move_buffers(self.module, self.device)
-        cls, hyper = stepping_optimizer(cfg, self.optimizer_cls, self.hyper)
         self.layout = layout = SubGroupLayout(plan.packed, plan.order)
         groups = self._param_groups(plan)
+        cls, hyper = stepping_class(cfg, self.optimizer_cls, self.hyper, groups)
         group_hyper = backend_group_hyper(cls, hyper, groups)
         self.opt = opt = make_optimizer(cfg, cls, hyper, self.store.copies.register_host, group_hyper)
         self._torch_opt = OffloadOptimizer(

@@ -6,6 +6,7 @@ integration tests and bench/deepspeed_step.py.
 
 Rank and world size come from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
 (defaults: one process). Prints nothing on success but the JSON it writes.
+It ends with a barrier and destroy_process_group (see shutdown_distributed).
 """
 
 from __future__ import annotations
@@ -33,7 +34,38 @@ def build_model(torch, width: int, layers: int):
     return torch.nn.Sequential(*mods)
 
 
-def main() -> int:
+def shutdown_distributed(dist) -> None:
+    """Barrier, then destroy the process groups, before the interpreter exits.
+
+    `dist` is ``deepspeed.comm`` (which also drops DeepSpeed's references to
+    the groups) or ``torch.distributed``. Without this, gloo's worker threads
+    may still be finishing a collective when the interpreter finalizes; one
+    that releases the collective's tensors then passes torch's
+    ``Py_IsInitialized`` check, waits for the GIL, and is ended by CPython
+    inside a noexcept destructor: ``terminate called without an active
+    exception``, SIGABRT. After the barrier every rank's collectives are
+    complete, so no such thread is left; a group nothing else holds is
+    destroyed here and its threads are joined.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo and c10d-gloo threads still running (Linux)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(n for n in names if "gloo" in n)
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--io", choices=["aio", "dsop"], default="aio")
     ap.add_argument("--offload", choices=["nvme", "cpu"], default="nvme")
@@ -46,19 +78,11 @@ def main() -> int:
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--load")
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    return ap.parse_args()
 
-    import torch
 
-    if a.io == "aio":
-        import aio.integrations.deepspeed as aio_ds
-
-        aio_ds.enable()
-    import deepspeed
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = build_model(torch, a.width, a.layers)
+def ds_config(a: argparse.Namespace, world: int) -> dict:
+    """The DeepSpeed config: ZeRO-3, offload to NVMe (a.nvme) or CPU memory."""
     # Parameter prefetch off: with NVMe parameter offload DeepSpeed 0.19 asserts
     # ("param already assigned swap buffer") on its own op as well.
     zero: dict = {
@@ -87,7 +111,7 @@ def main() -> int:
     else:
         zero["offload_param"] = {"device": "cpu"}
         zero["offload_optimizer"] = {"device": "cpu"}
-    config = {
+    return {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": 1,
         "train_batch_size": 8 * world,
@@ -103,8 +127,13 @@ def main() -> int:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def train(a: argparse.Namespace, torch, deepspeed, rank: int, world: int) -> dict:
+    """Train for a.steps steps (resuming from a.load); the results to write."""
+    model = build_model(torch, a.width, a.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(a, world))
     start = 0
     if a.load:
         _, client = engine.load_checkpoint(a.load)
@@ -136,9 +165,29 @@ def main() -> int:
         "aio_served": pps.AsyncIOBuilder.__module__.startswith("aio"),
         "params": sum(p.ds_numel for p in engine.module.parameters()),
     }
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return out
+
+
+def main() -> int:
+    """Train, tear the process groups down, write the JSON; the exit status."""
+    a = parse_args()
+    import torch
+
+    if a.io == "aio":
+        import aio.integrations.deepspeed as aio_ds
+
+        aio_ds.enable()
+    import deepspeed
+    import deepspeed.comm
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = train(a, torch, deepspeed, rank, world)
+    shutdown_distributed(deepspeed.comm)
+    out["process_group_at_exit"] = deepspeed.comm.is_initialized()
     with open(a.out, "w") as f:
         json.dump(out, f)
-    engine.destroy() if hasattr(engine, "destroy") else None
     return 0
 
 

@@ -37,9 +37,9 @@ def cfg(tmp_path, device):
     return c
 
 
-def reference(schedule=True, steps=STEPS):
+def reference(schedule=True, steps=STEPS, groups=hf_groups):
     model = gpt()
-    opt = torch.optim.AdamW(hf_groups(model), lr=3e-3)
+    opt = torch.optim.AdamW(groups(model), lr=3e-3)
     sched = warmup_then_decay(opt) if schedule else None
     out = []
     for step in range(steps):
@@ -149,6 +149,25 @@ def test_edge_cases_of_groups(tmp_path):
     only_decay = torch.optim.AdamW(hf_groups(model)[:1], lr=3e-3)
     with pytest.raises(ValueError, match="no param group"):
         aio.zero.initialize(model, cfg(tmp_path / "x", "nvme"), optimizer=only_decay)
+
+
+def test_an_option_only_one_group_has_picks_the_class_for_all(tmp_path):
+    """amsgrad in the second group alone: the fused kernel cannot step it, so
+    every group steps with torch's AdamW (it used to be chosen from group 0
+    and refuse at the first step); equal to the same groups in memory."""
+
+    def groups(model):
+        g = hf_groups(model)
+        g[1]["amsgrad"] = True
+        return g
+
+    model = gpt()
+    with aio.zero.initialize(
+        model, cfg(tmp_path, "cpu"), optimizer=torch.optim.AdamW(groups(model), lr=3e-3)
+    ) as engine:
+        assert engine.zero_optimizer.optimizer_cls is torch.optim.AdamW
+        got = train_engine(engine, 2)
+    assert got == reference(schedule=False, steps=2, groups=groups)
 
 
 def test_engine_optimizer_is_a_torch_optimizer(tmp_path):

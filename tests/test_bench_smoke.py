@@ -1,0 +1,244 @@
+"""Smoke runs of the scripts in bench/: each one at tiny sizes, in its own
+process, must exit 0 and print its table. Nothing is timed: this only keeps
+the benchmarks runnable (a script that crashes at its defaults or after a
+refactor of aio fails here instead of when someone next measures).
+
+DeepSpeed and fio are left out of every run (the scripts' own --variants,
+--tools, --sides, --skip-deepspeed): DeepSpeed's ops JIT-build for a minute
+and fio is not installed everywhere. Every script in bench/ needs an entry
+in CASES; a new one without an entry fails test_every_bench_script_has_a_case.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+NOT_SCRIPTS = {"conftest.py"}  # bench/test_micro.py's pytest fixtures and options
+TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to smoke-run one bench script.
+
+    ``args`` (split as a shell would) follow the script's path (with
+    ``pytest``: ``python -m pytest``); ``{dir}`` and ``{dir2}`` become two
+    empty folders under tmp_path. The run passes when its exit status is in
+    ``ok``, it printed no traceback and every string of ``expect`` is in its
+    stdout. ``skip``: why this script cannot run here at all.
+    """
+
+    args: str = ""
+    expect: tuple[str, ...] = ()
+    ok: tuple[int, ...] = (0,)
+    pytest: bool = False
+    needs: tuple[str, ...] = ()  # modules that must be importable, else skip
+    skip: str | None = None
+
+
+CASES: dict[str, Case] = {
+    "buffer_placement.py": Case("--dir {dir} --buffers 2 --mib 1 --repeat 1", expect=("median", "GB/s")),
+    "checkpoint.py": Case(
+        # fp32: DeepSpeed left out (and bf16 is slow on a CPU without native bf16);
+        # --drive-size 0: no drive measurement (train_step.py's case runs that code).
+        "--dir {dir} --variants aio,torch --fp32 --rounds 1 --steps 1 --width 32 --layers 1"
+        " --vocab 64 --seq 8 --heads 2 --batch 1 --idle 0 --drive-size 0",
+        expect=("| variant |", "restore check (save, train a step, load, save again): ok"),
+    ),
+    "deepspeed_step.py": Case(
+        skip=(
+            "bench/deepspeed_step.py only compares two DeepSpeed ZeRO-3 engines (DeepSpeed's own "
+            "async_io op against aio's handle inside DeepSpeed): both build DeepSpeedCPUAdam with "
+            "DeepSpeed's JIT (about a minute) and the own-op side also JIT-builds async_io (needs "
+            "libaio-dev); there is no DeepSpeed-free run of it. Its --help is checked by "
+            "test_every_bench_script_help; its workers are bench/train_step.py's, smoke-run there"
+        )
+    ),
+    "gpu_sim_counts.py": Case("--steps 1 --ahead 1 --gpus lazy", expect=("modules_ahead", "| lazy |")),
+    "hf_load_rss.py": Case(
+        "--layers 1 --width 32 --vocab 64 --dir {dir}",
+        expect=("peak anonymous memory, under Init / in memory",),
+        needs=("transformers",),
+    ),
+    "optimizer_kernel.py": Case(
+        "--total 20000 --group 10000 --rounds 1 --threads 1 --skip-deepspeed",
+        expect=("sub-groups:", "one tensor:", "torch single/aio"),
+    ),
+    "optimizer_states.py": Case(
+        "--steps 2 --layers 1 --width 32 --vocab 64 --seq 8 --batch 1 --rounds 1",
+        expect=("bf16 states save",),
+    ),
+    "pinned_memory.py": Case(
+        "--dir {dir} --width 32 --layers 1 --sides aio", expect=("pinned_bytes()", "aio-config estimate")
+    ),
+    "striped_io.py": Case(
+        "--dirs {dir} {dir2} --rounds 1 --idle 0 --extents 2 --extent-mib 0.25 --group 1"
+        " --train-rounds 1 --steps 1 --warmup 0 --layers 1 --width 32 --heads 2 --vocab 64"
+        " --seq 8 --batch 1",
+        expect=("losses identical",),
+    ),
+    "swap.py": Case(
+        "--dir {dir} --subgroups 2 --numel 64K --partitions 4 --partition-numel 64K"
+        " --param-buffers 2 --rounds 1 --gap 0",
+        expect=("overlap efficiency", "parameter fetch in use order"),
+    ),
+    "sweep_check.py": Case(
+        # One configuration: both searches measure just it, so the picks agree. Its exit
+        # status is the acceptance bar (smart in <= 1/4 of the exhaustive time), which a
+        # one-point grid cannot meet: 1 is a verdict here, not a crash.
+        "--dir {dir} --rounds 1 --block-sizes 1M --queue-depths 8 --threads 1"
+        " --single-submit false --overlap-events true --io-size 1M --repeats 1",
+        expect=("smart search:", "exhaustive search:", "head to head"),
+        ok=(0, 1),
+    ),
+    "test_micro.py": Case(
+        "bench/test_micro.py --benchmark-disable -q -x -p no:cacheprovider --bench-dir {dir}"
+        " --bench-io-mib 4 --bench-subgroup 100000 -k 'not deepspeed'",
+        expect=("passed",),
+        pytest=True,
+        needs=("pytest_benchmark",),
+    ),
+    "throughput.py": Case(
+        "--dir {dir} --size 2M --rounds 1 --gap 0 --tools aio,buffered",
+        expect=("median GB/s", "aio / buffered"),
+    ),
+    "train_step.py": Case(
+        "--dir {dir} --variants zero-nvme --fp32 --rounds 1 --steps 1 --warmup 0 --width 32"
+        " --layers 1 --batch 2 --idle 0 --drive-size 1048576 --param-buffers 4 --optimizer-buffers 4",
+        expect=("| variant", "aio.zero, NVMe"),
+    ),
+}
+
+
+def bench_scripts() -> list[str]:
+    """Every script in bench/, by file name."""
+    return sorted(p.name for p in BENCH.glob("*.py") if p.name not in NOT_SCRIPTS)
+
+
+def child_env(tmp_path: Path) -> dict[str, str]:
+    """The repository importable, temporary files under tmp_path, DeepSpeed (if a
+    script imported it anyway) on its CPU accelerator."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    return dict(os.environ, PYTHONPATH=path, TMPDIR=str(tmp), DS_ACCELERATOR="cpu")
+
+
+def test_every_bench_script_has_a_case() -> None:
+    """A new script in bench/ needs a smoke case; a removed one loses its case."""
+    scripts = bench_scripts()
+    assert scripts, f"no scripts found in {BENCH}"
+    assert sorted(CASES) == scripts, (
+        f"bench/ scripts without a smoke case: {sorted(set(scripts) - set(CASES))}; "
+        f"cases without a script: {sorted(set(CASES) - set(scripts))}"
+    )
+
+
+def _skip_reason(script: str) -> str | None:
+    case = CASES[script]
+    if case.skip:
+        return case.skip
+    for mod in case.needs:
+        if importlib.util.find_spec(mod) is None:
+            return f"bench/{script} needs {mod}, which is not installed"
+    return None
+
+
+def _run(script: str, base: Path) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    case = CASES[script]
+    dirs = {"dir": base / "drive", "dir2": base / "drive2"}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    args = [a.format(**dirs) for a in shlex.split(case.args)]
+    cmd = (
+        [sys.executable, "-m", "pytest", *args]
+        if case.pytest
+        else [sys.executable, str(BENCH / script), *args]
+    )
+    p = subprocess.run(cmd, cwd=ROOT, env=child_env(base), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return cmd, p
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every runnable case, two at a time: a run is mostly one process
+    importing torch (single-threaded), so two share this box's two cores and
+    the set takes half the wall time. Maps a script to its (cmd, result), or
+    to the exception its run raised."""
+    base = tmp_path_factory.mktemp("bench-smoke")
+    todo = [s for s in CASES if s in bench_scripts() and _skip_reason(s) is None]
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futs = {s: pool.submit(_run, s, base / s.removesuffix(".py")) for s in todo}
+        for s, f in futs.items():
+            try:
+                out[s] = f.result()
+            except Exception as e:  # a timeout: reported by the script's own test
+                out[s] = e
+    return out
+
+
+@pytest.mark.parametrize("script", bench_scripts())
+def test_bench_smoke(script: str, smoke_runs: dict[str, Any]) -> None:
+    """One bench script at tiny sizes: it must finish and print its result."""
+    if script not in CASES:
+        pytest.fail(f"bench/{script} has no smoke case: add one to CASES in {Path(__file__).name}")
+    why = _skip_reason(script)
+    if why is not None:
+        pytest.skip(why)
+    run = smoke_runs[script]
+    if isinstance(run, BaseException):
+        raise run
+    cmd, p = run
+    case = CASES[script]
+    log = f"$ {' '.join(cmd)}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
+    assert p.returncode in case.ok, f"exit {p.returncode}\n{log}"
+    assert "Traceback (most recent call last)" not in p.stderr, log
+    for word in case.expect:
+        assert word in p.stdout, f"{word!r} not in the output\n{log}"
+
+
+HELP = r"""
+import contextlib, io, runpy, sys
+
+bad = []
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    code = "no exit"
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    if code not in (0, None) or "usage:" not in out.getvalue():
+        bad.append(f"{path}: exit {code!r}, printed:\n{out.getvalue()[-1000:]}")
+print("\n".join(bad) or "all ok")
+"""
+
+
+def test_every_bench_script_help(tmp_path: Path) -> None:
+    """``--help`` of every script exits 0 with its usage (one process for all:
+    each would otherwise import torch on its own)."""
+    scripts = [str(BENCH / s) for s in bench_scripts() if not CASES.get(s, Case()).pytest]
+    p = subprocess.run(
+        [sys.executable, "-c", HELP, *scripts],
+        cwd=ROOT,
+        env=child_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert p.returncode == 0 and p.stdout.strip().endswith("all ok"), p.stdout[-4000:] + p.stderr[-4000:]
