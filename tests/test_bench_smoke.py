@@ -190,6 +190,7 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.xdist_group("bench-smoke")  # one worker runs the shared fixture's set, once
 @pytest.mark.parametrize("script", bench_scripts())
 def test_bench_smoke(script: str, smoke_runs: dict[str, Any]) -> None:
     """One bench script at tiny sizes: it must finish and print its result."""

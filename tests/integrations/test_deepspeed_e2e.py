@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])")
 
-pytestmark = pytest.mark.deepspeed
+# One xdist worker for the module: its CPU-offload reference run is shared.
+pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("deepspeed-e2e")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ds_train.py")
