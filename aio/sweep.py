@@ -498,13 +498,13 @@ class Sweep:
         "confirm": "the 6 leaders head to head",
     }
 
-    def plan(self, mode: str) -> str:
+    @classmethod
+    def plan(cls, mode: str) -> str:
         """What `mode` ("smart" or "exhaustive") will run, in one line for the
         user, said up front since each stage's size is known only when it
         begins."""
-        stages = self.STAGES[mode]
-        self._stages = stages
-        return "; ".join(f"{i}. {st} ({self.STAGE_HELP[st]})" for i, st in enumerate(stages, 1))
+        stages = cls.STAGES[mode]
+        return "; ".join(f"{i}. {st} ({cls.STAGE_HELP[st]})" for i, st in enumerate(stages, 1))
 
     def _stage_label(self, stage: str) -> str:
         stages = self._stages
@@ -514,10 +514,12 @@ class Sweep:
 
     def exhaustive(self) -> None:
         """Measure every setting of the grid `repeats` times."""
+        self._stages = self.STAGES["exhaustive"]
         self.measure(self.space.all(), self.repeats, "exhaustive")
 
     def smart(self) -> None:
         """Coarse pass, refinement around the four best, then the leaders head to head."""
+        self._stages = self.STAGES["smart"]
         sp = self.space
         t0 = 1 if 1 in sp.threads else sp.threads[0]
         ov0 = True if True in sp.overlap_events else sp.overlap_events[0]

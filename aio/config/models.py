@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from .._paths import repeated_directory
+
 
 class UnresolvedAuto(ValueError):
     """A config value left as ``"auto"``: a placeholder an integration was meant
@@ -168,15 +170,9 @@ def _as_paths(v: Any) -> Any:
                 raise ValueError(f"item {i}: {e}") from None
             if out[-1] is None:
                 raise ValueError(f"item {i}: expected a directory path, got None")
-        # The swappers' rule (aio.swap.drives.nvme_path_list): "d", "d/" and a
-        # symlink to d are one directory, and two paths to it would stripe a
-        # drive against itself.
-        seen: dict[str, str] = {}
-        for p in out:
-            real = os.path.realpath(p)
-            if real in seen:
-                raise ValueError(f"{p!r} and {seen[real]!r} are the same directory; list each drive once")
-            seen[real] = p
+        twice = repeated_directory(out)  # the swappers' rule, aio.swap.drives
+        if twice is not None:
+            raise ValueError(f"{twice[0]!r} and {twice[1]!r} are the same directory; list each drive once")
         return out if len(out) > 1 else out[0]
     return _as_path(v)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._log import log_swap_handle, logger
+from .._paths import repeated_directory
 from ..handle import AioFuture, AsyncIOHandle
 from .storage import ALIGN, SwapFile, SwapStorage, align_up
 
@@ -54,14 +55,11 @@ def nvme_path_list(nvme_path: str | os.PathLike[str] | Sequence[Any]) -> list[st
             # abspath("") is the current directory: never swap there by accident.
             raise ValueError("nvme_path: an empty path; give the directory on the drive to swap to")
     paths = [os.path.abspath(os.fspath(p)) for p in items]
-    seen: dict[str, str] = {}
-    for p in paths:
-        real = os.path.realpath(p)
-        if real in seen:
-            raise ValueError(
-                f"nvme_path: {p!r} and {seen[real]!r} are the same directory; list each drive once"
-            )
-        seen[real] = p
+    twice = repeated_directory(paths)
+    if twice is not None:
+        raise ValueError(
+            f"nvme_path: {twice[0]!r} and {twice[1]!r} are the same directory; list each drive once"
+        )
     return paths
 
 
