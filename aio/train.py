@@ -32,6 +32,8 @@ def _torch() -> Any:
 
 def build_gpt(vocab: int, width: int, layers: int, heads: int, seq: int) -> Any:
     """A GPT-2-shaped decoder (tied embedding/head, pre-LayerNorm blocks)."""
+    if heads < 1 or width % heads:
+        raise ValueError(f"width {width} is not a multiple of heads {heads}")
     torch = _torch()
     nn: Any = torch.nn
 

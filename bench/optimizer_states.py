@@ -29,7 +29,9 @@ def run(states: str, a: argparse.Namespace, workdir: str) -> dict[str, Any]:
     args = ["--steps", str(a.steps), "--layers", str(a.layers), "--width", str(a.width)]
     args += ["--vocab", str(a.vocab), "--seq", str(a.seq), "--batch", str(a.batch), "--lr", str(a.lr)]
     args += ["--optimizer-states", states, "--no-baseline", "--json", out]
-    env = dict(os.environ, AIO_TRAIN_DIR=workdir, PYTHONPATH=ROOT)
+    # Prepend the checkout, keep the caller's path (a carried site-packages, say).
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, AIO_TRAIN_DIR=workdir, PYTHONPATH=path)
     r = subprocess.run([sys.executable, "-m", "aio.train", *args], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"aio-train --optimizer-states {states} failed:\n{r.stdout}{r.stderr}")

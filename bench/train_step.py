@@ -596,6 +596,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drive-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     model_defaults(a)
+    if a.model == "gpt" and a.width % a.heads:
+        ap.error(f"--width {a.width} is not a multiple of --heads {a.heads}")
     return a
 
 

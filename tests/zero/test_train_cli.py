@@ -101,6 +101,23 @@ def test_bad_arguments_are_refused(tmp_path):
     assert r.returncode == 2 and "multiple of --heads" in r.stderr
 
 
+def test_build_gpt_refuses_heads_that_do_not_divide_the_width():
+    """A clear error at build time, not a view() shape error in the first forward
+    (seen on the GPU: bench/train_step.py's default 12 heads at width 2048)."""
+    from aio.train import build_gpt
+
+    with pytest.raises(ValueError, match="width 2048 is not a multiple of heads 12"):
+        build_gpt(64, 2048, 1, 12, 8)
+    r = subprocess.run(
+        [sys.executable, "bench/train_step.py", "--model", "gpt", "--width", "2048", "--heads", "12"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert r.returncode == 2 and "--width 2048 is not a multiple of --heads 12" in r.stderr
+
+
 def test_optimizer_state_four_times_peak_rss_trains(tmp_path):
     drive = tmp_path / "drive"
     drive.mkdir()
