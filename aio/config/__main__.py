@@ -13,9 +13,10 @@ import math
 import sys
 import warnings
 
+from .gradients import place_gradients
 from .hf_auto import filled_note, stand_in_autos
 from .load import ConfigError, read_config_data
-from .memory import estimate_memory
+from .memory import MemoryEstimate, estimate_memory
 from .train import load_train_config
 
 
@@ -205,6 +206,24 @@ def _validate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_gradients(est: MemoryEstimate, path: str) -> None:
+    """Where aio.zero would put the fp32 gradients (aio_zero.gradients within
+    host_memory_budget, against this machine's available memory now), when the
+    file is a training config aio.zero accepts; else a note on stderr (the
+    estimate of the offload blocks stands on its own)."""
+    data, _ = read_config_data(path)
+    data, _ = stand_in_autos(data)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # validate's notes are validate's to print
+            train = load_train_config(data)
+    except ConfigError as e:
+        note = f"gradient placement not estimated, not an aio.zero config: {e}"
+        print(f"aio-config: note: {note}", file=sys.stderr)
+        return
+    est.add_gradients(place_gradients(train, est.num_params, est.cpu_bytes))
+
+
 def _run(a: argparse.Namespace) -> int:
     if a.cmd == "validate":
         return _validate(a)
@@ -218,6 +237,7 @@ def _run(a: argparse.Namespace) -> int:
         param_numels=a.param_numels,
         state_bytes=_state_bytes(a.config),
     )
+    _add_gradients(est, a.config)
     if a.json:
         print(json.dumps({"dtype": dtype, "dtype_source": source, **est.as_dict()}, indent=2))
     else:

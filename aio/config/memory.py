@@ -11,7 +11,10 @@ CPU-resident partition rounded up to whole pages:
   when ``pin_memory``; the drive holds the rest.
 - optimizer on nvme: ``buffer_count`` buffers of ONE fp32 tensor of the
   largest sub-group each (DeepSpeed's meaning), locked when ``pin_memory``;
-  the drive holds gradient, master weights and states of every sub-group.
+  the drive holds gradient, master weights and states of every sub-group;
+  the fp32 gradients wait in CPU memory or on the drive as
+  :func:`aio.config.gradients.place_gradients` decides
+  (:meth:`MemoryEstimate.add_gradients`).
 - device cpu: parameters are pinned by torch only for a GPU model (counted
   here when ``pin_memory``); the optimizer's state is never locked.
 
@@ -25,10 +28,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .load import ConfigError, ConfigSource, load_config
 from .models import UnresolvedAuto, auto_message, strict_int
+
+if TYPE_CHECKING:
+    from .gradients import GradientPlacement
 
 _ALIGN = 4096  # swap-file extents and optimizer tensors are whole 4 KiB blocks
 _THRESHOLD_KEY = "zero_optimization.stage3_param_persistence_threshold"
@@ -81,7 +87,8 @@ def dtype_bytes(dtype: Any) -> int:
     raise TypeError(f"dtype must be a name, a torch dtype or a byte count, got {dtype!r}")
 
 
-def _fmt(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """`n` bytes for people: ``512 B``, ``1.5 KiB`` ... ``2.0 TiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -100,6 +107,15 @@ class MemoryEstimate:
     pinned: dict[str, int] = field(default_factory=dict)  # component -> pinned bytes
     cpu: dict[str, int] = field(default_factory=dict)  # component -> unpinned CPU bytes
     nvme: dict[str, int] = field(default_factory=dict)  # nvme_path -> bytes on the drive
+    gradients: GradientPlacement | None = None  # set by add_gradients()
+
+    def add_gradients(self, placement: GradientPlacement) -> None:
+        """Count aio.zero's fp32 gradients as `placement` puts them (in CPU
+        memory, or 8 bytes more per parameter on the optimizer's drive traffic;
+        with the optimizer in CPU memory they are already counted there)."""
+        self.gradients = placement
+        if placement.setting != "optimizer in memory" and placement.where == "cpu":
+            self.cpu["fp32 gradients (aio_zero.gradients)"] = placement.nbytes
 
     @property
     def pinned_bytes(self) -> int:
@@ -119,8 +135,9 @@ class MemoryEstimate:
         avail = psutil.virtual_memory().available
         if self.cpu_bytes > avail:
             out.append(
-                f"needs {_fmt(self.cpu_bytes)} of CPU memory ({_fmt(self.pinned_bytes)} pinned) "
-                f"but only {_fmt(avail)} is available"
+                f"needs {format_bytes(self.cpu_bytes)} of CPU memory "
+                f"({format_bytes(self.pinned_bytes)} pinned) "
+                f"but only {format_bytes(avail)} is available"
             )
         try:
             import resource
@@ -129,8 +146,8 @@ class MemoryEstimate:
             privileged = os.geteuid() == 0
             if not privileged and soft != resource.RLIM_INFINITY and self.pinned_bytes > soft:
                 out.append(
-                    f"needs {_fmt(self.pinned_bytes)} of locked memory but RLIMIT_MEMLOCK is "
-                    f"{_fmt(soft)} (raise ulimit -l, or set pin_memory false)"
+                    f"needs {format_bytes(self.pinned_bytes)} of locked memory but RLIMIT_MEMLOCK is "
+                    f"{format_bytes(soft)} (raise ulimit -l, or set pin_memory false)"
                 )
         except (ImportError, OSError):  # pragma: no cover - non-Linux
             pass
@@ -142,7 +159,7 @@ class MemoryEstimate:
                 continue
             free = psutil.disk_usage(probe).free
             if need > free:
-                out.append(f"{path}: needs {_fmt(need)} of drive space, {_fmt(free)} free")
+                out.append(f"{path}: needs {format_bytes(need)} of drive space, {format_bytes(free)} free")
         return out
 
     def warn(self) -> list[str]:
@@ -157,15 +174,17 @@ class MemoryEstimate:
     def format(self) -> str:
         """A multi-line, human-readable report (sizes in B/KiB/MiB/GiB/TiB)."""
         lines = [f"{self.num_params:,} parameters, {self.dtype_bytes} bytes each"]
-        lines.append(f"pinned CPU memory per process: {_fmt(self.pinned_bytes)}")
+        lines.append(f"pinned CPU memory per process: {format_bytes(self.pinned_bytes)}")
         for k, v in self.pinned.items():
-            lines.append(f"  {k:34s} {_fmt(v):>12s}")
+            lines.append(f"  {k:34s} {format_bytes(v):>12s}")
         if self.cpu:
-            lines.append(f"other CPU memory: {_fmt(sum(self.cpu.values()))}")
+            lines.append(f"other CPU memory: {format_bytes(sum(self.cpu.values()))}")
             for k, v in self.cpu.items():
-                lines.append(f"  {k:34s} {_fmt(v):>12s}")
+                lines.append(f"  {k:34s} {format_bytes(v):>12s}")
         for path, v in self.nvme.items():
-            lines.append(f"drive space under {path}: {_fmt(v)}")
+            lines.append(f"drive space under {path}: {format_bytes(v)}")
+        if self.gradients is not None:
+            lines.append(f"fp32 gradients: {self.gradients.where} ({self.gradients.reason})")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -179,6 +198,7 @@ class MemoryEstimate:
             "nvme": dict(self.nvme),
             "pinned_bytes": self.pinned_bytes,
             "cpu_bytes": self.cpu_bytes,
+            "gradients": None if self.gradients is None else self.gradients.as_dict(),
         }
 
 

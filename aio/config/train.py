@@ -5,7 +5,8 @@ Read: ``aio``, ``zero_optimization`` (the offload blocks, ``sub_group_size``,
 ``optimizer`` (``type``/``params``), ``bf16``/``fp16``,
 ``gradient_accumulation_steps``, ``gradient_clipping``; DeepSpeed's defaults
 and meanings. One block of aio.zero's own, which DeepSpeed ignores:
-``aio_zero.gradients`` (``cpu``, the default, or ``nvme``). Other top-level
+``aio_zero`` (``gradients``: ``auto``, the default, ``cpu`` or ``nvme``, within
+``host_memory_budget``; see :mod:`aio.config.gradients`). Other top-level
 keys are ignored with one notice. Numbers follow the strict rules of
 :mod:`aio.config.models`.
 """
@@ -204,13 +205,25 @@ class AioZeroConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    gradients: Literal["cpu", "nvme"] = Field(
-        "cpu",
+    gradients: Literal["auto", "cpu", "nvme"] = Field(
+        "auto",
         description=(
             "where fp32 gradients wait for the step when the optimizer is on NVMe: "
             "'cpu' holds them in memory (4 bytes per parameter, as DeepSpeed does); "
             "'nvme' writes them to the drive and reads them back (8 more bytes of I/O "
-            "per parameter per step, for the least memory)"
+            "per parameter per step, for the least memory); 'auto' holds them in memory "
+            "when they fit host_memory_budget with the rest aio.zero holds there, else "
+            "on the drive"
+        ),
+    )
+    host_memory_budget: Float = Field(
+        0.5,
+        gt=0,
+        description=(
+            "CPU memory aio.zero may fill with fp32 gradients and its own buffers (pinned "
+            "pools, resident parameters) under gradients 'auto': a fraction of the memory "
+            "available when training starts (0 < x <= 1), or bytes (a whole number above 1); "
+            "'cpu' past it warns"
         ),
     )
     optimizer_states: Literal["fp32", "bf16"] = Field(
@@ -254,6 +267,13 @@ class AioZeroConfig(BaseModel):
             "however far the host runs ahead"
         ),
     )
+
+    @field_validator("host_memory_budget")
+    @classmethod
+    def _fraction_or_bytes(cls, v: float) -> float:
+        if v > 1 and not v.is_integer():
+            raise ValueError(f"above 1 it is bytes and must be a whole number, got {v}")
+        return v
 
     def short_openmp_spin(self, nvme: bool) -> bool:
         """Whether to throttle OpenMP spinning, with or without NVMe offload."""

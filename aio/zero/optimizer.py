@@ -172,11 +172,15 @@ def make_optimizer(
     hyper: dict[str, Any],
     register_host: Register | None = None,
     group_hyper: list[dict[str, Any]] | None = None,
+    gradients: str | None = None,
 ) -> ZeroOptimizer:
     """The optimizer backend ``zero_optimization.offload_optimizer.device`` asks
     for. `register_host`: how the drive backend page-locks its buffers (a GPU
     job's cudaHostRegister; default mlock). `group_hyper`: each torch param
-    group's hyper-parameters over `hyper` (default: one group)."""
+    group's hyper-parameters over `hyper` (default: one group). `gradients`:
+    "cpu" or "nvme", where the drive backend keeps fp32 gradients (default
+    ``aio_zero.gradients``; its "auto" is the trainer's to decide, with
+    :func:`aio.config.gradients.place_gradients`, and means "cpu" here)."""
     if cfg.optimizer_device == "nvme":
         from .swapped_optimizer import SwappedOptimizer
 
@@ -189,7 +193,7 @@ def make_optimizer(
             register_host=register_host,
             group_hyper=group_hyper,
         )
-        swapped.gradients_on_drive = cfg.aio_zero.gradients == "nvme"
+        swapped.gradients_on_drive = (gradients or cfg.aio_zero.gradients) == "nvme"
         return swapped
     from .memory_optimizer import MemoryOptimizer
 

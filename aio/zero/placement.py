@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
+from ..config.gradients import GradientPlacement
 from .config import check_drive_paths
 from .params import ParamStore, check_fits
 
@@ -194,3 +195,23 @@ def _existing_store(named: list[tuple[str, Any]]) -> ParamStore | None:
     if store is not None and store.closed:
         raise ValueError("the model's parameters belong to a closed aio.zero trainer or Init")
     return store
+
+
+def place_gradients_for(
+    cfg: TrainConfig, named: list[tuple[str, Any]], layout: SubGroupLayout
+) -> GradientPlacement:
+    """Where this model's fp32 gradients wait for the step
+    (:func:`aio.config.gradients.place_gradients`), counting against the host
+    budget what :func:`aio.config.estimate_memory` says aio.zero holds in CPU
+    memory for these parameters under `cfg` (pinned pools, resident parameters)."""
+    from ..config import estimate_memory
+    from ..config.gradients import place_gradients
+
+    numels = [p.aio_numel for _n, p in named]
+    trainable = sum(layout.group_numel)
+    if not numels or not trainable:
+        return place_gradients(cfg, 0, 0)
+    est = estimate_memory(
+        cfg.offload, None, cfg.dtype, param_numels=numels, largest_subgroup_numel=max(layout.group_numel)
+    )
+    return place_gradients(cfg, trainable, est.cpu_bytes)

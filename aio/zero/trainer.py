@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 from ..config import ConfigError, TrainConfig, load_train_config
+from ..config.gradients import warn_if_over_budget
 from ..optim import CPUAdam, OpenMPThrottle, fast_cpu_optimizer
 from . import checkpoint
 from .grads import GradientAccumulator
@@ -31,7 +32,7 @@ from .linear import install_linear, saved_tensor_guard
 from .malloc import trim_malloc
 from .optimizer import ZeroOptimizer, make_optimizer
 from .params import ParamStore
-from .placement import Plan, SubGroupLayout, plan_placement
+from .placement import Plan, SubGroupLayout, place_gradients_for, plan_placement
 from .scaler import GradScaling
 from .torch_optimizer import OffloadOptimizer, attach_scheduler, backend_group_hyper
 from .uploads import UploadPolicy
@@ -216,7 +217,12 @@ class OffloadTrainer:
         groups = self._param_groups(plan)
         cls, hyper = stepping_class(cfg, self.optimizer_cls, self.hyper, groups)
         group_hyper = backend_group_hyper(cls, hyper, groups)
-        self.opt = opt = make_optimizer(cfg, cls, hyper, self.store.copies.register_host, group_hyper)
+        self.gradient_placement = place = place_gradients_for(cfg, plan.named, layout)
+        warn_if_over_budget(place, stacklevel=4)  # the caller of initialize()
+        logger.info("fp32 gradients: %s (%s)", place.where, place.reason)
+        self.opt = opt = make_optimizer(
+            cfg, cls, hyper, self.store.copies.register_host, group_hyper, gradients=place.where
+        )
         self._torch_opt = OffloadOptimizer(
             [{"params": g["params"], **h} for g, h in zip(groups, group_hyper, strict=True)], hyper, opt
         )
@@ -484,6 +490,7 @@ class OffloadTrainer:
             "optimizer": self.zero_optimizer.stats(),
             "fetcher": dict(self.fetcher.counters) if self.fetcher else None,
             "grads": self.grads.stats(),
+            "gradients": self.gradient_placement.as_dict(),
         }
 
     def io_bytes(self) -> int:

@@ -2,6 +2,7 @@
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -413,3 +414,24 @@ def test_nvme_offload_that_pages_nothing_says_so(tmp_path, caplog):
         with aio.zero.initialize(gpt(), cfg_for(tmp_path / "b")):
             pass
     assert not [r for r in caplog.records if "stays in CPU memory" in r.getMessage()]
+
+
+def test_gradients_auto_go_to_the_drive_past_the_budget(tmp_path, reference):
+    """aio_zero.gradients 'auto' (the default): in memory while they fit
+    host_memory_budget with aio.zero's buffers, else through the drive, with
+    no warning and the same losses; engine.stats() says where and why."""
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a")) as engine:
+        roomy = engine.stats()["gradients"]
+    assert (roomy["where"], roomy["setting"]) == ("cpu", "auto")
+    # A budget the buffers fit but the gradients do not.
+    budget = roomy["other_bytes"] + roomy["bytes"] // 2
+    cfg = cfg_for(tmp_path / "b", aio_zero={"host_memory_budget": budget})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = aio.zero.initialize(gpt(), cfg)
+    with engine:
+        got = train_engine(engine, 20)
+        st = engine.stats()
+    assert st["gradients"]["where"] == "nvme" and "exceed the budget" in st["gradients"]["reason"]
+    assert got == reference
+    assert st["optimizer"]["cached_subgroups"] == 0  # gradients went through the drive
