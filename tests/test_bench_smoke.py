@@ -4,9 +4,13 @@ the benchmarks runnable (a script that crashes at its defaults or after a
 refactor of aio fails here instead of when someone next measures).
 
 DeepSpeed and fio are left out of every run (the scripts' own --variants,
---tools, --sides, --skip-deepspeed): DeepSpeed's ops JIT-build for a minute
-and fio is not installed everywhere. Every script in bench/ needs an entry
-in CASES; a new one without an entry fails test_every_bench_script_has_a_case.
+--tools, --sides, --skip-deepspeed) but deepspeed_step.py's, whose subject
+DeepSpeed is: DeepSpeed's ops JIT-build for a minute and fio is not
+installed everywhere. deepspeed_step.py runs its aio side alone with torch's
+AdamW (--sides aio --torch-adam), which builds no op beyond the shm_comm
+one DeepSpeed's CPU accelerator builds for tests/integrations anyway.
+Every script in bench/ needs an entry in CASES; a new one without an entry
+fails test_every_bench_script_has_a_case.
 """
 
 from __future__ import annotations
@@ -58,13 +62,12 @@ CASES: dict[str, Case] = {
         expect=("| variant |", "restore check (save, train a step, load, save again): ok"),
     ),
     "deepspeed_step.py": Case(
-        skip=(
-            "bench/deepspeed_step.py only compares two DeepSpeed ZeRO-3 engines (DeepSpeed's own "
-            "async_io op against aio's handle inside DeepSpeed): both build DeepSpeedCPUAdam with "
-            "DeepSpeed's JIT (about a minute) and the own-op side also JIT-builds async_io (needs "
-            "libaio-dev); there is no DeepSpeed-free run of it. Its --help is checked by "
-            "test_every_bench_script_help; its workers are bench/train_step.py's, smoke-run there"
-        )
+        # Its aio side alone (DeepSpeed's own async_io op is JIT-built, and only with
+        # libaio-dev), stepping with torch's AdamW (DeepSpeedCPUAdam is JIT-built).
+        "--dir {dir} --sides aio --torch-adam --rounds 1 --idle 0 --steps 1 --warmup 0"
+        " --width 32 --layers 1 --batch 2 --param-buffers 4 --optimizer-buffers 4",
+        expect=("median step aio", "torch AdamW"),
+        needs=("deepspeed",),
     ),
     "gpu_sim_counts.py": Case("--steps 1 --ahead 1 --gpus lazy", expect=("modules_ahead", "| lazy |")),
     "hf_load_rss.py": Case(
@@ -171,14 +174,22 @@ def _run(script: str, base: Path) -> tuple[list[str], subprocess.CompletedProces
     return cmd, p
 
 
+def _selected(session: pytest.Session) -> set[str]:
+    """The scripts whose test_bench_smoke this session runs (after -k)."""
+    items = (i for i in session.items if getattr(i, "originalname", None) == "test_bench_smoke")
+    return {i.callspec.params["script"] for i in items if hasattr(i, "callspec")}
+
+
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every runnable case, two at a time: a run is mostly one process
-    importing torch (single-threaded), so two share this box's two cores and
-    the set takes half the wall time. Maps a script to its (cmd, result), or
-    to the exception its run raised."""
+def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every runnable case selected (``-k deepspeed_step`` runs that one
+    alone), two at a time: a run is mostly one process importing torch
+    (single-threaded), so two share this box's two cores and the set takes
+    half the wall time. Maps a script to its (cmd, result), or to the
+    exception its run raised."""
     base = tmp_path_factory.mktemp("bench-smoke")
-    todo = [s for s in CASES if s in bench_scripts() and _skip_reason(s) is None]
+    chosen = _selected(request.session)
+    todo = [s for s in CASES if s in bench_scripts() and s in chosen and _skip_reason(s) is None]
     out: dict[str, Any] = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futs = {s: pool.submit(_run, s, base / s.removesuffix(".py")) for s in todo}
