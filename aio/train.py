@@ -284,6 +284,11 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
         f"fp32 optimizer state {_gib(n * 12)}",
         file=out,
     )
+    grads = trainer.stats()["gradients"]
+    print(
+        f"fp32 gradients: {'in memory' if grads['where'] == 'cpu' else 'on the drive'} ({grads['reason']})",
+        file=out,
+    )
     try:
         run = _offloaded_steps(args, trainer, out)
     finally:
@@ -361,6 +366,30 @@ def train_in_memory(args: argparse.Namespace, out: Any, config: Any = None) -> d
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
     return {"losses": losses, "step_s": times}
+
+
+# The share of available memory the in-memory baseline may fill before it is skipped.
+BASELINE_MEMORY_SHARE = 0.8
+
+
+def baseline_skip_reason(args: argparse.Namespace, available: int | None = None) -> str | None:
+    """Why the in-memory baseline cannot run on this machine, or None: it holds
+    the parameters, their gradients and AdamW's two states in the training
+    dtype (16 bytes per parameter in fp32, 8 in bf16; activations aside), and
+    past :data:`BASELINE_MEMORY_SHARE` of the `available` memory (default:
+    now) it would swap or be killed -- a model offloaded because it does not
+    fit memory has no baseline there."""
+    import psutil
+
+    per = 16 if args.dtype == "fp32" else 8
+    need = per * gpt_params(args.vocab, args.width, args.layers, args.seq)
+    avail = int(psutil.virtual_memory().available) if available is None else available
+    if need <= BASELINE_MEMORY_SHARE * avail:
+        return None
+    return (
+        f"training this model in memory takes about {_gib(need)} ({per} B per parameter: parameters, "
+        f"gradients, AdamW's states), more than {BASELINE_MEMORY_SHARE:.0%} of the {_gib(avail)} available"
+    )
 
 
 def _median(xs: list[float]) -> float:
@@ -484,8 +513,12 @@ def _train(args: argparse.Namespace) -> int:
             f"({f'warm-up {args.warmup_steps} steps' if args.warmup_steps > 1 else 'no warm-up'})",
             file=out,
         )
+        skip = baseline_skip_reason(args) if args.baseline else None
+        if skip:
+            print(f"in-memory baseline: skipped: {skip} (--no-baseline: not asked for)", file=out)
+            args.baseline = False
         off = train_offloaded(args, cfg, out)
-        result: dict[str, Any] = {"offloaded": off, "args": vars(args)}
+        result: dict[str, Any] = {"offloaded": off, "args": vars(args), "baseline_skipped": skip}
         if args.baseline:
             print("in-memory baseline (same model, data and optimizer):", file=out, flush=True)
             mem = train_in_memory(args, out, cfg)

@@ -182,3 +182,30 @@ def test_optimizer_state_four_times_peak_rss_trains(tmp_path):
     assert len(off["losses"]) == 2 and all(x == x and x < 100 for x in off["losses"])
     assert ratio >= 4.0, stdout
     assert off["stats"]["optimizer"]["steps"] == 2
+
+
+def test_baseline_that_cannot_fit_memory_is_skipped_and_said(tmp_path, monkeypatch, capsys):
+    """A model offloaded because it does not fit memory has no in-memory baseline
+    there: aio-train at its defaults (baseline on) must still exit 0 at 3.2B on a
+    24 GiB machine, saying why it skipped the baseline."""
+    import argparse
+
+    import aio.train as train
+
+    big = argparse.Namespace(dtype="fp32", vocab=8192, width=2880, layers=32, seq=64)
+    why = train.baseline_skip_reason(big, available=24 << 30)
+    assert why is not None and "16 B per parameter" in why and "of the 24.00 GiB available" in why
+    assert train.baseline_skip_reason(big, available=1 << 40) is None
+    bf16 = argparse.Namespace(**{**vars(big), "dtype": "bf16"})
+    assert "8 B per parameter" in train.baseline_skip_reason(bf16, available=24 << 30)
+
+    monkeypatch.setenv("AIO_TRAIN_DIR", str(tmp_path))
+    monkeypatch.setattr(train, "baseline_skip_reason", lambda args, available=None: "too big here")
+    out = tmp_path / "r.json"
+    args = ["--steps", "1", "--layers", "1", "--width", "32", "--vocab", "64", "--json", str(out)]
+    assert train.main(args) == 0
+    text = capsys.readouterr().out
+    assert "in-memory baseline: skipped: too big here" in text and "in-memory baseline (same" not in text
+    assert "fp32 gradients: in memory (auto:" in text
+    result = json.loads(out.read_text())
+    assert result["baseline_skipped"] == "too big here" and "in_memory" not in result
