@@ -515,7 +515,7 @@ def _train(args: argparse.Namespace) -> int:
         )
         skip = baseline_skip_reason(args) if args.baseline else None
         if skip:
-            print(f"in-memory baseline: skipped: {skip} (--no-baseline: not asked for)", file=out)
+            print(f"in-memory baseline: skipped: {skip}", file=out)
             args.baseline = False
         off = train_offloaded(args, cfg, out)
         result: dict[str, Any] = {"offloaded": off, "args": vars(args), "baseline_skipped": skip}

@@ -3,8 +3,6 @@
 take the same decision."""
 
 import json
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -91,17 +89,35 @@ def test_explicit_nvme_and_optimizer_in_memory(tmp_path):
 
 
 @pytest.mark.parametrize("budget,where", [(10**12, "cpu"), (10**6, "nvme")])
-def test_aio_config_estimate_prints_the_placement(tmp_path, budget, where):
+def test_aio_config_estimate_prints_the_placement(tmp_path, capsys, budget, where):
+    from aio.config.__main__ import main
+
     cfg = _cfg(tmp_path, host_memory_budget=budget)
     cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = 4
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
-    run = [sys.executable, "-m", "aio.config", "estimate", str(path), "--params", "1e8", "--dtype", "bf16"]
-    text = subprocess.run(run, capture_output=True, text=True, timeout=60, check=True).stdout
+    args = ["estimate", str(path), "--params", "1e8", "--dtype", "bf16"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
     assert f"fp32 gradients: {where} (auto: 381.5 MiB of gradients" in text
     assert ("fp32 gradients (aio_zero.gradients)" in text) == (where == "cpu")
-    out = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=60, check=True).stdout
-    data = json.loads(out)
+    assert main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert data["gradients"]["where"] == where and data["gradients"]["bytes"] == 4 * 10**8
     assert data["cpu"].get("fp32 gradients (aio_zero.gradients)", 0) == (4 * 10**8 if where == "cpu" else 0)
+
+
+def test_aio_config_estimate_of_a_config_aio_zero_refuses_notes_it(tmp_path, capsys):
+    """An offload config aio.zero would not train (stage 2 here) still gets its
+    estimate, with a note instead of a gradient placement."""
+    from aio.config.__main__ import main
+
+    cfg = _cfg(tmp_path)
+    cfg["zero_optimization"]["stage"] = 2
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["estimate", str(path), "--params", "1e6", "--dtype", "fp32"]) == 0
+    out, err = capsys.readouterr()
+    assert "pinned CPU memory per process" in out and "fp32 gradients:" not in out
+    assert "gradient placement not estimated, not an aio.zero config" in err
