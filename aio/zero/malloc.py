@@ -58,3 +58,56 @@ def trim_malloc() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+# Free bytes in malloc's heaps above which the end of a backward gives them
+# back (see trim_if_fragmented).
+TRIM_FREE_BYTES = 256 << 20
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes lying free inside glibc malloc's heaps (``mallinfo2().fordblks``,
+    every arena), or None without glibc 2.33+."""
+    try:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [
+                (name, ctypes.c_size_t)
+                for name in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
+
+        fn = ctypes.CDLL(None).mallinfo2
+        fn.restype = MallInfo2
+        return int(fn().fordblks)
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_if_fragmented(limit: int = TRIM_FREE_BYTES) -> bool:
+    """Give free heap pages back to the OS when more than `limit` bytes lie free
+    in malloc's heaps; returns whether it trimmed.
+
+    A CPU forward's activations (a few MiB each, under the mmap threshold)
+    come from the heap; backward frees them in an order that leaves holes, so
+    the heap cannot shrink from the top and each step's new activations land
+    partly beside the old holes: RSS grew by ~0.5 GiB per step at 16 layers of
+    width 2880 (1.6 GiB free inside the heap after 3 steps). ``malloc_trim``
+    releases the free pages anywhere in the heap (madvise), at the price of
+    faulting them in again in the next forward."""
+    free = heap_free_bytes()
+    if free is None or free <= limit:
+        return False
+    trim_malloc()
+    return True

@@ -29,7 +29,7 @@ from .grads import GradientAccumulator
 from .hooks import Fetcher
 from .init_guard import PlaceholderCheck
 from .linear import install_linear, saved_tensor_guard
-from .malloc import trim_malloc
+from .malloc import trim_if_fragmented, trim_malloc
 from .optimizer import ZeroOptimizer, make_optimizer
 from .params import ParamStore
 from .placement import Plan, SubGroupLayout, place_gradients_for, plan_placement
@@ -342,6 +342,7 @@ class OffloadTrainer:
         if self.fetcher is not None:
             self.fetcher.end_backward()
         self.grads.finish_backward()
+        trim_if_fragmented()  # the activations' holes, so RSS does not creep up step after step
 
     def _settle_writes(self) -> None:
         self.grads.settle_writes()
