@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 BUILD_MMAP_THRESHOLD = 1 << 20
@@ -65,34 +67,37 @@ def trim_malloc() -> None:
 TRIM_FREE_BYTES = 256 << 20
 
 
+_MALLINFO2_FIELDS = (
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+)
+_mallinfo2: Any = None  # glibc's mallinfo2, bound once (False: not there)
+
+
 def heap_free_bytes() -> int | None:
     """Bytes lying free inside glibc malloc's heaps (``mallinfo2().fordblks``,
     every arena), or None without glibc 2.33+."""
-    try:
-        import ctypes
+    global _mallinfo2
+    if _mallinfo2 is None:
+        try:
+            import ctypes
 
-        class MallInfo2(ctypes.Structure):
-            _fields_ = [
-                (name, ctypes.c_size_t)
-                for name in (
-                    "arena",
-                    "ordblks",
-                    "smblks",
-                    "hblks",
-                    "hblkhd",
-                    "usmblks",
-                    "fsmblks",
-                    "uordblks",
-                    "fordblks",
-                    "keepcost",
-                )
-            ]
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(name, ctypes.c_size_t) for name in (*_MALLINFO2_FIELDS, "keepcost")]
 
-        fn = ctypes.CDLL(None).mallinfo2
-        fn.restype = MallInfo2
-        return int(fn().fordblks)
-    except (OSError, AttributeError):
-        return None
+            fn = ctypes.CDLL(None).mallinfo2
+            fn.restype = MallInfo2
+            _mallinfo2 = fn
+        except (OSError, AttributeError):
+            _mallinfo2 = False
+    return int(_mallinfo2().fordblks) if _mallinfo2 else None
 
 
 def trim_if_fragmented(limit: int = TRIM_FREE_BYTES) -> bool:
