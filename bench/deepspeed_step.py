@@ -33,10 +33,8 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,23 +103,10 @@ def worker(a: argparse.Namespace) -> int:
 
 
 def run_one(a: argparse.Namespace, v: str, root: str) -> dict:
-    """Run worker variant `v` in a fresh process of this script after
-    ``--idle`` seconds (train_step.run_one, passing --torch-adam on); its result."""
-    drive = tempfile.mkdtemp(prefix=f"{v}-", dir=root)
-    out = os.path.join(drive, "result.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", v, "--out", out, "--dir", drive]
-    cmd += train_step.child_args(a) + (["--torch-adam"] if a.torch_adam else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([train_step.ROOT, os.environ.get("PYTHONPATH", "")]))
-    time.sleep(a.idle)
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if p.returncode != 0:
-            print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"{v} failed (exit {p.returncode})")
-        with open(out) as f:
-            return dict(json.load(f))
-    finally:
-        shutil.rmtree(drive, ignore_errors=True)
+    """Run worker variant `v` in a fresh process of this script (so that
+    --torch-adam reaches its config); its result."""
+    extra = ("--torch-adam",) if a.torch_adam else ()
+    return train_step.run_one(a, v, root, script=__file__, extra=extra)
 
 
 def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[float]], list[float]]:

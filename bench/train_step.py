@@ -460,15 +460,18 @@ def child_args(a: argparse.Namespace) -> list[str]:
     return out
 
 
-def run_one(a: argparse.Namespace, v: str, root: str) -> dict:
-    """Run `v` in a fresh process after ~1 s idle; its result dict."""
+def run_one(
+    a: argparse.Namespace, v: str, root: str, script: str = __file__, extra: tuple[str, ...] = ()
+) -> dict:
+    """Run worker `v` of `script` (default: this one) in a fresh process after
+    ``--idle`` seconds, with the model flags and `extra`; its result dict."""
     drive = tempfile.mkdtemp(prefix=f"{v}-", dir=root)
     out = os.path.join(drive, "result.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", v, "--out", out, "--dir", drive]
+    cmd = [sys.executable, os.path.abspath(script), "--worker", v, "--out", out, "--dir", drive]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     time.sleep(a.idle)
     try:
-        p = subprocess.run(cmd + child_args(a), capture_output=True, text=True, env=env)
+        p = subprocess.run(cmd + child_args(a) + list(extra), capture_output=True, text=True, env=env)
         if p.returncode != 0:
             print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
             raise SystemExit(f"{v} failed (exit {p.returncode})")
