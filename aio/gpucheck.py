@@ -262,7 +262,7 @@ class Spec:
     batch: int = 4
     steps: int = 2
     gas: int = 1
-    clip: float = 0.0
+    clip: float = 0.05  # active: the norms clipping takes (on the device, gas 1) are checked too
     lr: float = 3e-3
     weight_decay: float = 0.01
     seed: int = 0
@@ -352,7 +352,9 @@ def train_reference(device: Any, spec: Spec) -> tuple[list[float], dict[str, Any
     """The same training without aio.zero: forward/backward of a copy of the
     model on `device`, gradients copied to the fp32 CPU master (the model),
     stepped there by the optimizer aio.zero steps with, copied back. Clipping
-    (if any) with torch's clip_grad_norm_ on the CPU master gradients."""
+    (if any) with torch's clip_grad_norm_, where aio.zero takes the norms: on
+    the device's gradients with one micro-step per window, else on the CPU
+    master's."""
     import torch
 
     from .config import load_train_config
@@ -369,10 +371,14 @@ def train_reference(device: Any, spec: Spec) -> tuple[list[float], dict[str, Any
         for micro in range(spec.gas):
             loss = loss_of(work, spec, step, micro, device)
             (loss / spec.gas if spec.gas > 1 else loss).backward()
+        # aio.zero takes the norms where the window's whole gradient is: on the
+        # device with one micro-step, else in its fp32 buffers on the host.
+        if spec.clip and spec.gas == 1:
+            torch.nn.utils.clip_grad_norm_(work.parameters(), spec.clip)
         for m, w in zip(master.parameters(), work.parameters(), strict=True):
             m.grad = w.grad.detach().to("cpu", copy=True)
             w.grad = None
-        if spec.clip:
+        if spec.clip and spec.gas > 1:
             torch.nn.utils.clip_grad_norm_(master.parameters(), spec.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -38,9 +38,13 @@ IN_FLIGHT = 64
 ADD_CHUNK = 1 << 18
 
 
-def add_into(dst: Any, src: Any) -> None:
+def add_into(dst: Any, src: Any, copy: bool = False) -> None:
     """``dst += src`` (flat, same length), without a temporary larger than
-    :data:`ADD_CHUNK` elements when the dtypes differ; same bits as one add_."""
+    :data:`ADD_CHUNK` elements when the dtypes differ; same bits as one add_.
+    `copy`: ``dst = src`` instead (one converting pass, no temporary)."""
+    if copy:
+        dst.copy_(src)
+        return
     if src.dtype == dst.dtype:
         dst.add_(src)
         return
@@ -59,6 +63,7 @@ class _Arriving(NamedTuple):
     host: Any  # where they land (the gradient itself on the CPU)
     ticket: Ticket
     src: Any  # the device gradient, kept alive until the copy is done
+    first: bool  # the parameter's first gradient in this micro-step
 
 
 class GradientAccumulator:
@@ -91,6 +96,9 @@ class GradientAccumulator:
         # stream); None: chosen by the first gradient's device.
         self._copies: HostCopies | DeviceCopies | None = copies
         self._arriving: collections.deque[_Arriving] = collections.deque()
+        self._fresh: set[int] = set()  # sub-groups opened zeroed in this micro-step
+        self._seen: set[int] = set()  # parameters (aio_id) with a gradient in this micro-step
+        self.norms_on_device = 0  # gradient norms taken on the compute device, in all
 
     def is_boundary(self) -> bool:
         """Whether the current micro-step ends the accumulation window."""
@@ -119,6 +127,9 @@ class GradientAccumulator:
         if self._copies is None:
             self._copies = copies_for(flat.device)
         copies = self._copies
+        first = param.aio_id not in self._seen
+        self._seen.add(param.aio_id)
+        self._device_norm(param, flat, first)
         n = flat.numel()
         chunk = max(1, copies.max_download_bytes // max(flat.element_size(), 1))
         for start in range(0, max(n, 1), chunk):
@@ -127,8 +138,21 @@ class GradientAccumulator:
                 if not self._arriving:
                     raise RuntimeError("gradient staging is full with no copy in flight")
                 self._land_oldest()
-            self._arriving.append(_Arriving(param, start, stop, got[0], got[1], flat))
+            self._arriving.append(_Arriving(param, start, stop, got[0], got[1], flat, first))
         self._land(keep=IN_FLIGHT)
+
+    def _device_norm(self, param: Any, flat: Any, first: bool) -> None:
+        """Take `param`'s gradient norm on the compute device, when the window is
+        one micro-step on a GPU (the gradient there is the whole window's). The
+        hooks add each parameter's gradient once per backward (see aio.zero.hooks)."""
+        if not (first and self.record_norms and self.gas == 1 and getattr(self._copies, "on_device", False)):
+            return
+        s = self.layout.places[param.aio_id]
+        import torch
+
+        wide = None if flat.dtype == torch.float32 else torch.float32
+        self._norms[s.order] = torch._foreach_norm([flat], 2, dtype=wide)[0]
+        self.norms_on_device += 1
 
     def _land(self, keep: int) -> None:
         """Add the arrived gradients, oldest first: every finished copy, and
@@ -144,12 +168,13 @@ class GradientAccumulator:
             a.ticket.wait()
             s = self.layout.places[a.param.aio_id]
             buf = self._buffer(s.group).tensor
-            add_into(buf[s.offset + a.start : s.offset + a.stop], a.host)
+            copy = a.first and s.group in self._fresh
+            add_into(buf[s.offset + a.start : s.offset + a.stop], a.host, copy)
         finally:
             self._recycle()
         if a.stop < s.numel:
             return
-        if self.record_norms and self.is_boundary():
+        if self.record_norms and self.is_boundary() and s.order not in self._norms:
             self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
         self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
         if self._arrived[s.group] == len(self.layout.groups[s.group]):
@@ -171,14 +196,17 @@ class GradientAccumulator:
         return 0 if self._copies is None else self._copies.pinned_bytes()
 
     def stats(self) -> dict[str, Any]:
-        """Copy counters (``d2h_copies``, ``d2h_bytes``; empty on the CPU)."""
-        return dict(getattr(self._copies, "counters", {}))
+        """Copy counters (``d2h_copies``, ``d2h_bytes``; none on the CPU) and
+        ``norms_on_device``, the gradient norms taken on the compute device."""
+        return {**getattr(self._copies, "counters", {}), "norms_on_device": self.norms_on_device}
 
     def _buffer(self, gi: int) -> GradientBuffer:
         if gi in self._open:
             return self._open[gi]
         resume = not (self.at_window_start() and gi not in self._flushed)
         self._touched.add(gi)
+        if not resume:
+            self._fresh.add(gi)
         numel = self.layout.group_numel[gi]
         while (buf := self.opt.try_open_gradient(gi, numel, resume)) is None:
             if self._pending:
@@ -196,6 +224,7 @@ class GradientAccumulator:
         return buf
 
     def _close(self, gi: int) -> None:
+        self._fresh.discard(gi)
         pending = self.opt.close_gradient(gi, self._open.pop(gi))
         if pending is not None:
             self._pending.append(pending)
@@ -214,6 +243,7 @@ class GradientAccumulator:
                     self._close(gi)
         self._arrived.clear()
         self._flushed.clear()
+        self._seen.clear()
 
     def settle_writes(self) -> None:
         """Wait for every gradient write; every buffer is given back even when one fails."""
@@ -255,6 +285,8 @@ class GradientAccumulator:
         self._flushed.clear()
         self._touched.clear()
         self._norms.clear()
+        self._fresh.clear()
+        self._seen.clear()
         self.micro_steps -= self.micro_steps % self.gas
 
     def close(self) -> None:

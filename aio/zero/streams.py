@@ -77,6 +77,7 @@ class HostCopies:
 
     max_download_bytes = 1 << 62
     small_bytes = 0
+    on_device = False  # the compute device is the host
     host_registered = 0
 
     def upload(self, hosts: list[Any]) -> tuple[list[Any], Ticket]:
@@ -215,6 +216,8 @@ class PinnedRing:
 class DeviceCopies:
     """The CUDA implementation (see the module docstring). `backend` is a
     :class:`CudaBackend` or a stand-in with the same methods."""
+
+    on_device = True  # the compute device is not the host
 
     def __init__(self, backend: Any, small_bytes: int = SMALL_BYTES) -> None:
         self.backend = backend

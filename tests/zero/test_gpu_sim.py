@@ -49,6 +49,20 @@ def test_training_on_simulated_gpu_equals_memory(tmp_path, mode, seed, param, op
     assert got == want
 
 
+@pytest.mark.parametrize("mode,seed", STRICT, ids=[f"{m}-{s}" for m, s in STRICT])
+def test_clipping_with_norms_taken_on_the_device_equals_memory(tmp_path, mode, seed):
+    """One micro-step per window: the gradient norms are taken on the device
+    (as clip_grad_norm_ takes them in GPU memory); clipped training still
+    equals in-memory training bit for bit."""
+    want = train_in_memory(3, gas=1, clip=0.05)
+    with CudaSim(scheduler=mode, seed=seed):
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=1, clip=0.05), device="cuda") as engine:
+            got = train_on_device(engine, 3, gas=1)
+            assert engine.stats()["grads"]["norms_on_device"] == 3 * len(list(engine.module.parameters()))
+            assert engine.last_grad_norm > 0.05  # the clip was active
+    assert got == want
+
+
 class WithBuffers(torch.nn.Module):
     """A GPT with the buffers real models carry: position ids (BERT), a
     frequency table (Llama's rotary inv_freq) and BatchNorm statistics."""

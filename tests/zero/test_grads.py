@@ -73,8 +73,8 @@ def test_accumulator_with_one_buffer_flushes_and_reads_back(tmp_path, device):
         opt.close()
 
 
-def _accumulate(copies, grads_per_micro, record_norms=True, after_add=lambda acc: None):
-    """Run a GradientAccumulator (SGD, lr 1, two sub-groups, gas 2) over the given
+def _accumulate(copies, grads_per_micro, record_norms=True, after_add=lambda acc: None, gas=2):
+    """Run a GradientAccumulator (SGD, lr 1, two sub-groups, `gas`) over the given
     gradients with `copies` as its copy implementation; returns the stepped
     master weights (minus the gradient sums) and the boundary norms."""
     from aio.config import load_train_config
@@ -90,7 +90,7 @@ def _accumulate(copies, grads_per_micro, record_norms=True, after_add=lambda acc
         for gi, n in enumerate(layout.group_numel):
             opt.register_subgroup(gi, n)
             opt.initialize(gi, torch.zeros(n))
-        acc = GradientAccumulator(opt, layout, gas=2, record_norms=record_norms)
+        acc = GradientAccumulator(opt, layout, gas=gas, record_norms=record_norms)
         if copies is not None:
             acc._copies = copies
         for micro, grads in enumerate(grads_per_micro):
@@ -158,6 +158,73 @@ def test_gradients_from_a_device_land_later_with_the_same_sums():
         assert torch.equal(got[gi], expect[gi])
     assert acc.stats()["d2h_copies"] == 2 * (5 + 1 + 2 + 1)
     assert not acc._arriving and not copies.down.live
+
+
+def _fake_device():
+    from aio.zero.streams import DeviceCopies
+
+    from .fake_streams import FakeBackend
+
+    b = FakeBackend(first="side")
+    return b, DeviceCopies(b)
+
+
+def test_one_micro_step_on_a_device_takes_the_norms_there():
+    """gas 1 on a (fake) GPU: each gradient's norm is taken on the device, as
+    clip_grad_norm_ takes it in GPU memory, with the bits of the host's norm of
+    the landed fp32 gradient; the host only copies the gradient in."""
+    torch.manual_seed(1)
+    values = [torch.randn(n, dtype=torch.bfloat16) * 1e3 for n in (300, 2, 77, 0)]
+    expect, expect_norms, host = _accumulate(None, [[lambda v=v: v for v in values]], gas=1)
+    assert host.stats()["norms_on_device"] == 0
+    b, copies = _fake_device()
+    got, norms, acc = _accumulate(copies, [[lambda v=v: v for v in values]], gas=1)
+    assert acc.stats()["norms_on_device"] == 4
+    assert norms == expect_norms
+    for gi in expect:
+        assert torch.equal(got[gi], expect[gi])
+
+
+def _one_buffer_accumulator(copies, gas):
+    from aio.config import load_train_config
+    from aio.zero.grads import GradientAccumulator
+    from aio.zero.optimizer import make_optimizer
+    from aio.zero.placement import SubGroupLayout
+
+    cfg = load_train_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    opt = make_optimizer(cfg, torch.optim.SGD, {"lr": 1.0})
+    p, q = _P(0, 4), _P(1, 3)
+    layout = SubGroupLayout([[p, q]])
+    opt.register_subgroup(0, 7)
+    opt.initialize(0, torch.full((7,), -0.0))
+    acc = GradientAccumulator(opt, layout, gas=gas, record_norms=True)
+    if copies is not None:
+        acc._copies = copies
+    return opt, acc, p, q
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_a_fresh_buffer_takes_the_gradient_as_autograd_made_it(device):
+    """A gradient landing in a zeroed buffer is copied in: -0.0 stays -0.0, as
+    in param.grad (added to the zeros it became +0.0)."""
+    copies = _fake_device()[1] if device else None
+    opt, acc, p, q = _one_buffer_accumulator(copies, gas=1)
+    try:
+        acc.add(p, torch.tensor([-0.0, 1.0, 2.0, 3.0]))
+        acc.add(q, torch.tensor([-0.0, 0.5, 0.5]).bfloat16())
+        acc.finish_backward()
+        acc.settle_writes()
+        norms = acc.boundary_norms()
+        want = [torch.tensor(v).norm().item() for v in ([1.0, 2.0, 3.0], [0.5, 0.5])]
+        assert [n.item() for n in norms] == want
+        assert acc.stats()["norms_on_device"] == (2 if device else 0)
+        got = {}
+        opt.step(after=lambda i, m: got.setdefault(i, m.clone()))
+        # SGD, lr 1, from -0.0: -0.0 - (-0.0) is +0.0; -0.0 - (+0.0) would stay -0.0.
+        assert got[0].tolist() == [0.0, -1.0, -2.0, -3.0, 0.0, -0.5, -0.5]
+        assert [str(v) for v in got[0][[0, 4]].tolist()] == ["0.0", "0.0"]
+    finally:
+        opt.close()
 
 
 @pytest.mark.parametrize("numel", [1, 1000, (1 << 18) + 5, 8 << 20])
