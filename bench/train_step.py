@@ -615,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(res, f)
         return 0
     root = a.dir or tempfile.mkdtemp(prefix="aio-train-bench-")
+    os.makedirs(root, exist_ok=True)  # --dir may name a folder still to make
     variants = []
     for v in a.variants.split(","):
         why = available(v, a)

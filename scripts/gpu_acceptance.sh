@@ -31,7 +31,8 @@
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl pydantic==2.13.4 pydantic_core==2.46.4 \
 #     annotated_types typing_inspection typing_extensions hjson
-#   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8   # optional
+#   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8   # optional, with:
+#   python3 -m pip download (the same flags) -d .whl ninja py-cpuinfo msgpack einops nvidia-ml-py
 #   (cd .deb && apt-get download libaio1 libaio-dev)    # optional; maybe libaio1t64
 # On the GPU machine (carry .whl and .deb); this script does these itself when
 # needed (GPU_ACC_SETUP=0: it does not):

@@ -86,6 +86,11 @@ CASES: dict[str, Case] = {
     "pinned_memory.py": Case(
         "--dir {dir} --width 32 --layers 1 --sides aio", expect=("pinned_bytes()", "aio-config estimate")
     ),
+    "profile_step.py": Case(
+        "zero-cpu --fp32 --model gpt --layers 1 --width 32 --heads 2 --vocab 64 --seq 8 --batch 1"
+        " --dir {dir}",
+        expect=("forward / backward / step() / whole", "Self CPU"),
+    ),
     "striped_io.py": Case(
         "--dirs {dir} {dir2} --rounds 1 --idle 0 --extents 2 --extent-mib 0.25 --group 1"
         " --train-rounds 1 --steps 1 --warmup 0 --layers 1 --width 32 --heads 2 --vocab 64"

@@ -182,6 +182,18 @@ def test_pread_pwrite_flag_forms(op, tmp_path):
     assert h.pread(**kw) == 0 and h.wait() == 1  # DeepSpeed's keyword names
     out = str(tmp_path / "out.bin")
     assert h.pwrite(**dict(kw, filename=out)) == 0 and h.wait() == 1
+    assert filecmp.cmp(path, out, shallow=False)
+
+
+def test_validated_forms(op, tmp_path):
+    if not is_aio(op):
+        # Seen on an H200 (session 15, DeepSpeed 0.19.8 JIT-built): the first
+        # call below kills the process with SIGSEGV inside DeepSpeed's op.
+        pytest.xfail("DeepSpeed 0.19.8's own op segfaults on a validated pwrite")
+    h = new_handle(op)
+    path, data = ref_file(tmp_path)
+    buf = make_buffer(h, "locked", fill=data)
+    out = str(tmp_path / "out.bin")
     assert h.pwrite(buf, out, True, False, 0) == 1  # validated synchronous write
     assert h.pwrite(buf, out, True, True, 0) == 0 and h.wait() == 1  # validated at wait()
     assert h.pread(buf, out, True, True, 0) == 0 and h.wait() == 1
