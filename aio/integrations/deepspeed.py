@@ -395,6 +395,7 @@ def enable() -> None:
         _patch_builders()
         _patch_accelerator()
         _patch_load_checkpoint()
+        _patch_engine_start()
     if not was_enabled:
         _log_enabled(version)
 
@@ -491,6 +492,49 @@ def _patch_load_checkpoint() -> None:
     load_checkpoint._aio_wrapped = True  # type: ignore[attr-defined]
     _patched.append((DeepSpeedEngine, "load_checkpoint", orig_load))
     DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def _patch_engine_start() -> None:
+    """Every DeepSpeed engine, once built, says in one line when its NVMe
+    parameter offload pages nothing (see :func:`warn_if_params_stay_in_cpu`)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    orig_init = DeepSpeedEngine.__init__
+    if getattr(orig_init, "_aio_wrapped", False):
+        return
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        warn_if_params_stay_in_cpu(getattr(self, "optimizer", None))
+
+    __init__._aio_wrapped = True  # type: ignore[attr-defined]
+    _patched.append((DeepSpeedEngine, "__init__", orig_init))
+    DeepSpeedEngine.__init__ = __init__
+
+
+def warn_if_params_stay_in_cpu(optimizer: Any) -> bool:
+    """Log one warning when DeepSpeed's ZeRO-3 optimizer has
+    ``offload_param.device: nvme`` but keeps every parameter sub-group in CPU
+    memory; returns whether it did. DeepSpeed copies sub-groups, in model
+    order, into pinned CPU buffers for good until ``max_in_cpu`` elements are
+    used (stage3.py, ``_create_param_groups_fp16_flat_cpu_memory``); only the
+    rest is paged from the drive. Its default, 1e9, keeps every parameter of
+    a model under a billion in CPU memory, and DeepSpeed says nothing."""
+    flats = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    if not getattr(optimizer, "params_in_nvme_and_cpu", False) or not flats:
+        return False
+    if any(f is None for f in flats):  # a sub-group without a CPU buffer: on the drive
+        return False
+    numel = sum(getattr(optimizer, "fp16_partitioned_groups_flat_numel", []) or [f.numel() for f in flats])
+    logger.getChild("deepspeed").warning(
+        "DeepSpeed: offload_param.device is nvme but max_in_cpu=%d keeps all %d parameter elements "
+        "of this model in pinned CPU memory: nothing is paged from the drive; set "
+        "zero_optimization.offload_param.max_in_cpu lower (0: every parameter on the drive)",
+        int(getattr(optimizer, "max_params_in_cpu", -1)),
+        numel,
+    )
+    return True
 
 
 def disable() -> None:

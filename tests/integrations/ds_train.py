@@ -72,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--nvme", required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--pipeline", action="store_true")
+    ap.add_argument("--max-in-cpu", type=int, default=0, help="offload_param.max_in_cpu")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--save")
@@ -97,7 +98,7 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
             "nvme_path": a.nvme,
             "buffer_count": 32,
             "buffer_size": max(300_000, a.width * a.width),
-            "max_in_cpu": 0,
+            "max_in_cpu": a.max_in_cpu,
             "pin_memory": True,
         }
         zero["offload_optimizer"] = {

@@ -88,7 +88,7 @@ def train(tmp_path, name, *args, world=1, steps=10, tolerate_exit_abort=False):
         if not (tolerate_exit_abort and aborted_at_exit):
             assert p.returncode == 0, f"{name} rank failed ({p.returncode}):\n{stderr[-4000:]}"
             assert "terminate called" not in stderr
-        results.append(json.loads(out.read_text()))
+        results.append(dict(json.loads(out.read_text()), stderr=stderr))
     return results, nvme
 
 
@@ -117,9 +117,20 @@ def test_nvme_offload_on_aio_matches_cpu_offload(tmp_path, cpu_offload_losses, p
     assert len(r["losses"]) == 10
     # Same math, same order: offloading to the drive changes nothing.
     assert r["losses"] == cpu_offload_losses
+    assert "nothing is paged from the drive" not in r["stderr"]  # max_in_cpu 0
     # The process left no swap files behind.
     leftovers = [os.path.join(dp, f) for dp, _, fs in os.walk(nvme) for f in fs]
     assert leftovers == [] or all("zero_stage_3" in p for p in leftovers), leftovers[:5]
+
+
+def test_default_max_in_cpu_is_said_at_start(tmp_path):
+    """DeepSpeed's default max_in_cpu (1e9) keeps a small model's parameters in
+    CPU memory with device nvme, silently; on aio the engine says so once."""
+    args = ["--io", "aio", "--offload", "nvme", "--max-in-cpu", "1000000000"]
+    (r,), _ = train(tmp_path, "mic", *args, steps=1)
+    lines = [x for x in r["stderr"].splitlines() if "nothing is paged from the drive" in x]
+    assert len(lines) == 1, r["stderr"][-3000:]
+    assert f"keeps all {r['params']} parameter elements" in lines[0] and "max_in_cpu=1000000000" in lines[0]
 
 
 @pytest.mark.skipif(
