@@ -4,7 +4,7 @@ memory against ``from_pretrained`` under ``aio.zero.Init`` with every tensor
 on the drive at DeepSpeed's default ``buffer_count`` (5), each in a fresh
 process, on one sharded safetensors checkpoint written first.
 
-    PYTHONPATH=. python bench/hf_load_rss.py [--layers 12 --width 768 --vocab 50257] [--dir DIR]
+    PYTHONPATH=. python bench/hf_load_rss.py [--layers 12 --width 768 --vocab 50257] [--dir DIR] [--json FILE]
 
 Prints the checkpoint's bytes and, for each variant, how far above the
 process's memory after importing transformers (the baseline) its peak RSS
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--dir", default=None, help="where the checkpoint and the swap files go")
+    ap.add_argument("--json", help="also write the measurements here (tests/zero/test_hf.py reads them)")
     args = ap.parse_args()
     import transformers as tf
 
@@ -102,6 +103,11 @@ def main() -> None:
         )
     mem, init = (r["anon"] for r in rows)
     print(f"peak anonymous memory, under Init / in memory: {init / mem:.2f}")
+    if args.json:
+        largest = max(args.vocab, 1024, 4 * args.width) * args.width  # CHILD's buffer_size (n_positions 1024)
+        out = {"param_bytes": nbytes, "buffer_count": 5, "buffer_bytes": 4 * largest, "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(out, f)
 
 
 if __name__ == "__main__":

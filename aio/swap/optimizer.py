@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._buffers import MAX_OFFSET
 from ..config import discover_state_spec
 from ..pinned import Lease, Register
 from .copy import Chunk, copy_chunks, free_buffers
@@ -51,6 +52,9 @@ from .storage import (
     save_plain,
     write_manifest,
 )
+
+# Elements of one sub-group, at most: all its tensors' bytes stay a valid file offset.
+MAX_NUMEL = MAX_OFFSET // 64
 
 CHECKPOINT_VERSION = 1
 
@@ -185,9 +189,9 @@ class OptimizerSwapper:
 
         if index in self.groups:
             raise ValueError(f"sub-group {index} is already registered")
+        if isinstance(numel, bool) or not isinstance(numel, int) or not 0 < numel <= MAX_NUMEL:
+            raise ValueError(f"sub-group {index}: numel must be an int in [1, {MAX_NUMEL}], got {numel!r}")
         self.torch_groups.add(index, group)
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
-            raise ValueError(f"sub-group {index}: numel must be a positive int, got {numel!r}")
         if self.sub_group_size is not None and numel > self.sub_group_size:
             raise ValueError(
                 f"sub-group {index} has {numel} elements, more than "

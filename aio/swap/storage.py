@@ -34,6 +34,8 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+from .._buffers import MAX_OFFSET as MAX_FILE_BYTES
+
 ROOT_PREFIX = "aio-swap-"
 MARKER = ".aio-swap-owner"
 COMPLETE = "complete"  # written last into a checkpoint folder: the checkpoint is whole
@@ -424,11 +426,16 @@ class SwapFile:
             if self._fd < 0:
                 raise ValueError("swap storage is closed")
             off = self.size
-            self.size = off + align_up(nbytes)
+            end = off + align_up(nbytes)
+            if end > MAX_FILE_BYTES:  # what an off_t holds: fallocate would overflow, not fail
+                raise ValueError(
+                    f"cannot reserve {nbytes} bytes of swap space at offset {off}: past the "
+                    f"largest file size ({MAX_FILE_BYTES} bytes)"
+                )
             try:
-                os.posix_fallocate(self._fd, off, self.size - off)
+                os.posix_fallocate(self._fd, off, end - off)
+                self.size = end
             except OSError as e:
-                self.size = off
                 raise OSError(
                     e.errno, f"cannot reserve {nbytes} bytes of swap space: {e.strerror}", self.real_path
                 ) from None

@@ -242,6 +242,35 @@ def test_subgroup_larger_than_sub_group_size(tmp_path):
             sw.register_subgroup(1, 8000)
 
 
+@pytest.mark.parametrize("numel", [2**60, 2**64])
+def test_absurd_subgroup_size_is_refused_and_the_swapper_still_works(tmp_path, numel):
+    """A sub-group too large for a file offset is a ValueError naming numel; the
+    swap file keeps its size, so the next registration works (it used to leave
+    an OverflowError behind for every later call)."""
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3}) as sw:
+        with pytest.raises(ValueError, match="numel"):
+            sw.register_subgroup(0, numel)
+        sw.register_subgroup(0, 1000)
+        sw.initialize(0, torch.ones(1000))
+        sw.write_gradient(0, torch.ones(1000))
+        sw.step()
+
+
+def test_swap_file_refuses_an_extent_past_the_largest_offset(tmp_path):
+    from aio.swap.storage import MAX_FILE_BYTES, SwapFile
+
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    f = SwapFile(dir_fd, "f.swap", str(tmp_path / "f.swap"))
+    try:
+        with pytest.raises(ValueError, match="largest file size"):
+            f.allocate(MAX_FILE_BYTES)
+        assert f.size == 0
+        assert f.allocate(4096) == 0
+    finally:
+        f.close()
+        os.close(dir_fd)
+
+
 def test_bad_gradient_and_uninitialized(tmp_path):
     with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3}) as sw:
         sw.register_subgroup(0, 10)
