@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import MiB, handle
+from conftest import ENGINES, MiB, handle
 
 import aio
 
@@ -112,7 +112,7 @@ def test_fork_child_gets_clear_error_and_can_make_a_new_handle(fpath):
     assert bytes(b) == b"parent"
 
 
-@pytest.mark.parametrize("engine", ["kernel_aio", "posix"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_gil_released_during_long_read(engine, tmp_path):
     path = str(tmp_path / "big.bin")
     n = 256 * MiB
