@@ -31,7 +31,8 @@ class AsyncIOHandle:
     ``io_submit`` per I/O, ``overlap_events`` keep the queue full rather than
     draining each batch. ``engine`` is ``"auto"`` (kernel AIO when it works
     here, else posix threads; ``stats()["engine_reason"]`` says why),
-    ``"kernel_aio"`` or ``"posix"``.
+    ``"kernel_aio"``, ``"io_uring"`` (Linux 5.6+; an ``OSError`` says why
+    where it is unavailable) or ``"posix"``.
 
     Any size and offset work: the aligned middle of a request goes O_DIRECT,
     unaligned edges go through the page cache, and memory that is not aligned
@@ -116,7 +117,7 @@ class AsyncIOHandle:
 
     @property
     def engine(self) -> str:
-        """The I/O engine in use: ``"kernel_aio"`` or ``"posix"``."""
+        """The I/O engine in use: ``"kernel_aio"``, ``"io_uring"`` or ``"posix"``."""
         return str(self._live().engine)
 
     # -- I/O -----------------------------------------------------------------

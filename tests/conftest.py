@@ -5,8 +5,29 @@ import pytest
 
 import aio
 
-ENGINES = ["kernel_aio", "posix"]
 MiB = 1 << 20
+
+
+def engine_unavailable(name: str) -> str | None:
+    """Why the engine cannot run here (its probe's error), or None if it can."""
+    try:
+        aio.AsyncIOHandle(engine=name).close()
+    except OSError as e:
+        return str(e)
+    return None
+
+
+_URING_MISSING = engine_unavailable("io_uring")
+# io_uring is probed at runtime: kernel.io_uring_disabled, seccomp (Docker's
+# default profile) or an old kernel turn it off, and its tests skip saying why.
+IO_URING = pytest.param(
+    "io_uring",
+    marks=pytest.mark.skipif(_URING_MISSING is not None, reason=f"io_uring unavailable: {_URING_MISSING}"),
+)
+ENGINES = ["kernel_aio", "posix", IO_URING]
+# The engines that queue I/O in the kernel (queue_depth, single_submit and
+# overlap_events apply to them).
+QUEUED_ENGINES = ["kernel_aio", IO_URING]
 
 
 @pytest.fixture(scope="session")

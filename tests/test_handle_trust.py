@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import MiB
+from conftest import ENGINES, MiB
 
 import aio
 from aio import pinned
@@ -41,7 +41,8 @@ PRELUDE = textwrap.dedent(
     if not os.path.exists(SRC):
         np.random.default_rng(5).integers(0, 256, BIG, dtype=np.uint8).tofile(SRC)
     EXPECT = np.fromfile(SRC, dtype=np.uint8)
-    h = aio.AsyncIOHandle(engine="posix", thread_count=1, block_size=1 << 20)
+    ENGINE = sys.argv[2] if len(sys.argv) > 2 else "posix"
+    h = aio.AsyncIOHandle(engine=ENGINE, thread_count=1, block_size=1 << 20)
     sink = np.empty(BIG, np.uint8)
 
     def blockers(n=32):
@@ -74,10 +75,12 @@ PRELUDE = textwrap.dedent(
 )
 
 
-def run_script(tmp_path, body: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_script(
+    tmp_path, body: str, timeout: float = 120, engine: str = "posix"
+) -> subprocess.CompletedProcess:
     code = PRELUDE + textwrap.dedent(body)
     r = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
+        [sys.executable, "-c", code, str(tmp_path), engine],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -88,10 +91,12 @@ def run_script(tmp_path, body: str, timeout: float = 120) -> subprocess.Complete
 
 
 # -- F1: an interrupted wait() keeps every in-flight buffer alive ----------------
-def test_interrupted_handle_wait_keeps_inflight_buffers(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_interrupted_handle_wait_keeps_inflight_buffers(tmp_path, engine):
     r = run_script(
         tmp_path,
-        """
+        engine=engine,
+        body="""
         valid = 0
         for attempt in range(5):
             blk = blockers()
@@ -124,10 +129,12 @@ def test_interrupted_handle_wait_keeps_inflight_buffers(tmp_path):
 
 # -- F15/F20: waits wake up for Ctrl-C; the future stays pending -----------------
 @pytest.mark.parametrize("how", ["result", "future_wait", "handle_wait", "exception"])
-def test_ctrl_c_interrupts_waits_and_future_stays_pending(tmp_path, how):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_ctrl_c_interrupts_waits_and_future_stays_pending(tmp_path, how, engine):
     r = run_script(
         tmp_path,
-        f"""
+        engine=engine,
+        body=f"""
         how = {how!r}
         valid = 0
         for attempt in range(5):
@@ -437,10 +444,12 @@ def test_pinned_pool_size_overflow_is_refused(tmp_path):
 
 
 # -- F12: fork ------------------------------------------------------------------
-def test_forked_child_waiting_on_parent_future_gets_error(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_forked_child_waiting_on_parent_future_gets_error(tmp_path, engine):
     run_script(
         tmp_path,
-        """
+        engine=engine,
+        body="""
         blk = blockers(8)
         out = np.zeros(1 << 20, np.uint8)
         fut = h.async_pread(out, SRC)
@@ -469,11 +478,13 @@ def test_forked_child_waiting_on_parent_future_gets_error(tmp_path):
     )
 
 
-def test_forked_child_recipe_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_forked_child_recipe_exits_cleanly(tmp_path, engine):
     """Needs the core fix of ~Handle in a forked child as well (csrc)."""
     run_script(
         tmp_path,
-        """
+        engine=engine,
+        body="""
         blk = blockers(4)
         pid = os.fork()
         if pid == 0:

@@ -10,17 +10,18 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import MiB, handle
+from conftest import ENGINES, MiB, handle
 
 import aio
 
 
-def test_exit_with_io_pending_completes_writes(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_exit_with_io_pending_completes_writes(tmp_path, engine):
     out = tmp_path / "pending.bin"
     code = textwrap.dedent(
         f"""
         import numpy as np, aio
-        h = aio.AsyncIOHandle(block_size=1 << 20, queue_depth=4)
+        h = aio.AsyncIOHandle(block_size=1 << 20, queue_depth=4, engine={engine!r})
         for i in range(8):
             h.async_pwrite(np.full(16 << 20, i, np.uint8), {str(out)!r}, i * (16 << 20))
         # no wait(): the interpreter exits with writes in flight
@@ -34,11 +35,12 @@ def test_exit_with_io_pending_completes_writes(tmp_path):
     assert all((data[i * 16 * MiB : (i + 1) * 16 * MiB] == i).all() for i in range(8))
 
 
-def test_exit_with_handle_dropped_mid_io(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_exit_with_handle_dropped_mid_io(tmp_path, engine):
     code = textwrap.dedent(
         f"""
         import numpy as np, aio
-        h = aio.AsyncIOHandle(thread_count=2)
+        h = aio.AsyncIOHandle(thread_count=2, engine={engine!r})
         h.async_pwrite(np.ones(32 << 20, np.uint8), {str(tmp_path / "x.bin")!r})
         del h
         import gc; gc.collect()
@@ -79,8 +81,9 @@ def test_future_keeps_buffer_alive():
     h.wait()
 
 
-def test_fork_child_gets_clear_error_and_can_make_a_new_handle(fpath):
-    h = handle()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fork_child_gets_clear_error_and_can_make_a_new_handle(fpath, engine):
+    h = handle(engine=engine)
     h.sync_pwrite(b"parent", fpath)
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -92,7 +95,7 @@ def test_fork_child_gets_clear_error_and_can_make_a_new_handle(fpath):
         except ValueError as e:
             out.append("refused" if "fork" in str(e) else f"wrong:{e}")
         try:
-            h2 = aio.AsyncIOHandle()
+            h2 = aio.AsyncIOHandle(engine=engine)
             b = bytearray(6)
             h2.sync_pread(b, fpath)
             out.append(bytes(b).decode())
@@ -112,7 +115,7 @@ def test_fork_child_gets_clear_error_and_can_make_a_new_handle(fpath):
     assert bytes(b) == b"parent"
 
 
-@pytest.mark.parametrize("engine", ["kernel_aio", "posix"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_gil_released_during_long_read(engine, tmp_path):
     path = str(tmp_path / "big.bin")
     n = 256 * MiB

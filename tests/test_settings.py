@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import MiB, handle
+from conftest import ENGINES, QUEUED_ENGINES, MiB, handle
 
 
 @pytest.fixture
@@ -20,26 +20,28 @@ def _read(h, path, n=16 * MiB):
     return h.stats()
 
 
-@pytest.mark.parametrize("engine", ["kernel_aio", "posix"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("bs", [64 * 1024, 1 * MiB, 4 * MiB])
 def test_block_size_sets_io_size(engine, bs, bigfile):
     st = _read(handle(engine=engine, block_size=bs), bigfile)
     assert st["ios"] == 16 * MiB // bs
 
 
+@pytest.mark.parametrize("engine", QUEUED_ENGINES)
 @pytest.mark.parametrize("qd", [1, 2, 8, 32])
-def test_queue_depth_bounds_inflight(qd, bigfile):
-    st = _read(handle(engine="kernel_aio", queue_depth=qd, block_size=64 * 1024), bigfile)
+def test_queue_depth_bounds_inflight(engine, qd, bigfile):
+    st = _read(handle(engine=engine, queue_depth=qd, block_size=64 * 1024), bigfile)
     assert st["max_inflight"] == qd
 
 
-def test_single_submit_makes_one_syscall_per_io(bigfile):
+@pytest.mark.parametrize("engine", QUEUED_ENGINES)
+def test_single_submit_makes_one_syscall_per_io(engine, bigfile):
     single = _read(
-        handle(engine="kernel_aio", single_submit=True, queue_depth=8, block_size=256 * 1024),
+        handle(engine=engine, single_submit=True, queue_depth=8, block_size=256 * 1024),
         bigfile,
     )
     batch = _read(
-        handle(engine="kernel_aio", single_submit=False, queue_depth=8, block_size=256 * 1024),
+        handle(engine=engine, single_submit=False, queue_depth=8, block_size=256 * 1024),
         bigfile,
     )
     assert single["submit_calls"] == single["ios"] == 64
@@ -75,7 +77,30 @@ def test_overlap_events_refills_vs_batches(bigfile, pattern):
         assert h.stats()["max_inflight"] == 8
 
 
-@pytest.mark.parametrize("engine", ["kernel_aio", "posix"])
+@pytest.mark.parametrize("engine", QUEUED_ENGINES[1:])
+def test_overlap_events_refills_vs_batches_io_uring(engine, bigfile, pattern):
+    # io_uring submits a batch and waits for it in one io_uring_enter, and
+    # takes completions already in the ring without a system call: the
+    # submissions count as for kernel AIO, the waits are at most one each.
+    def trickled(overlap):
+        h = handle(engine=engine, queue_depth=8, block_size=256 * 1024, overlap_events=overlap)
+        h._c.inject_fault("trickle", 0, "any", 1, 1)
+        return _read(h, bigfile)
+
+    no = trickled(False)
+    assert no["submit_calls"] == 8 and no["getevents_calls"] <= 8
+    yes = trickled(True)
+    assert yes["submit_calls"] == 1 + (64 - 8) and yes["getevents_calls"] <= 64
+    assert yes["max_inflight"] == no["max_inflight"] == 8
+    for overlap in (False, True):
+        h = handle(engine=engine, queue_depth=8, block_size=256 * 1024, overlap_events=overlap)
+        buf = np.empty(16 * MiB, np.uint8)
+        h.sync_pread(buf, bigfile)
+        assert np.array_equal(buf, pattern[: 16 * MiB])
+        assert h.stats()["max_inflight"] == 8
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("threads", [1, 2, 3, 4, 7])
 def test_thread_count_splits_request_into_slices(engine, threads, bigfile):
     st = _read(handle(engine=engine, thread_count=threads), bigfile)

@@ -26,7 +26,7 @@
 namespace {
 
 constexpr uint64_t KiB = 1024, MiB = 1024 * 1024;
-const char* const kEngines[] = {"kernel_aio", "posix"};
+const char* const kEngines[] = {"kernel_aio", "posix", "io_uring"};
 
 // A private directory for this run's files, removed at exit.
 struct TempDir {
@@ -92,7 +92,9 @@ std::unique_ptr<aio::Handle> make_handle(const std::string& engine, unsigned thr
   try {
     return std::make_unique<aio::Handle>(small_settings(threads), engine);
   } catch (const aio::Error& e) {
+    // Both are probed at runtime (kernel config, sysctl, seccomp).
     if (engine == "kernel_aio") SKIP(std::string("kernel AIO unavailable here: ") + e.what());
+    if (engine == "io_uring") SKIP(std::string("io_uring unavailable here: ") + e.what());
     throw;
   }
 }
@@ -179,6 +181,8 @@ void roundtrip(const std::string& engine, unsigned threads) {
 
 TEST(roundtrip_kernel_aio_1_thread) { roundtrip("kernel_aio", 1); }
 TEST(roundtrip_kernel_aio_4_threads) { roundtrip("kernel_aio", 4); }
+TEST(roundtrip_io_uring_1_thread) { roundtrip("io_uring", 1); }
+TEST(roundtrip_io_uring_4_threads) { roundtrip("io_uring", 4); }
 TEST(roundtrip_posix_1_thread) { roundtrip("posix", 1); }
 TEST(roundtrip_posix_4_threads) { roundtrip("posix", 4); }
 
@@ -186,6 +190,7 @@ TEST(engines_are_registered_and_unknown_one_refused) {
   const auto names = aio::engine_names();
   CHECK(std::find(names.begin(), names.end(), "posix") != names.end());
   CHECK(std::find(names.begin(), names.end(), "kernel_aio") != names.end());
+  CHECK(std::find(names.begin(), names.end(), "io_uring") != names.end());
   bool raised = false;
   try {
     aio::Handle h(small_settings(1), "no_such_engine");
@@ -221,7 +226,7 @@ TEST(read_past_eof_error_has_path_and_range) {
     try {
       h = make_handle(engine, 2);
     } catch (const ::check::Skip&) {
-      continue;  // kernel AIO missing: the posix pass still runs
+      continue;  // kernel AIO or io_uring missing: the posix pass still runs
     }
     const std::string path = fresh_file("short.bin", 4096);
     Buffer b(8192, 0);
@@ -263,6 +268,8 @@ void injected_eio(const std::string& engine, aio::Op op) {
 
 TEST(injected_eio_kernel_aio_read) { injected_eio("kernel_aio", aio::Op::Read); }
 TEST(injected_eio_kernel_aio_write) { injected_eio("kernel_aio", aio::Op::Write); }
+TEST(injected_eio_io_uring_read) { injected_eio("io_uring", aio::Op::Read); }
+TEST(injected_eio_io_uring_write) { injected_eio("io_uring", aio::Op::Write); }
 TEST(injected_eio_posix_read) { injected_eio("posix", aio::Op::Read); }
 TEST(injected_eio_posix_write) { injected_eio("posix", aio::Op::Write); }
 
@@ -295,6 +302,10 @@ TEST(short_resumed_kernel_aio) {
   recovered_fault("kernel_aio", aio::Op::Read, aio::FaultKind::Short, 0);
   recovered_fault("kernel_aio", aio::Op::Write, aio::FaultKind::Short, 0);
 }
+TEST(short_resumed_io_uring) {
+  recovered_fault("io_uring", aio::Op::Read, aio::FaultKind::Short, 0);
+  recovered_fault("io_uring", aio::Op::Write, aio::FaultKind::Short, 0);
+}
 TEST(short_resumed_posix) {
   recovered_fault("posix", aio::Op::Read, aio::FaultKind::Short, 0);
   recovered_fault("posix", aio::Op::Write, aio::FaultKind::Short, 0);
@@ -302,6 +313,10 @@ TEST(short_resumed_posix) {
 TEST(eintr_retried_kernel_aio) {
   recovered_fault("kernel_aio", aio::Op::Read, aio::FaultKind::Error, EINTR);
   recovered_fault("kernel_aio", aio::Op::Write, aio::FaultKind::Error, EINTR);
+}
+TEST(eintr_retried_io_uring) {
+  recovered_fault("io_uring", aio::Op::Read, aio::FaultKind::Error, EINTR);
+  recovered_fault("io_uring", aio::Op::Write, aio::FaultKind::Error, EINTR);
 }
 TEST(eintr_retried_posix) {
   recovered_fault("posix", aio::Op::Read, aio::FaultKind::Error, EINTR);

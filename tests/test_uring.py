@@ -1,0 +1,104 @@
+"""The io_uring engine beyond the tests parametrized over every engine: random
+round trips with many requests in flight, the same typed errors as kernel_aio,
+buffered I/O through the ring, and a clear error where io_uring is missing."""
+
+import errno
+
+import numpy as np
+import pytest
+from conftest import MiB, engine_unavailable, handle
+
+import aio
+
+MISSING = engine_unavailable("io_uring")
+needs_uring = pytest.mark.skipif(MISSING is not None, reason=f"io_uring unavailable: {MISSING}")
+
+
+def _unaligned(rng, n):
+    """n bytes at a random misalignment from a page boundary."""
+    raw = np.empty(n + 8192, np.uint8)
+    start = (-raw.ctypes.data) % 4096 + int(rng.integers(0, 4096))
+    return raw[start : start + n]
+
+
+@needs_uring
+@pytest.mark.parametrize("threads", [1, 3])
+def test_random_roundtrips_16_in_flight_exact(threads, tmp_path):
+    rng = np.random.default_rng(27 + threads)
+    h = handle(engine="io_uring", thread_count=threads, queue_depth=16, block_size=MiB)
+    path = str(tmp_path / "r.bin")
+    sizes = [1, 4095, 4097, 8 * MiB] + [int(x) for x in rng.integers(1, 8 * MiB + 1, 44)]
+    # Disjoint, unaligned regions, so that all 16 requests of a wave may run at once.
+    offsets, pos = [], 0
+    for n in sizes:
+        pos += int(rng.integers(1, 4096))
+        offsets.append(pos)
+        pos += n
+    datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    for wave in range(0, len(sizes), 16):
+        idx = range(wave, min(wave + 16, len(sizes)))
+        srcs = {i: _unaligned(rng, sizes[i]) for i in idx}
+        for i in idx:
+            srcs[i][:] = datas[i]
+        futs = [h.async_pwrite(srcs[i], path, offsets[i]) for i in idx]
+        assert [f.result() for f in futs] == [sizes[i] for i in idx]
+    for wave in range(0, len(sizes), 16):
+        idx = range(wave, min(wave + 16, len(sizes)))
+        outs = {i: _unaligned(rng, sizes[i]) for i in idx}
+        futs = [h.async_pread(outs[i], path, offsets[i]) for i in idx]
+        assert [f.result() for f in futs] == [sizes[i] for i in idx]
+        for i in idx:
+            assert np.array_equal(outs[i], datas[i]), (i, sizes[i], offsets[i])
+    st = h.stats()
+    assert st["engine"] == "io_uring" and st["failed_requests"] == 0
+    assert st["max_inflight"] <= 16
+
+
+@needs_uring
+def test_read_past_eof_same_typed_error_as_kernel_aio(fpath):
+    with open(fpath, "wb") as f:
+        f.write(b"x" * 10000)
+    errors = {}
+    for engine in ("kernel_aio", "io_uring"):
+        h = handle(engine=engine)
+        with pytest.raises(OSError) as ei:
+            h.sync_pread(np.empty(8192, np.uint8), fpath, 4096)
+        errors[engine] = ei.value
+    a, b = errors["kernel_aio"], errors["io_uring"]
+    assert type(a) is type(b) and isinstance(b, aio.ReadPastEOFError)
+    assert (a.errno, a.filename, a.offset, a.length) == (b.errno, b.filename, b.offset, b.length)
+
+
+@needs_uring
+def test_buffered_fallback_goes_through_the_ring(pattern, fpath):
+    """Where O_DIRECT is refused, io_uring still queues the buffered I/O
+    (kernel AIO would block in io_submit): counted as ring submissions."""
+    data = pattern[: 4 * MiB + 3]
+    h = handle(engine="io_uring", block_size=256 * 1024, queue_depth=8)
+    h._c.inject_fault("open_direct", errno.EINVAL, "any", 1, 1)
+    with pytest.warns(RuntimeWarning, match="O_DIRECT is not available"):
+        h.sync_pwrite(data, fpath, 5)
+    out = np.zeros_like(data)
+    h.sync_pread(out, fpath, 5)
+    assert np.array_equal(out, data)
+    st = h.stats()
+    assert st["buffered_fallback"] and st["buffered_bytes"] >= 2 * data.size
+    assert st["submit_calls"] >= 2 and st["max_inflight"] == 8
+
+
+@needs_uring
+def test_huge_queue_depth_is_clamped_to_the_ring_limit(pattern, fpath):
+    h = handle(engine="io_uring", queue_depth=65536, block_size=4096)
+    h.sync_pwrite(pattern[: 2 * MiB], fpath)
+    out = np.empty(2 * MiB, np.uint8)
+    h.sync_pread(out, fpath)
+    assert np.array_equal(out, pattern[: 2 * MiB])
+
+
+def test_io_uring_is_listed_and_unavailability_is_clear():
+    assert "io_uring" in aio._C.engines()
+    if MISSING is None:
+        assert aio.AsyncIOHandle(engine="io_uring").engine == "io_uring"
+        return
+    with pytest.raises(OSError, match="io_uring"):
+        aio.AsyncIOHandle(engine="io_uring")
