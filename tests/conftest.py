@@ -63,6 +63,24 @@ def handle(**kw) -> aio.AsyncIOHandle:
     return aio.AsyncIOHandle(**kw)
 
 
+def pytest_configure(config):
+    """AIO_EXPECT_TORCH=2.14.1 (scripts/second_torch.sh) refuses to run the
+    suite on any other torch: a second-torch CI run that silently imported
+    the default torch would prove nothing."""
+    want = os.environ.get("AIO_EXPECT_TORCH")
+    if want:
+        import torch
+
+        if torch.__version__.split("+")[0] != want:
+            raise pytest.UsageError(f"AIO_EXPECT_TORCH={want} but torch {torch.__version__} is imported")
+
+
 def pytest_report_header(config):
+    import torch
+
     h = aio.AsyncIOHandle()
-    return [f"aio engine auto -> {h.engine}: {h.stats()['engine_reason']}", f"pid {os.getpid()}"]
+    return [
+        f"aio engine auto -> {h.engine}: {h.stats()['engine_reason']}",
+        f"torch {torch.__version__} ({os.path.dirname(torch.__file__)})",
+        f"pid {os.getpid()}",
+    ]
