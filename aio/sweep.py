@@ -50,6 +50,9 @@ from ._cli import (
 )
 from .handle import AsyncIOHandle
 
+# The engines a sweep can measure, as short() shows them.
+ENGINE_TAGS = {"kernel_aio": "kaio", "io_uring": "uring"}
+
 
 @dataclass(frozen=True, order=True)
 class Setting:
@@ -60,15 +63,18 @@ class Setting:
     thread_count: int
     single_submit: bool
     overlap_events: bool
+    engine: str = "kernel_aio"
 
     def aio_block(self) -> dict[str, Any]:
-        """Keys read by both aio.config and DeepSpeed 0.19 (real booleans)."""
+        """Keys read by both aio.config and DeepSpeed 0.19 (real booleans), and
+        ``engine``, which aio.config reads and DeepSpeed ignores."""
         return {
             "block_size": self.block_size,
             "queue_depth": self.queue_depth,
             "intra_op_parallelism": self.thread_count,
             "single_submit": self.single_submit,
             "overlap_events": self.overlap_events,
+            "engine": self.engine,
         }
 
     def short(self) -> str:
@@ -77,7 +83,7 @@ class Setting:
         b = f"{bs >> 20}M" if bs % (1 << 20) == 0 else f"{bs >> 10}K"
         return (
             f"bs={b:>4s} qd={self.queue_depth:<3d} t={self.thread_count} "
-            f"ss={int(self.single_submit)} ov={int(self.overlap_events)}"
+            f"ss={int(self.single_submit)} ov={int(self.overlap_events)} {ENGINE_TAGS[self.engine]}"
         )
 
 
@@ -90,6 +96,7 @@ class Space:
     threads: list[int]
     single_submit: list[bool]
     overlap_events: list[bool]
+    engines: list[str] = field(default_factory=lambda: ["kernel_aio"])
 
     def all(self) -> list[Setting]:
         """Every setting of the grid."""
@@ -101,6 +108,7 @@ class Space:
                 self.threads,
                 self.single_submit,
                 self.overlap_events,
+                self.engines,
             )
         ]
 
@@ -112,6 +120,7 @@ class Space:
             * len(self.threads)
             * len(self.single_submit)
             * len(self.overlap_events)
+            * len(self.engines)
         )
 
 
@@ -289,6 +298,7 @@ class Drive:
                         thread_count=s.thread_count,
                         single_submit=s.single_submit,
                         overlap_events=s.overlap_events,
+                        engine=s.engine,
                     )
                 )
             t0 = time.perf_counter()
@@ -494,7 +504,7 @@ class Sweep:
     STAGE_HELP = {
         "exhaustive": "every setting of the grid",
         "coarse": "block size x queue depth x single_submit",
-        "refine": "threads x overlap_events around the 4 best",
+        "refine": "threads x overlap_events x engine around the 4 best",
         "confirm": "the 6 leaders head to head",
     }
 
@@ -523,21 +533,22 @@ class Sweep:
         sp = self.space
         t0 = 1 if 1 in sp.threads else sp.threads[0]
         ov0 = True if True in sp.overlap_events else sp.overlap_events[0]
+        e0 = sp.engines[0]
         # Stage 1: block size x queue depth x single_submit, the settings that
         # move throughput most, one pass (the confirm stage absorbs noise).
         coarse = [
-            Setting(b, q, t0, ss, ov0)
+            Setting(b, q, t0, ss, ov0, e0)
             for b in sp.block_sizes
             for q in sp.queue_depths
             for ss in sp.single_submit
         ]
         self.measure(coarse, max(1, self.repeats - 1), "coarse")
         top = [s for s in self.ranking() if s in coarse][:4]
-        # Stage 2: threads x overlap_events around the four best.
+        # Stage 2: threads x overlap_events x engine around the four best.
         fine = []
         for s in top:
-            for t, ov in itertools.product(sp.threads, sp.overlap_events):
-                cand = Setting(s.block_size, s.queue_depth, t, s.single_submit, ov)
+            for t, ov, e in itertools.product(sp.threads, sp.overlap_events, sp.engines):
+                cand = Setting(s.block_size, s.queue_depth, t, s.single_submit, ov, e)
                 if cand not in coarse and cand not in fine:
                     fine.append(cand)
         self.measure(fine, max(1, self.repeats - 1), "refine")
@@ -747,6 +758,26 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _engines(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for n in names:
+        if n not in ENGINE_TAGS:
+            raise argparse.ArgumentTypeError(f"unknown engine {n!r}; choose from {', '.join(ENGINE_TAGS)}")
+    return names
+
+
+def available_engines() -> tuple[list[str], list[str]]:
+    """(the engines a handle can use here, a note per one it cannot)."""
+    ok, notes = [], []
+    for e in ENGINE_TAGS:
+        try:
+            AsyncIOHandle(engine=e).close()
+            ok.append(e)
+        except OSError as err:
+            notes.append(f"engine {e} left out: {err}")
+    return ok, notes
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The aio-sweep command line."""
     ap = CliParser(
@@ -768,6 +799,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
     ap.add_argument("--single-submit", type=_bools, default=[False, True], metavar="BOOLS")
     ap.add_argument("--overlap-events", type=_bools, default=[True, False], metavar="BOOLS")
+    ap.add_argument(
+        "--engines",
+        type=_engines,
+        metavar="ENGINES",
+        help="kernel_aio,io_uring (default: both where this kernel allows io_uring)",
+    )
     ap.add_argument("--io-size", type=parse_size, default=parse_size("256M"), help="bytes per trial per DIR")
     ap.add_argument("--repeats", type=int_in(1, 1000), default=2, help="runs per configuration and direction")
     g = ap.add_mutually_exclusive_group()
@@ -804,12 +841,24 @@ def validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Space:
     if a.repeats < 1:
         ap.error("--repeats must be >= 1")
     dedup = lambda xs: list(dict.fromkeys(xs))  # noqa: E731
+    engines, notes = available_engines()
+    if a.engines is not None:
+        if not a.engines:
+            ap.error("--engines must list at least one value")
+        for e in a.engines:
+            if e not in engines:
+                ap.error(next(n for n in notes if n.startswith(f"engine {e} ")))
+        engines, notes = dedup(a.engines), []
+    if not engines:
+        ap.error("; ".join(notes))
+    a.engine_notes = notes  # said before measuring
     return Space(
         sorted(set(a.block_sizes)),
         sorted(set(a.queue_depths)),
         sorted(set(a.threads)),
         dedup(a.single_submit),
         dedup(a.overlap_events),
+        engines,
     )
 
 
@@ -855,6 +904,8 @@ def _sweep(a: argparse.Namespace, space: Space) -> int:
                 f"aio-sweep: WARNING: no O_DIRECT in {which}; measuring buffered I/O there (--allow-buffered)"
             )
         mode = "exhaustive" if a.exhaustive else "smart"
+        for note in getattr(a, "engine_notes", []):
+            log(f"aio-sweep: {note}")
         log(
             f"aio-sweep: {mode} search over {space.size()} configurations, "
             f"{a.io_size / 2**20:.0f} MiB per trial per DIR, {', '.join(directions)}, "

@@ -51,8 +51,11 @@ run_tests() {
   shift
   # AIO_EXPECT_TORCH makes tests/conftest.py refuse to run on any other torch,
   # so a broken PYTHONPATH cannot pass as a second-torch run.
+  # The GPU simulator's lazy device only (its random and eager schedules
+  # differ in timing, not in which torch APIs they call): CI time.
   PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" AIO_EXPECT_TORCH="$VERSION" \
-    "$PY" -m pytest -q -n 2 -p no:cacheprovider "$@" "${TESTS[@]}"
+    "$PY" -m pytest -q -n 2 -p no:cacheprovider -k "not (test_gpu_sim and (random or eager))" \
+    "$@" "${TESTS[@]}"
 }
 
 case "${1:-}" in

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ENGINES, MiB, handle
+from conftest import ENGINES, MiB, engine_unavailable, handle
 
 import aio
 
@@ -224,6 +224,11 @@ def test_io_setup_failure_is_explained_and_auto_falls_back():
     with pytest.raises(OSError) as ei:
         aio.AsyncIOHandle(engine="kernel_aio", queue_depth=65536, thread_count=2)
     assert "io_setup" in str(ei.value) and "aio-max-nr" in str(ei.value)
+    if engine_unavailable("io_uring") is None:
+        # auto takes io_uring first: kernel AIO's limit does not matter to it.
+        h = aio.AsyncIOHandle(engine="auto", queue_depth=65536, thread_count=2)
+        assert h.engine == "io_uring" and h.stats()["engine_reason"] == "auto: io_uring is available here"
+        return
     with pytest.warns(RuntimeWarning, match="posix"):
         h = aio.AsyncIOHandle(engine="auto", queue_depth=65536, thread_count=2)
     assert h.engine == "posix" and "aio-max-nr" in h.stats()["engine_reason"]

@@ -120,6 +120,8 @@ def test_interrupted_handle_wait_keeps_inflight_buffers(tmp_path, engine):
                 valid += 1
                 assert h.pending() > 0
             h.wait()
+            if valid:
+                break  # one attempt that provably raced in-flight I/O is the proof
         assert valid > 0, "the interrupt never arrived while I/O was in flight"
         print("ok", valid)
         """,
@@ -162,6 +164,8 @@ def test_ctrl_c_interrupts_waits_and_future_stays_pending(tmp_path, how, engine)
             assert fut.result() == 1 << 20  # still a live future, buffer intact
             assert (out == EXPECT[: 1 << 20]).all()
             h.wait()
+            if valid:
+                break  # one attempt that provably raced in-flight I/O is the proof
         assert valid > 0, "the interrupt never arrived while I/O was in flight"
         print("ok")
         """,

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import ENGINES, QUEUED_ENGINES, MiB, handle
+from conftest import ENGINES, QUEUED_ENGINES, MiB, aligned_empty, handle
 
 
 @pytest.fixture
@@ -32,6 +32,38 @@ def test_block_size_sets_io_size(engine, bs, bigfile):
 def test_queue_depth_bounds_inflight(engine, qd, bigfile):
     st = _read(handle(engine=engine, queue_depth=qd, block_size=64 * 1024), bigfile)
     assert st["max_inflight"] == qd
+
+
+@pytest.mark.parametrize("engine", QUEUED_ENGINES)
+def test_queue_depth_spans_requests(engine, bigfile, pattern, tmp_path):
+    """queue_depth is I/Os in flight per worker, whatever the requests: 64
+    separate 4 KiB reads on one worker are 64 I/Os in flight (fio's iodepth),
+    not one request at a time. A buffered read of 256 MiB from the page
+    cache, one I/O (block_size), keeps the worker busy while the 64 are
+    queued (tens of times longer than queueing them takes), so they are all
+    waiting when it ends; one request at a time would show 1 in flight."""
+    import os
+    import random
+
+    hold = tmp_path / "hold.bin"
+    hold.write_bytes(bytes(256 * MiB))  # buffered: it stays in the page cache
+    h = handle(engine=engine, queue_depth=64, thread_count=1, block_size=256 * MiB)
+    fd = os.open(hold, os.O_RDONLY)  # no O_DIRECT: the handle honours buffered I/O
+    try:
+        held = h.async_pread(np.empty(256 * MiB, np.uint8), fd)
+        offs = random.Random(7).sample(range(16 * MiB // 4096), 64)
+        bufs = [aligned_empty(4096) for _ in offs]
+        futs = [h.async_pread(b, bigfile, o * 4096) for b, o in zip(bufs, offs, strict=True)]
+        assert not held.done(), "the held read ended before the 64 were queued"
+        assert held.result(timeout=60) == 256 * MiB
+        assert [f.result(timeout=60) for f in futs] == [4096] * 64
+    finally:
+        os.close(fd)
+    for b, o in zip(bufs, offs, strict=True):
+        assert np.array_equal(b, pattern[o * 4096 : o * 4096 + 4096])
+    st = h.stats()
+    assert st["tasks"] == 65 and st["failed_requests"] == 0
+    assert st["max_inflight"] == 64
 
 
 @pytest.mark.parametrize("engine", QUEUED_ENGINES)

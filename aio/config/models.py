@@ -204,6 +204,10 @@ class AioConfig(_Block):
     single_submit: Bool = Field(False, description="one io_submit per I/O instead of per batch")
     overlap_events: Bool = Field(True, description="keep the queue full as completions arrive")
     use_gds: Bool = Field(False, description="GPUDirect Storage (DeepSpeed only; aio ignores it)")
+    engine: Literal["auto", "kernel_aio", "io_uring", "posix"] = Field(
+        "auto",
+        description="aio's I/O engine (aio-sweep picks one; an aio-only key, DeepSpeed ignores it)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -242,6 +246,7 @@ class AioConfig(_Block):
             "single_submit": self.single_submit,
             "overlap_events": self.overlap_events,
             "thread_count": self.intra_op_parallelism,
+            "engine": self.engine,
         }
 
     def to_deepspeed(self) -> dict[str, Any]:

@@ -185,6 +185,23 @@ std::shared_ptr<aio::RequestState> submit(aio::Handle& h, py::object op, py::obj
   return h.submit(o, p, static_cast<uint64_t>(n), pth, f, off);
 }
 
+// offsets: `count` int64 file offsets at address offsets_ptr (a numpy array
+// the caller keeps alive).
+std::vector<std::shared_ptr<aio::RequestState>> submit_pieces(
+    aio::Handle& h, py::object op, py::object ptr, py::object piece, py::object offsets_ptr,
+    py::object count, const std::string& path, py::object fd) {
+  const Op o = parse_op(op);
+  char* p = as_ptr(int_arg<uintptr_t>(ptr, "ptr"));
+  const uint64_t n = int_arg<uint64_t>(piece, "piece", 0);
+  const auto* offs = reinterpret_cast<const int64_t*>(int_arg<uintptr_t>(offsets_ptr, "offsets"));
+  const size_t c = int_arg<size_t>(count, "count", 0);
+  const int f = int_arg<int>(fd, "fd");
+  const std::string pth = path_arg(path);
+  std::vector<int64_t> offsets(offs, offs + c);
+  py::gil_scoped_release nogil;
+  return h.submit_pieces(o, p, n, offsets, pth, f);
+}
+
 void bind_handle(py::module_& m) {
   py::class_<aio::Handle>(m, "Handle")
       .def(py::init(&make_handle), py::arg("block_size"), py::arg("queue_depth"),
@@ -192,6 +209,8 @@ void bind_handle(py::module_& m) {
            py::arg("engine"))
       .def("submit", &submit, py::arg("op"), py::arg("ptr"), py::arg("nbytes"), py::arg("path"),
            py::arg("fd"), py::arg("offset"))
+      .def("submit_pieces", &submit_pieces, py::arg("op"), py::arg("ptr"), py::arg("piece"),
+           py::arg("offsets_ptr"), py::arg("count"), py::arg("path"), py::arg("fd"))
       .def("drain", &aio::Handle::drain, py::call_guard<py::gil_scoped_release>())
       .def("stats", [](aio::Handle& h) { return stats_dict(h.stats()); })
       .def_property_readonly("engine", &aio::Handle::engine_name)

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "error.h"
 #include "fault.h"
 #include "file.h"
 
@@ -54,6 +55,22 @@ struct Slice {
   bool edge = false;    // unaligned edge of a request (statistics only)
 };
 
+// Where a worker's engine takes its slices from and reports them done: the
+// worker's queue of tasks (handle.cpp). An engine may run several slices at
+// once (kernel_aio and io_uring share queue_depth I/Os across them), so many
+// small requests are in flight together, as fio's iodepth keeps them.
+class SliceFeed {
+ public:
+  virtual ~SliceFeed() = default;
+  // The next slice to start, or null. `idle`: the engine has nothing in
+  // flight, so the feed may block until there is work; null then means stop.
+  // Not idle: null means nothing is ready now (the engine reaps and asks again).
+  virtual const Slice* next(bool idle) = 0;
+  // A slice next() gave ended, every byte moved (err null) or not; nothing of
+  // it is in flight any more.
+  virtual void finished(const Slice* s, const Error* err) = 0;
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -61,6 +78,9 @@ class Engine {
   // Moves the whole slice or throws aio::Error. Never returns with I/O still
   // in flight, so the caller may release the buffer when it returns.
   virtual void transfer(const Slice& s) = 0;
+  // Runs the feed's slices until it says stop. This default moves them one
+  // at a time through transfer(); queued engines overlap them.
+  virtual void run(SliceFeed& feed);
 };
 
 struct EngineContext {

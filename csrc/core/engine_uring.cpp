@@ -1,11 +1,10 @@
 // io_uring engine: Linux io_uring through the kernel ABI (io_uring_setup,
 // io_uring_enter, io_uring_register via syscall, mmap'ed rings), so neither
 // liburing nor new kernel headers are needed to build. One ring per worker,
-// queue_depth I/Os of block_size bytes in flight, as for kernel_aio, with the
-// same completion rules: every CQE's res is checked against the length asked,
-// short transfers resumed, EINTR/EAGAIN resubmitted, anything else raised
-// after the ring has drained, so a buffer is never released with I/O still
-// aimed at it. Unlike kernel AIO, io_uring is asynchronous for buffered
+// queue_depth I/Os of block_size bytes in flight across the worker's slices,
+// as for kernel_aio: the queue and the completion rules are QueuedEngine's
+// (queued_engine.h); this file holds the ring and its system calls. Unlike
+// kernel AIO, io_uring is asynchronous for buffered
 // descriptors too, so unaligned edges and files without O_DIRECT go through
 // the ring instead of blocking the worker in pread/pwrite.
 #include <errno.h>
@@ -20,9 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine.h"
 #include "error.h"
-#include "pinned.h"
+#include "queued_engine.h"
 #include "uring_abi.h"
 
 namespace aio {
@@ -219,165 +217,73 @@ class Ring {
   unsigned sq_tail_ = 0;  // our tail, published by publish()
 };
 
-class UringEngine final : public Engine {
+class UringEngine final : public QueuedEngine {
  public:
   explicit UringEngine(const EngineContext& ctx)
-      : s_(ctx.settings),
-        c_(ctx.counters),
-        f_(ctx.faults),
-        ring_(std::min(ctx.settings.queue_depth, kMaxEntries)),
-        depth_(std::min(ctx.settings.queue_depth, ring_.entries())) {
-    slots_.resize(depth_);
-  }
+      : UringEngine(ctx, std::make_unique<Ring>(std::min(ctx.settings.queue_depth, kMaxEntries))) {}
 
   const char* name() const override { return "io_uring"; }
 
-  void transfer(const Slice& s) override { run_slice(s); }
-
  private:
-  struct Slot {
-    char* user = nullptr;   // caller memory for this chunk
-    char* stage = nullptr;  // aligned staging memory, or null
-    uint64_t len = 0;
-    int64_t off = 0;
-    uint64_t done = 0;
-    int spins = 0;
-  };
+  UringEngine(const EngineContext& ctx, std::unique_ptr<Ring> ring)
+      : QueuedEngine(ctx, std::min(ctx.settings.queue_depth, ring->entries()), kMaxChunk),
+        ring_(std::move(ring)) {}
 
-  // The state of one slice in progress.
-  struct Run {
-    const Slice& s;
-    int fd;          // O_DIRECT descriptor for direct slices, else the buffered one
-    size_t align;    // direct-I/O granularity (1 for buffered slices)
-    uint64_t chunk;  // bytes per I/O (a multiple of align)
-    std::vector<Slot*> free_slots;
-    std::vector<Slot*> to_submit;
-    std::optional<Error> error;
-    uint64_t next = 0;  // first byte of the slice not yet handed to a slot
-    unsigned inflight = 0;
-    int submit_spins = 0;
+  // Buffered descriptors are asynchronous through the ring too.
+  bool queues(const Slice&) const override { return true; }
 
-    // Keep the failure lowest in the file (see engine_kaio.cpp).
-    void fail(Error e) {
-      if (!error || e.offset() < error->offset()) error.emplace(std::move(e));
-    }
-  };
-
-  void ensure_stage(uint64_t chunk) {
-    if (stage_ && stage_chunk_ >= chunk) return;
-    stage_ = std::make_unique<PinnedBuffer>(chunk * depth_, false);
-    stage_chunk_ = chunk;
-  }
-
-  void run_slice(const Slice& s) {
-    // Opening the buffered descriptor may throw: nothing is in flight yet.
-    const int fd = s.direct ? s.file->direct_fd() : s.file->buffered_fd();
-    const size_t align = s.direct ? s.file->alignment().offset : 1;
-    const uint64_t chunk = std::max<uint64_t>(
-        align, std::min<uint64_t>(s_.block_size, kMaxChunk / align * align) / align * align);
-    Run run{s, fd, align, chunk, {}, {}, {}};
-    const bool bounce = s.direct && s.bounce;
-    if (bounce) ensure_stage(chunk);
-    for (unsigned i = 0; i < depth_; ++i) {
-      slots_[i].stage = bounce ? static_cast<char*>(stage_->data()) + i * chunk : nullptr;
-      run.free_slots.push_back(&slots_[i]);
-    }
-    run.to_submit.reserve(depth_);
-    while (true) {
-      // With overlap_events the queue is topped up as completions arrive;
-      // without it a new batch starts only once the last one drained.
-      if (!run.error && (s_.overlap_events || run.inflight == 0)) fill(run);
-      queue(run);
-      if (run.inflight == 0) {
-        if (!run.to_submit.empty()) continue;
-        if (run.error || run.next >= s.len) break;
-        continue;
-      }
-      reap(run);
-    }
-    if (run.error) throw *run.error;
-  }
-
-  // Hands the next chunks of the slice to free slots, queued for submission.
-  void fill(Run& run) {
-    const Slice& s = run.s;
-    while (!run.free_slots.empty() && run.next < s.len) {
-      Slot* sl = run.free_slots.back();
-      run.free_slots.pop_back();
-      sl->user = s.buf + run.next;
-      sl->len = std::min<uint64_t>(run.chunk, s.len - run.next);
-      sl->off = s.off + static_cast<int64_t>(run.next);
-      sl->done = 0;
-      sl->spins = 0;
-      if (sl->stage && s.op == Op::Write) {
-        std::memcpy(sl->stage, sl->user, sl->len);
-        c_.bounce_bytes.fetch_add(sl->len, std::memory_order_relaxed);
-      }
-      run.to_submit.push_back(sl);
-      run.next += sl->len;
-    }
-  }
-
-  // Writes the queued slots' SQEs into the ring. With single_submit each is
+  // Writes the pending slots' SQEs into the ring. With single_submit each is
   // submitted by its own io_uring_enter right away; otherwise they go to the
-  // kernel with the next wait (reap), one system call for both.
-  void queue(Run& run) {
-    for (Slot* sl : run.to_submit) {
-      prepare(*sl, run);
-      ++run.inflight;
-      if (s_.single_submit) enter(run, 0);
+  // kernel with the next wait, one system call for both.
+  void submit() override {
+    for (Slot* sl : pending_) {
+      prepare(*sl);
+      ++inflight_;
+      if (s_.single_submit) enter(0);
     }
-    c_.note_inflight(run.inflight);
-    run.to_submit.clear();
+    c_.note_inflight(inflight_);
+    pending_.clear();
   }
 
-  void prepare(Slot& sl, const Run& run) {
-    io_uring_sqe* sqe = ring_.next_sqe();
-    char* base = sl.stage ? sl.stage : sl.user;
-    sqe->opcode = run.s.op == Op::Read ? IORING_OP_READ : IORING_OP_WRITE;
-    sqe->fd = run.fd;
-    sqe->addr = reinterpret_cast<uint64_t>(base + sl.done);
-    sqe->len = static_cast<uint32_t>(sl.len - sl.done);
-    sqe->off = static_cast<uint64_t>(sl.off + static_cast<int64_t>(sl.done));
-    sqe->user_data = static_cast<uint64_t>(&sl - slots_.data());
-    ring_.publish();
+  void prepare(const Slot& sl) {
+    io_uring_sqe* sqe = ring_->next_sqe();
+    sqe->opcode = sl.job->s->op == Op::Read ? IORING_OP_READ : IORING_OP_WRITE;
+    sqe->fd = sl.job->fd;
+    sqe->addr = reinterpret_cast<uint64_t>(sl.io_buf());
+    sqe->len = static_cast<uint32_t>(sl.io_len());
+    sqe->off = static_cast<uint64_t>(sl.io_off());
+    sqe->user_data = index(sl);
+    ring_->publish();
   }
 
   // One io_uring_enter: submits whatever the ring holds and, with wait > 0,
   // waits until that many completions are ready. EINTR/EAGAIN/EBUSY are
   // retried (bounded); any other refusal fails the SQEs not taken.
-  void enter(Run& run, unsigned wait) {
+  void enter(unsigned wait) {
     while (true) {
-      const unsigned pending = ring_.unconsumed();
+      const unsigned pending = ring_->unconsumed();
       // Completions already in the ring are taken without a system call.
-      const bool must_wait = wait > 0 && ring_.cq_ready() < wait;
+      const bool must_wait = wait > 0 && ring_->cq_ready() < wait;
       if (pending == 0 && !must_wait) return;
       const int r =
-          ring_.enter(pending, must_wait ? wait : 0, must_wait ? IORING_ENTER_GETEVENTS : 0);
+          ring_->enter(pending, must_wait ? wait : 0, must_wait ? IORING_ENTER_GETEVENTS : 0);
       if (pending) c_.submit_calls.fetch_add(1, std::memory_order_relaxed);
       if (must_wait) c_.getevents_calls.fetch_add(1, std::memory_order_relaxed);
-      if (r >= 0 && ring_.unconsumed() == 0) return;
+      if (r >= 0 && ring_->unconsumed() == 0) {
+        submit_spins_ = 0;
+        return;
+      }
       const int e = r < 0 ? -r : EAGAIN;  // fewer taken than offered: try again
-      if ((e == EINTR || e == EAGAIN || e == EBUSY) && run.submit_spins < kMaxRetries) {
-        ++run.submit_spins;
-        c_.retries.fetch_add(1, std::memory_order_relaxed);
+      if ((e == EINTR || e == EAGAIN || e == EBUSY) && spin_submit()) {
         if (e != EINTR) std::this_thread::sleep_for(std::chrono::microseconds(100));
         continue;
       }
-      refuse(run, e);
-      if (r < 0 && must_wait) drain_without_enter(run);
+      for (uint64_t idx : ring_->withdraw()) {
+        --inflight_;
+        refuse(slots_[idx], e, "io_uring_enter");
+      }
+      if (r < 0 && must_wait) drain_without_enter();
       return;
-    }
-  }
-
-  // The kernel refused SQEs outright: take them back and fail their chunks.
-  void refuse(Run& run, int e) {
-    for (uint64_t idx : ring_.withdraw()) {
-      Slot& sl = slots_[idx];
-      --run.inflight;
-      run.fail(Error(e, std::string("io_uring_enter ") + op_name(run.s.op), run.s.file->path(),
-                     sl.off + static_cast<int64_t>(sl.done), sl.len - sl.done));
-      run.free_slots.push_back(&sl);
     }
   }
 
@@ -385,106 +291,35 @@ class UringEngine final : public Engine {
   // completion ring until everything in flight is back, so no I/O is aimed at
   // the caller's buffer when the error is raised. Sleeping returns to user
   // space, where the kernel posts pending completions.
-  void drain_without_enter(Run& run) {
-    while (run.inflight > 0) {
-      if (ring_.cq_ready() == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      const unsigned n = ring_.cq_ready();
+  void drain_without_enter() {
+    while (inflight_ > 0) {
+      if (ring_->cq_ready() == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      const unsigned n = ring_->cq_ready();
       for (unsigned i = 0; i < n; ++i) {
-        const io_uring_cqe cqe = ring_.cqe(i);
-        --run.inflight;
-        run.fail(Error(EIO, op_name(run.s.op), run.s.file->path(), slots_[cqe.user_data].off,
-                       slots_[cqe.user_data].len, "io_uring_enter failed while I/O was in flight"));
+        const io_uring_cqe cqe = ring_->cqe(0);
+        ring_->consume(1);
+        lose(slots_[cqe.user_data], EIO, "io_uring_enter failed while I/O was in flight");
       }
-      ring_.consume(n);
     }
   }
 
-  // Submits what is queued and handles completions: one with overlap_events,
-  // else all in flight. Under the trickle fault no more than that are taken
-  // per wait, even when more are ready (as a slow drive would hand them out).
-  void reap(Run& run) {
-    const unsigned want = s_.overlap_events ? 1 : run.inflight;
-    enter(run, want);
-    unsigned n = ring_.cq_ready();
+  // Submits what is queued and handles completions. Under the trickle fault
+  // no more than `want` are taken per wait, even when more are ready (as a
+  // slow drive would hand them out).
+  void wait(unsigned want) override {
+    enter(want);
+    unsigned n = ring_->cq_ready();
     if (f_.trickle()) n = std::min(n, want);
     for (unsigned i = 0; i < n; ++i) {
       // Copy and hand the entry back first: complete() may block (buffered
       // remainder) and the kernel can reuse the entry meanwhile.
-      const io_uring_cqe cqe = ring_.cqe(0);
-      ring_.consume(1);
-      --run.inflight;
-      complete(slots_[cqe.user_data], cqe.res, run);
+      const io_uring_cqe cqe = ring_->cqe(0);
+      ring_->consume(1);
+      complete(slots_[cqe.user_data], cqe.res);
     }
   }
 
-  // One completion: done, resubmitted (EINTR/EAGAIN, short transfer that can
-  // go on through the ring), finished through the buffered loop, or failed.
-  void complete(Slot& sl, long res, Run& run) {
-    const Slice& s = run.s;
-    const uint64_t want = sl.len - sl.done;
-    FaultAction fa = f_.on_io(s.op);
-    if (fa.kind == FaultKind::Error) res = -fa.errno_value;
-    if (fa.kind == FaultKind::Short && res > 1) res = (res / 2) | 1;
-
-    if (res < 0) {
-      const int e = static_cast<int>(-res);
-      if ((e == EINTR || e == EAGAIN) && sl.spins < kMaxRetries) {
-        ++sl.spins;
-        c_.retries.fetch_add(1, std::memory_order_relaxed);
-        run.to_submit.push_back(&sl);
-        return;
-      }
-      run.fail(
-          Error(e, op_name(s.op), s.file->path(), sl.off + static_cast<int64_t>(sl.done), want));
-      run.free_slots.push_back(&sl);
-      return;
-    }
-    const uint64_t got = static_cast<uint64_t>(res);
-    if (s.op == Op::Read && sl.stage) {
-      std::memcpy(sl.user + sl.done, sl.stage + sl.done, got);
-      c_.bounce_bytes.fetch_add(got, std::memory_order_relaxed);
-    }
-    if (!s.direct) c_.buffered_bytes.fetch_add(got, std::memory_order_relaxed);
-    sl.done += got;
-    if (got >= want) {
-      c_.ios.fetch_add(1, std::memory_order_relaxed);
-      run.free_slots.push_back(&sl);
-      return;
-    }
-    resume_short(sl, got, run);
-  }
-
-  // A short transfer of `got` bytes (possibly none).
-  void resume_short(Slot& sl, uint64_t got, Run& run) {
-    const Slice& s = run.s;
-    c_.short_resumed.fetch_add(1, std::memory_order_relaxed);
-    if (got > 0 && sl.done % run.align == 0) {
-      // Progress, and still aligned for this descriptor: the rest goes on
-      // through the ring.
-      sl.spins = 0;
-      run.to_submit.push_back(&sl);
-      return;
-    }
-    // An unaligned direct remainder, or no progress at all: finish it with the
-    // buffered loop, which also turns end-of-file into a proper error.
-    try {
-      sync_transfer(*s.file, s.op, false, sl.user + sl.done, sl.len - sl.done,
-                    sl.off + static_cast<int64_t>(sl.done), c_, f_);
-      c_.ios.fetch_add(1, std::memory_order_relaxed);
-    } catch (Error& e) {
-      run.fail(std::move(e));
-    }
-    run.free_slots.push_back(&sl);
-  }
-
-  const Settings& s_;
-  Counters& c_;
-  FaultInjector& f_;
-  Ring ring_;
-  unsigned depth_;
-  std::vector<Slot> slots_;
-  std::unique_ptr<PinnedBuffer> stage_;
-  uint64_t stage_chunk_ = 0;
+  std::unique_ptr<Ring> ring_;
 };
 
 const bool registered = register_engine(

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <functional>
+#include <list>
 
 #include "alignment.h"
 #include "error.h"
@@ -19,6 +21,27 @@ static std::string settings_problem(const Settings& s) {
   if (s.thread_count == 0) return "thread_count must be positive";
   if (s.thread_count > 1024) return "thread_count must be at most 1024";
   return "";
+}
+
+// engine="auto": io_uring where this kernel allows it (it measured at least as
+// fast as kernel AIO in bench/throughput.py, and is asynchronous on buffered
+// descriptors too), else kernel AIO, else posix threads; `reason` says which
+// and why the others were passed over.
+template <typename MakeAll>
+static std::string pick_auto(MakeAll& make_all, std::string* reason) {
+  std::string passed;
+  for (const char* name : {"io_uring", "kernel_aio"}) {
+    try {
+      make_all(name);
+      *reason = std::string("auto: ") + passed + name + " is available here";
+      return name;
+    } catch (const Error& e) {
+      passed += std::string(name) + " unavailable (" + e.what() + "); ";
+    }
+  }
+  make_all("posix");
+  *reason = "auto: " + passed + "using posix threads";
+  return "posix";
 }
 
 Handle::Handle(const Settings& s, const std::string& engine)
@@ -36,16 +59,7 @@ Handle::Handle(const Settings& s, const std::string& engine)
     for (unsigned i = 0; i < s.thread_count; ++i) engines.push_back(make_engine(name, ctx));
   };
   if (engine == "auto") {
-    try {
-      make_all("kernel_aio");
-      engine_name_ = "kernel_aio";
-      engine_reason_ = "auto: kernel AIO is available (io_setup succeeded)";
-    } catch (const Error& e) {
-      make_all("posix");
-      engine_name_ = "posix";
-      engine_reason_ =
-          std::string("auto: kernel AIO unavailable, using posix threads: ") + e.what();
-    }
+    engine_name_ = pick_auto(make_all, &engine_reason_);
   } else {
     make_all(engine);
     engine_name_ = engine;
@@ -89,44 +103,89 @@ Handle::~Handle() {
   }
 }
 
-// Runs the pieces of one task; returns the error and the first byte of the
-// task not known to be transferred (pieces are in file order).
-std::optional<Error> Handle::run_task(Worker* w, const Task& t, int64_t* fail_at) {
-  for (const auto& d : t.deps) d->wait_done();
-  for (const Slice& p : t.pieces) {
-    try {
-      w->engine->transfer(p);
-      if (p.edge) counters_.edge_bytes.fetch_add(p.len, std::memory_order_relaxed);
-    } catch (const Error& e) {
-      const int64_t end = p.off + static_cast<int64_t>(p.len);
+// A worker's queue as its engine's SliceFeed: tasks are taken in queue
+// order (a task whose earlier overlapping requests are not done waits for
+// them), their pieces handed out in file order, and a task reported to its
+// request once every piece ended. Several tasks may be open at once: a
+// queued engine runs their pieces together.
+class Handle::Feed final : public SliceFeed {
+ public:
+  Feed(Handle& h, Worker* w) : h_(h), w_(w) {}
+
+  const Slice* next(bool idle) override {
+    for (Open& o : open_)
+      if (o.next < o.task.pieces.size()) return &o.task.pieces[o.next++];
+    Task t;
+    if (!take(idle, &t)) return nullptr;
+    h_.counters_.tasks.fetch_add(1, std::memory_order_relaxed);
+    open_.emplace_back();
+    open_.back().task = std::move(t);
+    return next(idle);
+  }
+
+  void finished(const Slice* s, const Error* err) override {
+    auto o = open_.begin();
+    while (o != open_.end() && !o->owns(s)) ++o;
+    if (o == open_.end()) return;  // cannot happen: every slice came from a task
+    ++o->ended;
+    if (err) {
+      const int64_t end = s->off + static_cast<int64_t>(s->len);
       // Errors that are not about a byte of this piece (open of the buffered
       // descriptor...) lose the whole piece.
-      *fail_at = e.offset() >= p.off && e.offset() < end ? e.offset() : p.off;
-      return e;
-    } catch (const std::exception& e) {
-      *fail_at = p.off;
-      return Error(EIO, op_name(p.op), p.file->path(), p.off, p.len,
-                   std::string("internal error: ") + e.what());
+      const int64_t at = err->offset() >= s->off && err->offset() < end ? err->offset() : s->off;
+      if (!o->error || at < o->fail_at) {
+        o->error.emplace(*err);
+        o->fail_at = at;
+      }
+    } else if (s->edge) {
+      h_.counters_.edge_bytes.fetch_add(s->len, std::memory_order_relaxed);
     }
+    if (o->ended < o->task.pieces.size()) return;
+    Task t = std::move(o->task);
+    std::optional<Error> e = std::move(o->error);
+    const int64_t fail_at = o->fail_at;
+    open_.erase(o);
+    t.req->task_finished(e ? &*e : nullptr, fail_at);
   }
-  return std::nullopt;
-}
+
+ private:
+  struct Open {
+    Task task;
+    size_t next = 0;             // pieces handed out
+    size_t ended = 0;            // pieces finished
+    std::optional<Error> error;  // the failure lowest in the file
+    int64_t fail_at = 0;
+    bool owns(const Slice* s) const {
+      const std::less_equal<const Slice*> le;
+      return !task.pieces.empty() && le(&task.pieces.front(), s) && le(s, &task.pieces.back());
+    }
+  };
+
+  // The next task of the queue. Idle (nothing of this worker in flight): waits
+  // for one, and for the requests it must follow; false means stop. Else takes
+  // one only if it is there and free to start.
+  bool take(bool idle, Task* t) {
+    std::unique_lock<std::mutex> lk(w_->mu);
+    if (idle) w_->cv.wait(lk, [&] { return w_->stop || !w_->queue.empty(); });
+    if (w_->queue.empty()) return false;
+    if (!idle)
+      for (const auto& d : w_->queue.front().deps)
+        if (!d->done()) return false;
+    *t = std::move(w_->queue.front());
+    w_->queue.pop_front();
+    lk.unlock();
+    for (const auto& d : t->deps) d->wait_done();
+    return true;
+  }
+
+  Handle& h_;
+  Worker* w_;
+  std::list<Open> open_;
+};
 
 void Handle::worker_main(Worker* w) {
-  while (true) {
-    Task t;
-    {
-      std::unique_lock<std::mutex> lk(w->mu);
-      w->cv.wait(lk, [&] { return w->stop || !w->queue.empty(); });
-      if (w->queue.empty()) return;  // stop requested and nothing left
-      t = std::move(w->queue.front());
-      w->queue.pop_front();
-    }
-    counters_.tasks.fetch_add(1, std::memory_order_relaxed);
-    int64_t fail_at = 0;
-    std::optional<Error> err = run_task(w, t, &fail_at);
-    t.req->task_finished(err ? &*err : nullptr, fail_at);
-  }
+  Feed feed(*this, w);
+  w->engine->run(feed);
 }
 
 void Handle::enqueue(size_t worker, Task t) {
@@ -240,20 +299,50 @@ std::vector<std::shared_ptr<RequestState>> Handle::register_inflight(
   return deps;
 }
 
+std::shared_ptr<File> Handle::open_file(Op op, const std::string& path, int fd) {
+  std::shared_ptr<File> file = path.empty() ? File::adopt(fd, op) : File::open(path, op, &faults_);
+  note_fallback(*file);
+  return file;
+}
+
+void Handle::check_size(Op op, File& file, int64_t offset, uint64_t nbytes) {
+  if (op != Op::Read) return;
+  const int64_t size = file.size();
+  if (size >= 0 && static_cast<uint64_t>(offset) + nbytes > static_cast<uint64_t>(size))
+    throw Error(ENODATA, "read", file.path(), offset, nbytes,
+                "read past end of file: the file has " + std::to_string(size) +
+                    " bytes, the request ends at byte " +
+                    std::to_string(offset + static_cast<int64_t>(nbytes)),
+                true);
+}
+
 std::shared_ptr<RequestState> Handle::submit(Op op, char* buf, uint64_t nbytes,
                                              const std::string& path, int fd, int64_t offset) {
   check_request(op, buf, nbytes, path, fd, offset);
-  std::shared_ptr<File> file = path.empty() ? File::adopt(fd, op) : File::open(path, op, &faults_);
-  note_fallback(*file);
-  if (op == Op::Read) {
-    const int64_t size = file->size();
-    if (size >= 0 && static_cast<uint64_t>(offset) + nbytes > static_cast<uint64_t>(size))
-      throw Error(ENODATA, "read", file->path(), offset, nbytes,
-                  "read past end of file: the file has " + std::to_string(size) +
-                      " bytes, the request ends at byte " +
-                      std::to_string(offset + static_cast<int64_t>(nbytes)),
-                  true);
-  }
+  std::shared_ptr<File> file = open_file(op, path, fd);
+  check_size(op, *file, offset, nbytes);
+  return queue(op, buf, nbytes, std::move(file), offset);
+}
+
+std::vector<std::shared_ptr<RequestState>> Handle::submit_pieces(
+    Op op, char* buf, uint64_t piece, const std::vector<int64_t>& offsets, const std::string& path,
+    int fd) {
+  uint64_t total;
+  if (__builtin_mul_overflow(piece, static_cast<uint64_t>(offsets.size()), &total))
+    throw Error(EOVERFLOW, op_name(op), path, 0, piece, "pieces x piece size overflows");
+  for (size_t i = 0; i < offsets.size(); ++i)
+    check_request(op, buf + i * piece, piece, path, fd, offsets[i]);
+  std::shared_ptr<File> file = open_file(op, path, fd);
+  for (int64_t off : offsets) check_size(op, *file, off, piece);
+  std::vector<std::shared_ptr<RequestState>> out;
+  out.reserve(offsets.size());
+  for (size_t i = 0; i < offsets.size(); ++i)
+    out.push_back(queue(op, buf + i * piece, piece, file, offsets[i]));
+  return out;
+}
+
+std::shared_ptr<RequestState> Handle::queue(Op op, char* buf, uint64_t nbytes,
+                                            std::shared_ptr<File> file, int64_t offset) {
   std::vector<std::vector<Slice>> per_worker = plan(op, buf, nbytes, file.get(), offset);
   int ntasks = 0;
   for (auto& v : per_worker) ntasks += v.empty() ? 0 : 1;

@@ -47,6 +47,12 @@ class Handle {
   // detectable before I/O starts (missing file, read past end of file...).
   std::shared_ptr<RequestState> submit(Op op, char* buf, uint64_t nbytes, const std::string& path,
                                        int fd, int64_t offset);
+  // offsets.size() requests of `piece` bytes each, piece i at buf + i * piece
+  // and file offset offsets[i], with one open of the file. Every piece is
+  // checked before any is queued, so a refusal queues nothing.
+  std::vector<std::shared_ptr<RequestState>> submit_pieces(Op op, char* buf, uint64_t piece,
+                                                           const std::vector<int64_t>& offsets,
+                                                           const std::string& path, int fd);
   // Waits until no request of this handle is in flight.
   void drain();
 
@@ -85,13 +91,17 @@ class Handle {
     bool stop = false;
     std::unique_ptr<Engine> engine;
   };
+  class Feed;
   void worker_main(Worker* w);
-  std::optional<Error> run_task(Worker* w, const Task& t, int64_t* fail_at);
   void enqueue(size_t worker, Task t);
   void on_request_done(RequestState& r);
   void check_request(Op op, const char* buf, uint64_t nbytes, const std::string& path, int fd,
                      int64_t offset) const;
   void note_fallback(const File& file);
+  std::shared_ptr<File> open_file(Op op, const std::string& path, int fd);
+  void check_size(Op op, File& file, int64_t offset, uint64_t nbytes);
+  std::shared_ptr<RequestState> queue(Op op, char* buf, uint64_t nbytes, std::shared_ptr<File> file,
+                                      int64_t offset);
   std::vector<std::vector<Slice>> plan(Op op, char* buf, uint64_t nbytes, File* file,
                                        int64_t offset);
   std::vector<std::shared_ptr<RequestState>> register_inflight(

@@ -106,6 +106,7 @@ BAD = [
     ({"aio": {"queue_depth": "auto"}}, "aio.queue_depth", "'auto' is not filled in by anyone"),
     ({"aio": {"blocksize": 4096}}, "aio.blocksize", "did you mean 'block_size'"),
     ({"aio": {"single_submit": "yes"}}, "aio.single_submit", "boolean"),
+    ({"aio": {"engine": "uring"}}, "aio.engine", "'io_uring'"),
     ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, "aio", "disagree"),
     ({"aio": {"block_size": 4096.5}}, "aio.block_size", "whole number"),
     ({"aio": 5}, "aio", "must be an object"),
@@ -267,6 +268,7 @@ def test_from_lightning_maps_keywords():
         "single_submit": True,
         "overlap_events": False,
         "thread_count": 2,
+        "engine": "auto",
     }
     assert c.zero_optimization.sub_group_size == 10**9
 
