@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,44 +15,6 @@ from ._buffers import (
     wait_sliced,
 )
 from ._errors import HandleStateError
-
-
-class RequestGroup:
-    """Several core requests as one (``async_pread_pieces``): done when all
-    are; ``result()`` raises the error of the first failed piece, in piece
-    order; ``offset`` is the first piece's."""
-
-    __slots__ = ("_reqs", "_next", "nbytes", "offset", "is_write")
-
-    def __init__(self, reqs: list[Any], nbytes: int) -> None:
-        self._reqs = reqs
-        self._next = 0  # pieces before it are known to be done
-        self.nbytes = nbytes
-        self.offset = int(reqs[0].offset)
-        self.is_write = bool(reqs[0].is_write)
-
-    def done(self) -> bool:
-        """True once every piece has finished."""
-        while self._next < len(self._reqs) and self._reqs[self._next].done():
-            self._next += 1
-        return self._next == len(self._reqs)
-
-    def wait(self, timeout: float | None = -1.0) -> bool:
-        """The core's wait over all pieces: negative, None or inf, no timeout."""
-        forever = timeout is None or timeout < 0 or math.isinf(timeout)
-        end = 0.0 if forever else time.monotonic() + float(timeout or 0.0)
-        while self._next < len(self._reqs):
-            left = -1.0 if forever else max(0.0, end - time.monotonic())
-            if not self._reqs[self._next].wait(left):
-                return False
-            self._next += 1
-        return True
-
-    def result(self) -> int:
-        """Total bytes, or the first failed piece's error."""
-        for r in self._reqs:
-            r.result()
-        return self.nbytes
 
 
 class AioFuture:

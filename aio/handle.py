@@ -16,7 +16,7 @@ from . import _C, pinned
 from ._args import PathArg, check_bool, check_int, check_path
 from ._buffers import MAX_OFFSET, resolve
 from ._errors import HandleStateError
-from .future import AioFuture, RequestGroup, collectable, first_untold_error, wait_all
+from .future import AioFuture, collectable, first_untold_error, wait_all
 
 __all__ = ["AioFuture", "AsyncIOHandle", "PathArg"]
 
@@ -48,8 +48,8 @@ class AsyncIOHandle:
     ``queue_depth`` I/Os in flight per worker, ``thread_count`` workers (each
     request is split into that many contiguous slices), ``single_submit`` one
     ``io_submit`` per I/O, ``overlap_events`` keep the queue full rather than
-    draining each batch. ``engine`` is ``"auto"`` (io_uring where this kernel
-    allows it, else kernel AIO, else posix threads with a warning;
+    draining each batch. ``engine`` is ``"auto"`` (kernel AIO, else io_uring,
+    else posix threads, with a warning when it is not kernel AIO;
     ``stats()["engine_reason"]`` says which and why),
     ``"kernel_aio"``, ``"io_uring"`` (Linux 5.6+; an ``OSError`` says why
     where it is unavailable) or ``"posix"``.
@@ -94,7 +94,7 @@ class AsyncIOHandle:
             thread_count=self._thread_count,
             engine=engine,
         )
-        if engine == "auto" and self._c.engine == "posix":
+        if engine == "auto" and self._c.engine != "kernel_aio":
             warnings.warn(self._c.engine_reason, RuntimeWarning, stacklevel=2)
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -234,10 +234,10 @@ class AsyncIOHandle:
         piece = buf.nbytes // n
         if int(offs.max()) + piece > MAX_OFFSET:
             raise OverflowError(f"file_offsets: an offset + piece size ({piece}) exceeds 2**63-1")
-        reqs = c.submit_pieces(op, buf.ptr, piece, offs.ctypes.data, n, spath, fd)
+        group = c.submit_pieces(op, buf.ptr, piece, offs.ctypes.data, n, spath, fd)
         for note in c.take_notices():
             warnings.warn(note, RuntimeWarning, stacklevel=3)
-        return AioFuture(RequestGroup(reqs, buf.nbytes), buf, None)
+        return AioFuture(group, buf, None)
 
     def pread(
         self,

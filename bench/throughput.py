@@ -58,6 +58,7 @@ AIO_ENGINES = {
     "aio-posix": "posix",
 }
 FIO_ENGINES = {"fio": "libaio", "fio-io_uring": "io_uring"}
+CALLS = 4  # rand: async_pread_pieces calls outstanding
 DEFAULT_TOOLS = {
     "seq": "aio,aio-io_uring,fio,fio-io_uring,deepspeed,buffered",
     "rand": "aio,aio-io_uring,fio,fio-io_uring",
@@ -106,15 +107,16 @@ def make_aio(path: str, size: int, a: argparse.Namespace, engine: str = "auto") 
 
 def make_aio_random(h: aio.AsyncIOHandle, path: str, size: int, a: argparse.Namespace) -> Runner:
     """Batches of queue_depth pieces (one ``async_pread_pieces`` call each,
-    every piece its own request), two batches outstanding so the worker
-    always finds the next pieces waiting; each batch into its half of one
-    locked buffer."""
+    every piece its own request), CALLS batches outstanding so the worker
+    always finds the next pieces waiting (the handle still keeps
+    queue_depth I/Os in flight, as fio's iodepth); each batch into its own
+    part of one locked buffer."""
     import torch
 
     bs, depth = a.rand_bs, a.queue_depth
-    buf = aio.new_locked_tensor(2 * depth * bs, torch.uint8)
+    buf = aio.new_locked_tensor(CALLS * depth * bs, torch.uint8)
     buf.random_(0, 256)
-    halves = [buf[: depth * bs], buf[depth * bs :]]
+    parts = [buf[i * depth * bs : (i + 1) * depth * bs] for i in range(CALLS)]
     offsets = np.array(random_offsets(size, bs), dtype=np.int64)
     batches = [offsets[i : i + depth] for i in range(0, len(offsets), depth)]
 
@@ -125,10 +127,9 @@ def make_aio_random(h: aio.AsyncIOHandle, path: str, size: int, a: argparse.Name
         def go() -> None:
             pending: collections.deque[aio.AioFuture] = collections.deque()
             for i, offs in enumerate(batches):
-                if len(pending) == 2:
-                    pending.popleft().result()  # frees half i % 2
-                half = halves[i % 2]
-                pending.append(submit(half[: len(offs) * bs], fd, offs))
+                if len(pending) == CALLS:
+                    pending.popleft().result()  # frees part i % CALLS
+                pending.append(submit(parts[i % CALLS][: len(offs) * bs], fd, offs))
             for f in pending:
                 f.result()
 

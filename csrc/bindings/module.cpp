@@ -187,9 +187,10 @@ std::shared_ptr<aio::RequestState> submit(aio::Handle& h, py::object op, py::obj
 
 // offsets: `count` int64 file offsets at address offsets_ptr (a numpy array
 // the caller keeps alive).
-std::vector<std::shared_ptr<aio::RequestState>> submit_pieces(
-    aio::Handle& h, py::object op, py::object ptr, py::object piece, py::object offsets_ptr,
-    py::object count, const std::string& path, py::object fd) {
+std::shared_ptr<aio::RequestGroup> submit_pieces(aio::Handle& h, py::object op, py::object ptr,
+                                                 py::object piece, py::object offsets_ptr,
+                                                 py::object count, const std::string& path,
+                                                 py::object fd) {
   const Op o = parse_op(op);
   char* p = as_ptr(int_arg<uintptr_t>(ptr, "ptr"));
   const uint64_t n = int_arg<uint64_t>(piece, "piece", 0);
@@ -313,6 +314,26 @@ void bind_request(py::module_& m) {
       .def_property_readonly("nbytes", &aio::RequestState::nbytes)
       .def_property_readonly("offset", &aio::RequestState::offset)
       .def_property_readonly("is_write", [](aio::RequestState& r) { return r.op() == Op::Write; });
+  py::class_<aio::RequestGroup, std::shared_ptr<aio::RequestGroup>>(m, "RequestGroup")
+      .def("done", &aio::RequestGroup::done)
+      .def(
+          "wait",
+          [](aio::RequestGroup& g, py::object timeout) {
+            const double t = timeout_arg(timeout, "timeout");
+            py::gil_scoped_release nogil;
+            return g.wait(t);
+          },
+          py::arg("timeout") = -1.0)
+      .def("result",
+           [](aio::RequestGroup& g) {
+             g.check_owner();
+             if (!g.done()) throw py::value_error("request is still in flight");
+             if (const aio::Error* e = g.error()) throw *e;
+             return g.nbytes();
+           })
+      .def_property_readonly("nbytes", &aio::RequestGroup::nbytes)
+      .def_property_readonly("offset", &aio::RequestGroup::offset)
+      .def_property_readonly("is_write", [](aio::RequestGroup& g) { return g.op() == Op::Write; });
 }
 
 void bind_functions(py::module_& m) {

@@ -16,6 +16,7 @@
 
 #include "engine.h"
 #include "request.h"
+#include "request_group.h"
 
 namespace aio {
 
@@ -50,9 +51,9 @@ class Handle {
   // offsets.size() requests of `piece` bytes each, piece i at buf + i * piece
   // and file offset offsets[i], with one open of the file. Every piece is
   // checked before any is queued, so a refusal queues nothing.
-  std::vector<std::shared_ptr<RequestState>> submit_pieces(Op op, char* buf, uint64_t piece,
-                                                           const std::vector<int64_t>& offsets,
-                                                           const std::string& path, int fd);
+  std::shared_ptr<RequestGroup> submit_pieces(Op op, char* buf, uint64_t piece,
+                                              const std::vector<int64_t>& offsets,
+                                              const std::string& path, int fd);
   // Waits until no request of this handle is in flight.
   void drain();
 
