@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ._cli import (
     CliParser,
@@ -68,6 +69,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("aio-check", lambda: _check(args), "scratch file removed")
 
 
+def timed_rates(h: AsyncIOHandle, buf: Any, fd: int, repeat: int) -> dict[str, float]:
+    """Best-of-`repeat` GB/s writing then reading `buf` whole through `fd`
+    (written once first, so the timed runs overwrite allocated blocks)."""
+    h.sync_pwrite(buf, fd)
+    nbytes = buf.numel() * buf.element_size()
+    rates = {}
+    for name, fn in (("write", h.sync_pwrite), ("read", h.sync_pread)):
+        best = 0.0
+        for _ in range(repeat):
+            check_interrupt()
+            t0 = time.perf_counter()
+            fn(buf, fd)
+            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+        rates[name] = best
+    return rates
+
+
+def drive_rates(directory: str, nbytes: int, repeat: int = 2, **handle_kw: Any) -> dict[str, float]:
+    """Write and read GB/s of `nbytes` through a fresh O_DIRECT scratch file in
+    `directory` (private, removed after): the rates a step's bytes are held
+    against (aio-train --floor)."""
+    check_directory(directory, nbytes, "the drive check")
+    check_memory(nbytes, "the drive check")
+    fd, path, _ = open_scratch(directory, "aio-floor-")
+    h = AsyncIOHandle(**handle_kw)
+    try:
+        buf, _ = scratch_buffer(nbytes, lambda _msg: None)
+        buf.random_(0, 256)
+        return timed_rates(h, buf, fd, repeat)
+    finally:
+        h.close()
+        remove_scratch(fd, path)
+
+
 def _check(args: argparse.Namespace) -> int:
     tmp = None
     if args.dir:
@@ -87,15 +122,7 @@ def _check(args: argparse.Namespace) -> int:
         print(f"  engine {h.engine} ({h.stats()['engine_reason']})")
         print(f"  block_size={args.block_size} queue_depth={args.queue_depth} thread_count={args.threads}")
         print(f"  buffer: {'locked' if locked else 'NOT locked (mlock refused)'}, O_DIRECT: {direct}")
-        h.sync_pwrite(buf, fd)  # allocate once; timed runs overwrite
-        for name, fn in (("write", h.sync_pwrite), ("read", h.sync_pread)):
-            best = 0.0
-            for _ in range(args.repeat):
-                check_interrupt()
-                t0 = time.perf_counter()
-                fn(buf, fd)
-                dt = time.perf_counter() - t0
-                best = max(best, args.size / dt / 1e9)
+        for name, best in timed_rates(h, buf, fd, args.repeat).items():
             print(f"  {name:5s} {best:6.2f} GB/s (best of {args.repeat})")
         st = h.stats()
         print(

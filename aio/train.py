@@ -289,8 +289,9 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
         f"fp32 gradients: {'in memory' if grads['where'] == 'cpu' else 'on the drive'} ({grads['reason']})",
         file=out,
     )
+    rates = _measure_floor(args, cfg, out) if args.floor else None
     try:
-        run = _offloaded_steps(args, trainer, out)
+        run = _offloaded_steps(args, trainer, out, rates)
     finally:
         stats = trainer.stats()
         trainer.close()
@@ -298,14 +299,68 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     return run
 
 
-def _offloaded_steps(args: argparse.Namespace, trainer: Any, out: Any) -> dict[str, Any]:
+def _drive_dir(cfg: dict[str, Any]) -> str | None:
+    """The first nvme_path of the config's offload blocks (optimizer first)."""
+    z = cfg.get("zero_optimization", {})
+    for key in ("offload_optimizer", "offload_param"):
+        block = z.get(key) or {}
+        if block.get("device") == "nvme" and block.get("nvme_path"):
+            path = block["nvme_path"]
+            return str(path[0] if isinstance(path, list) else path)
+    return None
+
+
+def _measure_floor(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> dict[str, float] | None:
+    """--floor: the drive's write and read GB/s in the swap directory, now."""
+    from .quickcheck import drive_rates
+
+    where = _drive_dir(cfg)
+    if where is None:
+        print("drive floor: no drive in this config (nothing offloaded to nvme)", file=out)
+        return None
+    rates = drive_rates(where, args.floor_mib << 20)
+    print(
+        f"drive floor reference ({args.floor_mib} MiB in {where}): write {rates['write']:.2f} GB/s, "
+        f"read {rates['read']:.2f} GB/s",
+        file=out,
+    )
+    return rates
+
+
+def _step_bytes(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
+    return {
+        d: {k: v - before[d].get(k, 0) for k, v in after[d].items() if v - before[d].get(k, 0)} for d in after
+    }
+
+
+def _print_floor(
+    moved: dict[str, dict[str, int]], dt: float, rates: dict[str, float] | None, out: Any
+) -> float:
+    """One step's bytes by category and, with drive rates, the floor: bytes
+    read / read GB/s + bytes written / write GB/s. Returns the floor (0 without rates)."""
+    for d in ("read", "written"):
+        parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(moved[d].items()))
+        print(f"      {d:7s} {parts or 'nothing'}", file=out)
+    if not rates:
+        return 0.0
+    floor = sum(moved["read"].values()) / (rates["read"] * 1e9)
+    floor += sum(moved["written"].values()) / (rates["write"] * 1e9)
+    print(f"      drive floor {floor:.1f} s; step / floor {dt / floor if floor else 0:.2f}", file=out)
+    return floor
+
+
+def _offloaded_steps(
+    args: argparse.Namespace, trainer: Any, out: Any, floor_rates: dict[str, float] | None = None
+) -> dict[str, Any]:
     lf = _torch().nn.functional.cross_entropy
-    losses, times, rates = [], [], []
+    losses, times, rates, by_step, floors = [], [], [], [], []
     # The warm-up scales the lr the trainer starts with: --lr's, or the
     # --config file's optimizer lr.
     base_lr = trainer.get_lr()
     for step in range(args.steps):
-        io0 = trainer.io_bytes()
+        io0, cat0 = trainer.io_bytes(), trainer.io_bytes_by_category()
         trainer.set_lr(warmup_lr(base_lr, step + 1, args.warmup_steps))
         t = time.perf_counter()
         for micro in range(args.gas):
@@ -324,7 +379,13 @@ def _offloaded_steps(args: argparse.Namespace, trainer: Any, out: Any) -> dict[s
             file=out,
             flush=True,
         )
-    return {"losses": losses, "step_s": times, "gbps": rates}
+        if args.floor:
+            by_step.append(_step_bytes(cat0, trainer.io_bytes_by_category()))
+            floors.append(_print_floor(by_step[-1], dt, floor_rates, out))
+    run: dict[str, Any] = {"losses": losses, "step_s": times, "gbps": rates}
+    if args.floor:
+        run.update(bytes_by_category=by_step, floor_s=floors, drive_gbps=floor_rates)
+    return run
 
 
 def train_in_memory(args: argparse.Namespace, out: Any, config: Any = None) -> dict[str, Any]:
@@ -465,6 +526,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-init", dest="init", action="store_false", help="build the model in memory first")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
     ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="measure the drive's write/read GB/s in the swap directory after set-up and print each "
+        "step's bytes by category against the drive floor (bytes read / read GB/s + written / write GB/s)",
+    )
+    ap.add_argument("--floor-mib", type=int_in(1, 1 << 20), default=512, help="MiB each way for --floor")
     return ap
 
 

@@ -130,6 +130,12 @@ class OptimizerSwapper:
         self.broken: str | None = None
         self.steps = 0
         self.counters = {"bytes_read": 0, "bytes_written": 0, "subgroup_steps": 0, "cached_subgroups": 0}
+        # The same bytes per tensor: "param" (fp32 master weights), "grad",
+        # and each optimizer state by name (exp_avg, exp_avg_sq for Adam).
+        self.bytes_by_part: dict[str, collections.Counter[str]] = {
+            "read": collections.Counter(),
+            "written": collections.Counter(),
+        }
         self.closed = False
         # Buffers carried from one step to the next: sub-groups whose state is
         # still in a buffer after its write landed, and reads started ahead.
@@ -284,10 +290,16 @@ class OptimizerSwapper:
         g.scalars = None
         g.valid = True
 
+    def count_io(self, direction: str, part: str, nbytes: int) -> None:
+        """Count bytes moved ("read" or "written") for one tensor kind, in
+        ``counters`` and in ``bytes_by_part``."""
+        self.counters["bytes_" + direction] += nbytes
+        self.bytes_by_part[direction][part] += nbytes
+
     def _write_part(self, g: _SubGroup, name: str, lease: Lease) -> None:
         off, n = self._part_io(g, name)
         self.space.sync_write(lease.buffer()[:n], off)
-        self.counters["bytes_written"] += n
+        self.count_io("written", name, n)
 
     def write_gradient(self, index: int, grad: Any, async_op: bool = True) -> IOFuture:
         """Write a sub-group's fp32 gradient (e.g. during backward). The
@@ -306,7 +318,7 @@ class OptimizerSwapper:
             g.grad_future.result()
         g.grad_mem = None  # the drive copy is the gradient from here on
         fut = self.space.write(src.contiguous(), g.offset + g.parts["grad"][0])
-        self.counters["bytes_written"] += g.numel * 4
+        self.count_io("written", "grad", g.numel * 4)
         g.grad_future = fut
         if not async_op:
             self._settle_grad(g)
@@ -326,7 +338,7 @@ class OptimizerSwapper:
             )
         self._settle_grad(g)
         self.space.sync_read(out, g.offset + g.parts["grad"][0])
-        self.counters["bytes_read"] += g.numel * 4
+        self.count_io("read", "grad", g.numel * 4)
 
     def discard_gradients(self) -> None:
         """Wait for every pending gradient write and forget it, failed or not
@@ -696,6 +708,7 @@ class OptimizerSwapper:
         pinned and drive bytes, why it is broken (or None), swap folder."""
         return {
             **self.counters,
+            "bytes_by_part": {d: dict(c) for d, c in self.bytes_by_part.items()},
             "subgroups": len(self.groups),
             "steps": self.steps,
             "state_tensors": [n for n, _ in self.spec],
@@ -806,7 +819,7 @@ class _StepIO:
         for name, lease in zip(sw._saved_parts(), leases, strict=True):
             off, n = sw._part_io(g, name)
             futs.append(sw.space.write(lease.buffer()[:n], off))
-            sw.counters["bytes_written"] += n
+            sw.count_io("written", name, n)
         return (i, leases, futs)
 
     def _finish_write(self, entry: _Write) -> None:
@@ -873,7 +886,7 @@ class _StepIO:
         for name, lease in zip(names, leases, strict=True):
             off, n = sw._part_io(g, name)
             futs.append(sw.space.read(lease.buffer()[:n], off))
-            sw.counters["bytes_read"] += n
+            sw.count_io("read", name, n)
         return True
 
     def take_read(self, i: int) -> dict[str, Lease]:

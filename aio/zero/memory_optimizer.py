@@ -73,6 +73,10 @@ class MemoryOptimizer:
         """Always 0: nothing goes to a drive."""
         return 0
 
+    def io_bytes_by_part(self) -> dict[str, dict[str, int]]:
+        """Nothing per part either: nothing goes to a drive."""
+        return {"read": {}, "written": {}}
+
     def _ensure_optimizer(self) -> None:
         if self.optimizer is None:
             self.optimizer = self.optimizer_cls(self.torch_groups.build(self.proxies), **self.hyper)

@@ -145,6 +145,11 @@ class ZeroOptimizer(Protocol):
         """Bytes read from and written to the drive so far (0 when in memory)."""
         ...
 
+    def io_bytes_by_part(self) -> dict[str, dict[str, int]]:
+        """The same bytes per tensor kind: ``{"read": {...}, "written": {...}}``
+        keyed "param" (fp32 master weights), "grad" and each state by name."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """The backend's counters, for the trainer's stats()."""
         ...

@@ -96,3 +96,7 @@ class SwappedOptimizer(OptimizerSwapper):
         """Bytes this swapper has read and written so far (master weights, states and
         gradients)."""
         return int(self.counters["bytes_read"] + self.counters["bytes_written"])
+
+    def io_bytes_by_part(self) -> dict[str, dict[str, int]]:
+        """Bytes per tensor kind so far (``OptimizerSwapper.bytes_by_part``)."""
+        return {d: dict(c) for d, c in self.bytes_by_part.items()}

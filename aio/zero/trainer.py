@@ -502,6 +502,23 @@ class OffloadTrainer:
             total += c["bytes_read"] + c["bytes_written"]
         return total
 
+    def io_bytes_by_category(self) -> dict[str, dict[str, int]]:
+        """Bytes read and written so far, ``{"read": {...}, "written": {...}}``,
+        by category: "parameters" (the parameter swapper: fetches for forward
+        and backward, write-backs), "master" (fp32 master weights),
+        "gradients" (fp32 gradients through the drive) and each optimizer
+        state by name; they add up to :meth:`io_bytes`."""
+        out: dict[str, dict[str, int]] = {"read": {}, "written": {}}
+        if self.store.swapper is not None:
+            c = self.store.swapper.counters
+            out["read"]["parameters"] = int(c["bytes_read"])
+            out["written"]["parameters"] = int(c["bytes_written"])
+        names = {"param": "master", "grad": "gradients"}
+        for direction, parts in self.zero_optimizer.io_bytes_by_part().items():
+            for part, n in parts.items():
+                out[direction][names.get(part, part)] = int(n)
+        return out
+
     def train(self, mode: bool = True) -> OffloadTrainer:
         """The model's train(mode); returns the trainer."""
         self.module.train(mode)

@@ -31,12 +31,27 @@ def run_train(args, tmp_path, timeout=600, quiet=False):
 
 def test_aio_train_default_matches_in_memory(tmp_path):
     stdout, res = run_train(
-        ["--steps", "3", "--layers", "2", "--width", "64", "--vocab", "256"], tmp_path, quiet=True
+        ["--steps", "3", "--layers", "2", "--width", "64", "--vocab", "256", "--floor", "--floor-mib", "4"],
+        tmp_path,
+        quiet=True,
     )
     assert "step   3" in stdout and "GB/s" in stdout and "peak RSS" in stdout
     assert "bit-identical" in stdout and res["identical"] is True
-    assert res["offloaded"]["losses"] == res["in_memory"]["losses"]
-    assert res["offloaded"]["stats"]["params"]["bytes_read"] > 0
+    off = res["offloaded"]
+    assert off["losses"] == res["in_memory"]["losses"]
+    assert off["stats"]["params"]["bytes_read"] > 0
+    # --floor: each step's bytes by category, held against the drive's rates
+    # measured in the swap directory in the same run.
+    assert "drive floor reference (4 MiB" in stdout and "step / floor" in stdout
+    assert off["drive_gbps"]["read"] > 0 and off["drive_gbps"]["write"] > 0
+    known = {"parameters", "master", "exp_avg", "exp_avg_sq", "gradients"}
+    for cats, floor in zip(off["bytes_by_category"], off["floor_s"], strict=True):
+        assert "parameters" in cats["read"] and set(cats["read"]) | set(cats["written"]) <= known
+        assert floor > 0
+    # step 1 reads the optimizer's tensors; later steps find them in its buffers
+    assert {"master", "exp_avg", "exp_avg_sq"} <= set(off["bytes_by_category"][0]["read"])
+    moved = sum(sum(c.values()) for c in off["bytes_by_category"][-1].values())
+    assert moved == pytest.approx(off["gbps"][-1] * off["step_s"][-1] * 1e9, rel=1e-6)
     # the temporary drive directory is gone
     assert [p for p in os.listdir(tmp_path) if p.startswith("aio-train-")] == []
 
