@@ -50,6 +50,10 @@ class Case:
     pytest: bool = False
     needs: tuple[str, ...] = ()  # modules that must be importable, else skip
     skip: str | None = None
+    # Runs only with AIO_BENCH_SMOKE=all (CI time: these take 10-30 s even at
+    # tiny sizes, mostly interpreter and library start-up); their --help
+    # still runs in test_every_bench_script_help.
+    slow: bool = False
 
 
 CASES: dict[str, Case] = {
@@ -74,6 +78,7 @@ CASES: dict[str, Case] = {
         "--layers 1 --width 32 --vocab 64 --dir {dir}",
         expect=("peak anonymous memory, under Init / in memory",),
         needs=("transformers",),
+        slow=True,  # three interpreters importing transformers: ~33 s
     ),
     "optimizer_kernel.py": Case(
         "--total 20000 --group 10000 --rounds 1 --threads 1 --skip-deepspeed",
@@ -82,6 +87,7 @@ CASES: dict[str, Case] = {
     "optimizer_states.py": Case(
         "--steps 2 --layers 1 --width 32 --vocab 64 --seq 8 --batch 1 --rounds 1",
         expect=("bf16 states save",),
+        slow=True,
     ),
     "pinned_memory.py": Case(
         "--dir {dir} --width 32 --layers 1 --sides aio", expect=("pinned_bytes()", "aio-config estimate")
@@ -117,6 +123,7 @@ CASES: dict[str, Case] = {
         expect=("passed",),
         pytest=True,
         needs=("pytest_benchmark",),
+        slow=True,
     ),
     "throughput.py": Case(
         "--dir {dir} --size 2M --rounds 1 --gap 0 --tools aio,buffered",
@@ -158,6 +165,8 @@ def _skip_reason(script: str) -> str | None:
     case = CASES[script]
     if case.skip:
         return case.skip
+    if case.slow and os.environ.get("AIO_BENCH_SMOKE") != "all":
+        return f"bench/{script} smoke-runs with AIO_BENCH_SMOKE=all (10-30 s; CI time); its --help ran"
     for mod in case.needs:
         if importlib.util.find_spec(mod) is None:
             return f"bench/{script} needs {mod}, which is not installed"

@@ -293,47 +293,38 @@ void bind_pinned(py::module_& m) {
       .def_property_readonly("total_bytes", &aio::PinnedPool::total_bytes);
 }
 
-void bind_request(py::module_& m) {
-  py::class_<aio::RequestState, std::shared_ptr<aio::RequestState>>(m, "Request")
-      .def("done", &aio::RequestState::done)
+const aio::Error* error_of(const aio::RequestState& r) { return r.error() ? &*r.error() : nullptr; }
+const aio::Error* error_of(const aio::RequestGroup& g) { return g.error(); }
+
+// A request and a group of them (submit_pieces) look the same from Python.
+template <class T>
+void def_request(py::class_<T, std::shared_ptr<T>>& c) {
+  c.def("done", &T::done)
       .def(
           "wait",
-          [](aio::RequestState& r, py::object timeout) {
+          [](T& r, py::object timeout) {
             const double t = timeout_arg(timeout, "timeout");
             py::gil_scoped_release nogil;
             return r.wait(t);
           },
           py::arg("timeout") = -1.0)
       .def("result",
-           [](aio::RequestState& r) {
+           [](T& r) {
              r.check_owner();
              if (!r.done()) throw py::value_error("request is still in flight");
-             if (r.error()) throw *r.error();
+             if (const aio::Error* e = error_of(r)) throw *e;
              return r.nbytes();
            })
-      .def_property_readonly("nbytes", &aio::RequestState::nbytes)
-      .def_property_readonly("offset", &aio::RequestState::offset)
-      .def_property_readonly("is_write", [](aio::RequestState& r) { return r.op() == Op::Write; });
-  py::class_<aio::RequestGroup, std::shared_ptr<aio::RequestGroup>>(m, "RequestGroup")
-      .def("done", &aio::RequestGroup::done)
-      .def(
-          "wait",
-          [](aio::RequestGroup& g, py::object timeout) {
-            const double t = timeout_arg(timeout, "timeout");
-            py::gil_scoped_release nogil;
-            return g.wait(t);
-          },
-          py::arg("timeout") = -1.0)
-      .def("result",
-           [](aio::RequestGroup& g) {
-             g.check_owner();
-             if (!g.done()) throw py::value_error("request is still in flight");
-             if (const aio::Error* e = g.error()) throw *e;
-             return g.nbytes();
-           })
-      .def_property_readonly("nbytes", &aio::RequestGroup::nbytes)
-      .def_property_readonly("offset", &aio::RequestGroup::offset)
-      .def_property_readonly("is_write", [](aio::RequestGroup& g) { return g.op() == Op::Write; });
+      .def_property_readonly("nbytes", &T::nbytes)
+      .def_property_readonly("offset", &T::offset)
+      .def_property_readonly("is_write", [](T& r) { return r.op() == Op::Write; });
+}
+
+void bind_request(py::module_& m) {
+  py::class_<aio::RequestState, std::shared_ptr<aio::RequestState>> request(m, "Request");
+  def_request(request);
+  py::class_<aio::RequestGroup, std::shared_ptr<aio::RequestGroup>> group(m, "RequestGroup");
+  def_request(group);
 }
 
 void bind_functions(py::module_& m) {

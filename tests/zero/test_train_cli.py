@@ -58,18 +58,18 @@ def test_aio_train_default_matches_in_memory(tmp_path):
 
 def test_lr_warmup_reaches_the_offloaded_run_and_the_baseline_alike(tmp_path):
     """--warmup-steps scales the lr of the first steps in both runs (they stay
-    bit-identical), and does reach the optimizer: without it step 2's loss differs."""
+    bit-identical: test_aio_train_default_matches_in_memory, at the default
+    2 warm-up steps), and does reach the optimizer: without it step 2's loss
+    differs."""
     from aio.train import warmup_lr
 
     assert [warmup_lr(1e-3, k, 2) for k in (1, 2, 3)] == [5e-4, 1e-3, 1e-3]
     assert warmup_lr(1e-3, 1, 0) == warmup_lr(1e-3, 1, 1) == 1e-3
-    small = ["--steps", "3", "--layers", "2", "--width", "64", "--vocab", "256"]
-    stdout, res = run_train([*small, "--warmup-steps", "3"], tmp_path, quiet=True)
+    small = ["--steps", "2", "--layers", "2", "--width", "64", "--vocab", "256", "--no-baseline"]
+    stdout, res = run_train([*small, "--warmup-steps", "3"], tmp_path)
     assert "lr=0.001 (warm-up 3 steps)" in stdout and res["args"]["warmup_steps"] == 3
-    assert "step   3" in stdout and "bit-identical" in stdout and res["identical"] is True
     warm = res["offloaded"]["losses"]
-    assert len(warm) == 3 and warm == res["in_memory"]["losses"]
-    stdout, res = run_train([*small, "--warmup-steps", "0", "--no-baseline"], tmp_path)
+    stdout, res = run_train([*small, "--warmup-steps", "0"], tmp_path)
     assert "(no warm-up)" in stdout
     cold = res["offloaded"]["losses"]
     assert warm[0] == cold[0] and warm[1] != cold[1]  # step 1's loss is taken before any update
