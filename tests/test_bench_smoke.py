@@ -20,10 +20,8 @@ import os
 import shlex
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -188,46 +186,16 @@ def _run(script: str, base: Path) -> tuple[list[str], subprocess.CompletedProces
     return cmd, p
 
 
-def _selected(session: pytest.Session) -> set[str]:
-    """The scripts whose test_bench_smoke this session runs (after -k)."""
-    items = (i for i in session.items if getattr(i, "originalname", None) == "test_bench_smoke")
-    return {i.callspec.params["script"] for i in items if hasattr(i, "callspec")}
-
-
-@pytest.fixture(scope="module")
-def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every runnable case selected (``-k deepspeed_step`` runs that one
-    alone), two at a time: a run is mostly one process importing torch
-    (single-threaded), so two share this box's two cores and the set takes
-    half the wall time. Maps a script to its (cmd, result), or to the
-    exception its run raised."""
-    base = tmp_path_factory.mktemp("bench-smoke")
-    chosen = _selected(request.session)
-    todo = [s for s in CASES if s in bench_scripts() and s in chosen and _skip_reason(s) is None]
-    out: dict[str, Any] = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futs = {s: pool.submit(_run, s, base / s.removesuffix(".py")) for s in todo}
-        for s, f in futs.items():
-            try:
-                out[s] = f.result()
-            except Exception as e:  # a timeout: reported by the script's own test
-                out[s] = e
-    return out
-
-
-@pytest.mark.xdist_group("bench-smoke")  # one worker runs the shared fixture's set, once
 @pytest.mark.parametrize("script", bench_scripts())
-def test_bench_smoke(script: str, smoke_runs: dict[str, Any]) -> None:
-    """One bench script at tiny sizes: it must finish and print its result."""
+def test_bench_smoke(script: str, tmp_path: Path) -> None:
+    """One bench script at tiny sizes: it must finish and print its result.
+    Each is its own test, so pytest-xdist spreads them over its workers."""
     if script not in CASES:
         pytest.fail(f"bench/{script} has no smoke case: add one to CASES in {Path(__file__).name}")
     why = _skip_reason(script)
     if why is not None:
         pytest.skip(why)
-    run = smoke_runs[script]
-    if isinstance(run, BaseException):
-        raise run
-    cmd, p = run
+    cmd, p = _run(script, tmp_path / "run")
     case = CASES[script]
     log = f"$ {' '.join(cmd)}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
     assert p.returncode in case.ok, f"exit {p.returncode}\n{log}"
