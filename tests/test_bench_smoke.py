@@ -76,7 +76,7 @@ CASES: dict[str, Case] = {
         "--layers 1 --width 32 --vocab 64 --dir {dir}",
         expect=("peak anonymous memory, under Init / in memory",),
         needs=("transformers",),
-        slow=True,  # three interpreters importing transformers: ~33 s
+        slow=True,  # ~33 s (three interpreters import transformers); tests/zero/test_hf.py runs it
     ),
     "optimizer_kernel.py": Case(
         "--total 20000 --group 10000 --rounds 1 --threads 1 --skip-deepspeed",
