@@ -495,19 +495,16 @@ class OffloadTrainer:
         }
 
     def io_bytes(self) -> int:
-        """Bytes read and written by the parameter and optimizer swappers so far."""
-        total = self.zero_optimizer.io_bytes()
-        if self.store.swapper is not None:
-            c = self.store.swapper.counters
-            total += c["bytes_read"] + c["bytes_written"]
-        return total
+        """Bytes read and written by the parameter and optimizer swappers so far
+        (the sum of :meth:`io_bytes_by_category`)."""
+        return sum(sum(parts.values()) for parts in self.io_bytes_by_category().values())
 
     def io_bytes_by_category(self) -> dict[str, dict[str, int]]:
         """Bytes read and written so far, ``{"read": {...}, "written": {...}}``,
         by category: "parameters" (the parameter swapper: fetches for forward
         and backward, write-backs), "master" (fp32 master weights),
         "gradients" (fp32 gradients through the drive) and each optimizer
-        state by name; they add up to :meth:`io_bytes`."""
+        state by name."""
         out: dict[str, dict[str, int]] = {"read": {}, "written": {}}
         if self.store.swapper is not None:
             c = self.store.swapper.counters
