@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 from typing import Any
 
 
@@ -35,7 +36,7 @@ def build_gpt(vocab: int, width: int, layers: int, heads: int, seq: int) -> Any:
     if heads < 1 or width % heads:
         raise ValueError(f"width {width} is not a multiple of heads {heads}")
     torch = _torch()
-    nn: Any = torch.nn
+    nn: Any = _gpt2_init_layers(torch.nn)
 
     class Attention(nn.Module):
         def __init__(self) -> None:
@@ -73,14 +74,6 @@ def build_gpt(vocab: int, width: int, layers: int, heads: int, seq: int) -> Any:
             self.ln = nn.LayerNorm(width)
             self.head = nn.Linear(width, vocab, bias=False)
             self.head.weight = self.wte.weight
-            self.apply(self._init)
-
-        @staticmethod
-        def _init(m: Any) -> None:
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
 
         def forward(self, idx: Any) -> Any:
             pos = torch.arange(idx.shape[1], device=idx.device)
@@ -90,6 +83,33 @@ def build_gpt(vocab: int, width: int, layers: int, heads: int, seq: int) -> Any:
             return self.head(self.ln(h))
 
     return GPT()
+
+
+def _gpt2_init_layers(nn: Any) -> Any:
+    """torch.nn with Linear and Embedding initialised as GPT-2 does (weights
+    N(0, 0.02), biases 0) in their constructors. Drawing the values once as
+    each layer is built, instead of torch's default and then a
+    ``model.apply`` pass, spares a large model's build under aio.zero.Init
+    one random draw and a read and write of every weight from the drive."""
+
+    class Linear(nn.Linear):
+        def reset_parameters(self) -> None:
+            nn.init.normal_(self.weight, std=0.02)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    class Embedding(nn.Embedding):
+        def reset_parameters(self) -> None:
+            nn.init.normal_(self.weight, std=0.02)
+
+    return types.SimpleNamespace(
+        Module=nn.Module,
+        ModuleList=nn.ModuleList,
+        LayerNorm=nn.LayerNorm,
+        GELU=nn.GELU,
+        Linear=Linear,
+        Embedding=Embedding,
+    )
 
 
 def gpt_params(vocab: int, width: int, layers: int, seq: int) -> int:
@@ -161,6 +181,15 @@ def lr_of(args: argparse.Namespace) -> float:
     """``--lr``, or :func:`default_lr` of ``--width`` when it was not given."""
     return float(args.lr) if args.lr is not None else default_lr(args.width)
 
+
+# Sequences per micro-batch by default. aio-train shows what the drive does
+# for a model past RAM, so its default step is bound by the drive, not by the
+# host's matrix multiplies: one 64-token sequence. On a 2-core CPU host a
+# 3.2B model's fp32 forward and backward at batch 8 take about 70 s, more
+# than the drive needs for the step's 141 GB (the step then measures the
+# CPU), while at batch 1 they take about 17 s and overlap the drive's work.
+# On a GPU, or to train for real, raise --batch (and --gas).
+DEFAULT_BATCH = 1
 
 # Optimizer steps of linear lr warm-up by default: Adam's first step moves
 # every weight by about lr whatever its gradient's size. Measured (fp32,
@@ -244,14 +273,31 @@ def make_config(args: argparse.Namespace, nvme_path: str | list[str]) -> dict[st
     return cfg
 
 
-def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> None:
-    from aio.config import estimate_memory
+def gpt_activation_bytes(args: argparse.Namespace) -> int:
+    """What :func:`build_gpt`'s forward saves for backward at ``--batch`` x
+    ``--seq``: about 16 values per token and width in each block (the inputs
+    and outputs of its layer norms, qkv, attention, projection, fc and
+    GELU; measured with saved_tensors_hooks: 117 and 207 MiB for 1 and 2
+    blocks of width 2880 at 512 tokens), and the fp32 logits three times
+    (output, its float() and the loss's gradient)."""
+    tokens = args.batch * args.seq
+    per_block = 16 * tokens * args.width * (2 if args.dtype == "bf16" else 4)
+    return args.layers * per_block + 3 * 4 * tokens * args.vocab
 
+
+def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> None:
+    from aio.config import estimate_memory, load_train_config
+    from aio.config.gradients import place_gradients
+
+    n = gpt_params(args.vocab, args.width, args.layers, args.seq)
     est = estimate_memory(
-        cfg, gpt_params(args.vocab, args.width, args.layers, args.seq), dtype=args.dtype, optimizer_states=2
+        cfg, n, dtype=args.dtype, optimizer_states=2, activation_bytes=gpt_activation_bytes(args)
     )
+    if args.offload != "none":
+        est.add_gradients(place_gradients(load_train_config(cfg), n, est.cpu_bytes))
     print(
-        f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, drive {_gib(sum(est.nvme.values()))}",
+        f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, drive {_gib(sum(est.nvme.values()))}, "
+        f"peak RSS {_gib(est.peak_rss_bytes)}",
         file=out,
     )
     for problem in est.check():
@@ -495,7 +541,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int_in(1, 1 << 20), default=4)
     ap.add_argument("--vocab", type=int_in(1, 1 << 31), default=256)
     ap.add_argument("--seq", type=int_in(1, 1 << 24), default=64)
-    ap.add_argument("--batch", type=int_in(1, 1 << 24), default=8)
+    ap.add_argument(
+        "--batch",
+        type=int_in(1, 1 << 24),
+        default=DEFAULT_BATCH,
+        help=f"sequences per micro-batch (default {DEFAULT_BATCH}: see DEFAULT_BATCH in aio/train.py)",
+    )
     ap.add_argument("--gas", type=int_in(1, 1 << 20), default=1, help="gradient accumulation steps")
     ap.add_argument("--clip", type=_number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
     ap.add_argument(

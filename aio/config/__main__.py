@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``aio-config`` argument parser: ``validate CONFIG`` and ``estimate CONFIG
     (--params N | --param-numels SIZES) [--largest-subgroup N] [--dtype]
     [--optimizer-states] [--json] [--check]``."""
-    from .._cli import CliParser, int_in
+    from .._cli import CliParser, int_in, parse_size
 
     ap = CliParser(prog="aio-config", description=(__doc__ or "").splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -151,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and a --dtype against it is an error",
     )
     e.add_argument("--optimizer-states", type=int_in(0, 64), default=2)
+    e.add_argument(
+        "--activations",
+        type=parse_size,
+        default=None,
+        metavar="BYTES",
+        help="what the model's forward saves for backward at the batch trained (e.g. 400M), counted "
+        "in the predicted peak RSS; aio-train prints its GPT's",
+    )
     e.add_argument("--json", action="store_true", help="print JSON")
     e.add_argument("--check", action="store_true", help="compare with this machine; exit 1 if short")
     return ap
@@ -236,6 +244,7 @@ def _run(a: argparse.Namespace) -> int:
         largest_subgroup_numel=a.largest_subgroup,
         param_numels=a.param_numels,
         state_bytes=_state_bytes(a.config),
+        activation_bytes=a.activations,
     )
     _add_gradients(est, a.config)
     if a.json:

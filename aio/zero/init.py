@@ -181,3 +181,5 @@ class Init:
             torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[method-assign]
         torch.nn.Module.apply = self._orig_apply  # type: ignore[method-assign]
         trim_malloc()
+        if self.store is not None and exc[0] is None:
+            self.store.finish_adoption()  # a failed write raises here, not at first use

@@ -42,6 +42,11 @@ def check_fits(cfg: Any, name: str, numel: int) -> None:
         )
 
 
+# At most this many bytes of parameters' initial values are written while a
+# model is built (each is the builder's own tensor, held until it lands).
+ADOPT_WRITE_BYTES = 512 << 20
+
+
 class ParamStore:
     """Owns parameter partitions (drive or CPU memory) and hands them out.
 
@@ -85,6 +90,10 @@ class ParamStore:
         # before the upload is done; the host never runs too far ahead.
         self.uploads = Uploads(self.copies, policy or UploadPolicy(cfg.aio_zero.modules_ahead))
         self.counters = {"write_copy_bytes": 0, "writes": 0}
+        # Adoption writes in flight (part ids, oldest first) and their bytes:
+        # each future holds the parameter's initial values until it lands.
+        self._adopting: collections.deque[int] = collections.deque()
+        self._adopting_bytes = 0
         # > 0 while aio.zero.Init builds a model: parameters fetched then are
         # host tensors even for a GPU model (see _materialise_all).
         self.on_host = 0
@@ -126,7 +135,7 @@ class ParamStore:
         param.aio_name = name
         if self.swapper is not None:
             self.swapper.register(part_id, numel)
-            self.swapper.write(part_id, src.cpu())
+            self._adopt_write(part_id, src.cpu())
         else:
             host = self.copies.host_tensor(numel, self.dtype)
             host.copy_(src)
@@ -325,6 +334,39 @@ class ParamStore:
         self.drop(held)
 
     # -- values --------------------------------------------------------------------------
+    def _adopt_write(self, part_id: int, src: Any) -> None:
+        """Write a parameter's initial values without waiting for it: while
+        one lands, the model builder computes the next module's values (a
+        synchronous write left the drive idle for that time). Past one swap
+        buffer's bytes (the largest parameter, so the config bounds this
+        memory too) or ADOPT_WRITE_BYTES in flight the oldest is waited for."""
+        assert self.swapper is not None
+        self.swapper.write(part_id, src, async_op=True)
+        self._adopting.append(part_id)
+        self._adopting_bytes += src.nbytes
+        bound = min(ADOPT_WRITE_BYTES, self.swapper.pool.slot_bytes)
+        while self._adopting_bytes > bound and len(self._adopting) > 1:
+            self._settle_adoption()
+
+    def _settle_adoption(self) -> None:
+        part_id = self._adopting.popleft()
+        assert self.swapper is not None
+        self._adopting_bytes -= self.swapper.parts[part_id].nbytes
+        self.swapper.wait([part_id])
+
+    def finish_adoption(self) -> None:
+        """Wait for every adoption write still in flight; raises the first
+        failure (SwapStateError, caused by the OSError with path, offset and
+        length) after all landed."""
+        first: BaseException | None = None
+        while self._adopting:
+            try:
+                self._settle_adoption()
+            except BaseException as e:  # noqa: BLE001 - every write waited for, the first raised
+                first = first or e
+        if first is not None:
+            raise first
+
     def read(self, param: Any) -> Any:
         """A CPU copy of a parameter's stored values (flat, training dtype)."""
         import torch

@@ -211,6 +211,7 @@ class OffloadTrainer:
         self.store.uploads.policy = UploadPolicy(cfg.aio_zero.modules_ahead)  # Init's store too
         for n, p in plan.named:
             self.store.adopt(p, n)
+        self.store.finish_adoption()
         _warn_if_nothing_on_drive(self.store, [p for _n, p in plan.named], cfg)
         move_buffers(self.module, self.device)
         self.layout = layout = SubGroupLayout(plan.packed, plan.order)

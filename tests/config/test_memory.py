@@ -1,6 +1,7 @@
 """Memory estimate before allocation, and the aio-config CLI."""
 
 import json
+import re
 
 import pytest
 
@@ -43,6 +44,25 @@ def test_estimate_components():
     assert est.pinned_bytes == sum(est.pinned.values())
     assert est.nvme == {"/p": (10**9 - 10**6) * 2, "/o": 10**9 * 16}
     assert "pinned CPU memory per process" in est.format()
+
+
+def test_estimate_predicts_peak_rss_from_buffers_and_working_set():
+    from aio.config.memory import RUNTIME_BYTES
+
+    est = estimate_memory(CFG, 1e9, "bf16")
+    sub = 10**8  # min(sub_group_size, params)
+    assert est.working == {
+        "runtime (python, torch, aio)": RUNTIME_BYTES,
+        "largest tensors in use (3 x fp32)": 3 * 4 * sub,
+    }
+    assert est.peak_rss_bytes == est.cpu_bytes + RUNTIME_BYTES + 12 * sub
+    assert "--activations" in est.format()  # unknown activations are said to be missing
+    with_act = estimate_memory(CFG, 1e9, "bf16", activation_bytes=5 << 20)
+    assert with_act.peak_rss_bytes == est.peak_rss_bytes + (5 << 20)
+    assert "--activations" not in with_act.format() and with_act.as_dict()["peak_rss_bytes"] > 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="activation_bytes"):
+            estimate_memory(CFG, 1e9, "bf16", activation_bytes=bad)
 
 
 def test_estimate_small_model_caps_subgroup_and_resident():
@@ -156,6 +176,9 @@ def test_cli_estimate_and_validate(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["num_params"] == 3 * 10**6 + 1000 and out["dtype_bytes"] == 4  # no fp16/bf16 block: fp32
     assert out["pinned"]["offload_optimizer buffers"] == 4 * _pages(8 * 10**6)
+    assert config_main(["estimate", str(p), "--params", "1e9", "--activations", "64M"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted peak RSS" in text and re.search(r"activations +64\.0 MiB", text)
     with pytest.raises(SystemExit):
         config_main(["estimate", str(p), "--param-numels", "12x0"])
     with pytest.raises(SystemExit):

@@ -379,8 +379,9 @@ def test_gradient_held_after_a_drive_gradient_step_is_the_one_used(tmp_path):
 def test_prefetched_read_error_surfaces_at_the_next_step(tmp_path):
     init = [torch.randn(n) for n in SIZES]
     sw, _ = _swapped(tmp_path, torch.optim.Adam, {"lr": 1e-2}, init, steps=0, pipe=(True, True), held=True)
-    # Step 1 reads 3 tensors per sub-group; the next read is one started ahead for step 2.
-    sw.space.drives[0].reader._c.inject_fault("error", errno.EIO, "read", 3 * len(SIZES) + 1, 1)
+    # Step 1 reads the master weights of each sub-group (its states are zeros,
+    # not read); the next read is one started ahead for step 2.
+    sw.space.drives[0].reader._c.inject_fault("error", errno.EIO, "read", len(SIZES) + 1, 1)
     for i in range(len(SIZES)):
         sw.groups[i].grad_mem.fill_(1.0)
     sw.step()  # the failing read is in flight or done, its error not yet taken

@@ -182,3 +182,46 @@ def test_malloc_bound_while_building_relaxed_for_training(tmp_path, monkeypatch,
         train_engine(engine, 1)
         assert params_mod._mmap_threshold == params_mod.TRAIN_MMAP_THRESHOLD
         assert params_mod._trim_threshold == params_mod.TRAIN_TRIM_THRESHOLD
+
+
+def _stored(store, model):
+    return {n: store.read(p).clone() for n, p in model.named_parameters()}
+
+
+def test_adoption_writes_overlap_the_build_within_a_bound(tmp_path, monkeypatch):
+    """Under Init each parameter's initial values are written without waiting,
+    at most ADOPT_WRITE_BYTES in flight (the oldest waited for past it), and
+    what lands equals the model built in memory."""
+    from aio.zero import params as params_mod
+
+    monkeypatch.setattr(params_mod, "ADOPT_WRITE_BYTES", 16 << 10)
+    seen = []
+    settle = params_mod.ParamStore._settle_adoption
+
+    def spy(self):
+        seen.append(self._adopting_bytes)
+        settle(self)
+
+    monkeypatch.setattr(params_mod.ParamStore, "_settle_adoption", spy)
+    mem = gpt()
+    with aio.zero.Init(cfg_for(tmp_path)) as init:
+        model = gpt()
+        assert init.store._adopting_bytes <= (16 << 10) + max(p.aio_numel * 4 for p in model.parameters())
+    assert init.store._adopting_bytes == 0 and not init.store._adopting  # Init's exit waited for all
+    assert seen and max(seen) > 0
+    got = _stored(init.store, model)
+    for name, p in mem.named_parameters():
+        assert torch.equal(got[name], p.detach().reshape(-1)), name
+    init.store.close()
+
+
+def test_a_failed_adoption_write_is_raised_by_init_with_its_place(tmp_path):
+    import errno
+
+    with pytest.raises(aio.swap.SwapStateError, match="writing partition") as ei:
+        with aio.zero.Init(cfg_for(tmp_path)) as init:
+            init.store.swapper.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 2, 1)
+            gpt()
+    cause = ei.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.EIO and "param" in str(cause.filename)
+    init.store.close()
