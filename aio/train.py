@@ -304,7 +304,7 @@ def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
         print(f"warning: {problem}", file=out)
 
 
-def _build_trainer(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, Any]:
+def build_trainer(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, Any]:
     """The model (built under aio.zero.Init with --init) and its OffloadTrainer."""
     import aio.zero
 
@@ -321,7 +321,7 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     """Train with aio.zero under `cfg`, printing each step; the figures."""
     _print_estimate(args, cfg, out)
     t0 = time.perf_counter()
-    model, trainer = _build_trainer(args, cfg)
+    model, trainer = build_trainer(args, cfg)
     setup = time.perf_counter() - t0
     n = sum(p.aio_numel for p in {id(p): p for p in model.parameters()}.values())
     print(
@@ -373,9 +373,11 @@ def _measure_floor(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> d
     return rates
 
 
-def _step_bytes(
+def step_bytes(
     before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
 ) -> dict[str, dict[str, int]]:
+    """The bytes moved between two ``trainer.io_bytes_by_category()`` readings,
+    by direction and category (categories that did not move left out)."""
     return {
         d: {k: v - before[d].get(k, 0) for k, v in after[d].items() if v - before[d].get(k, 0)} for d in after
     }
@@ -405,16 +407,25 @@ def _offloaded_steps(
     # The warm-up scales the lr the trainer starts with: --lr's, or the
     # --config file's optimizer lr.
     base_lr = trainer.get_lr()
+    phases: list[dict[str, float]] = []
     for step in range(args.steps):
         io0, cat0 = trainer.io_bytes(), trainer.io_bytes_by_category()
         trainer.set_lr(warmup_lr(base_lr, step + 1, args.warmup_steps))
         t = time.perf_counter()
+        spent = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         for micro in range(args.gas):
             x, y = batch(step, micro, args.batch, args.seq, args.vocab)
+            t0 = time.perf_counter()
             loss = lf(trainer(x).flatten(0, 1).float(), y.flatten())
+            t1 = time.perf_counter()
             trainer.backward(loss)
+            t2 = time.perf_counter()
             trainer.step()
+            spent["forward"] += t1 - t0
+            spent["backward"] += t2 - t1
+            spent["step"] += time.perf_counter() - t2
         dt = time.perf_counter() - t
+        phases.append(spent)
         moved = trainer.io_bytes() - io0
         losses.append(loss.item())
         times.append(dt)
@@ -426,9 +437,10 @@ def _offloaded_steps(
             flush=True,
         )
         if args.floor:
-            by_step.append(_step_bytes(cat0, trainer.io_bytes_by_category()))
+            print("      " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()), file=out)
+            by_step.append(step_bytes(cat0, trainer.io_bytes_by_category()))
             floors.append(_print_floor(by_step[-1], dt, floor_rates, out))
-    run: dict[str, Any] = {"losses": losses, "step_s": times, "gbps": rates}
+    run: dict[str, Any] = {"losses": losses, "step_s": times, "gbps": rates, "phase_s": phases}
     if args.floor:
         run.update(bytes_by_category=by_step, floor_s=floors, drive_gbps=floor_rates)
     return run

@@ -493,9 +493,15 @@ def measure_drive(a: argparse.Namespace, root: str) -> dict:
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
+def drive_floor(read_b: float, write_b: float, drive: dict) -> float:
+    """Seconds the drive needs for these bytes: read / read rate + written /
+    write rate (`drive` as :func:`drive_speed` gives it, bytes/s)."""
+    return read_b / drive["read_Bps"] + write_b / drive["write_Bps"]
+
+
 def io_eff(res: dict, drive: dict) -> float | None:
     """step time / the time the drive needs for this step's bytes (None without I/O)."""
-    need = res["read_b"] / drive["read_Bps"] + res["write_b"] / drive["write_Bps"]
+    need = drive_floor(res["read_b"], res["write_b"], drive)
     return res["step_s"] / need if res["read_b"] + res["write_b"] > 1 << 20 else None
 
 

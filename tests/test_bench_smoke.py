@@ -95,6 +95,13 @@ CASES: dict[str, Case] = {
         " --dir {dir}",
         expect=("forward / backward / step() / whole", "Self CPU"),
     ),
+    "scale.py": Case(
+        # aio alone (DeepSpeed's ops JIT-build); the helpers are tested in test_scale_helpers.
+        "--dir {dir} --variants aio --layers 1 --width 32 --heads 2 --vocab 64 --seq 8 --batch 1"
+        " --warmup 1 --steps 1 --drive-mib 1",
+        expect=("| aio.zero | ok |", "bytes per step by category"),
+        slow=True,  # ~10 s: two interpreters import torch and aio.zero
+    ),
     "striped_io.py": Case(
         "--dirs {dir} {dir2} --rounds 1 --idle 0 --extents 2 --extent-mib 0.25 --group 1"
         " --train-rounds 1 --steps 1 --warmup 0 --layers 1 --width 32 --heads 2 --vocab 64"
@@ -236,3 +243,57 @@ def test_every_bench_script_help(tmp_path: Path) -> None:
         timeout=TIMEOUT_S,
     )
     assert p.returncode == 0 and p.stdout.strip().endswith("all ok"), p.stdout[-4000:] + p.stderr[-4000:]
+
+
+def test_scale_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/scale.py's pure parts, in this process (no torch, no run): the
+    size flags, the shared config, the failure messages and the table."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # scale.py puts bench/ on it for train_step
+    spec = importlib.util.spec_from_file_location("bench_scale", BENCH / "scale.py")
+    assert spec is not None and spec.loader is not None
+    scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+
+    assert scale.layers_for(2e9, 2560, 32000, 64) == 24
+    assert scale.layers_for(1, 64, 256, 8) == 1
+    own, targs = scale.parse(["--params", "2e9", "--dtype", "bf16", "--batch", "3"])
+    assert (targs.layers, targs.width, targs.heads, targs.vocab, targs.batch) == (24, 2560, 20, 32000, 3)
+    assert targs.dtype == "bf16" and own.variant_list == ["aio", "ds", "ds-safe"]
+    for bad in (["--config", "x.json"], ["--params", "1e9", "--layers", "2"], ["--variants", "aio,nope"]):
+        with pytest.raises(SystemExit) as e:
+            scale.parse(bad)
+        assert e.value.code == 2, bad
+
+    cfg = scale.variant_config(targs, "aio", "/nvme")
+    assert cfg == scale.variant_config(targs, "ds", "/nvme")  # one dict for both engines
+    assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["bf16"] == {"enabled": True}
+    safe = scale.variant_config(targs, "ds-safe", "/nvme")["zero_optimization"]
+    assert safe["stage3_max_reuse_distance"] == 0
+    assert not safe["offload_optimizer"]["pipeline_read"] and not safe["offload_optimizer"]["pipeline_write"]
+
+    log = (
+        '@@ [ds] set-up 9.0 s\nTraceback (most recent call last):\n  File "x.py", line 3, in f\n'
+        "    assert b is not None\nAssertionError: no\n  buffers\n[W] gloo warning\n"
+    )
+    assert (
+        scale.failure(1, False, 5, log, None)
+        == "exit 1: AssertionError: no buffers; last progress: [ds] set-up 9.0 s"
+    )
+    assert scale.failure(1, False, 5, log, {"error": "E: x"}).startswith("E: x; ")
+    assert scale.failure(-9, False, 5, "", None).startswith("killed by SIGKILL")
+    assert scale.failure(-9, True, 5, "", None) == "timed out after 5 s (killed)"
+    try:
+        raise ValueError("bad\n  value")
+    except ValueError as e:
+        text = scale.describe_exception(e)  # the message on one line, then the raising line
+    assert text.startswith("ValueError: bad value (test_bench_smoke.py:"), text
+    assert text.endswith('raise ValueError("bad\\n  value"))'), text
+
+    row = {"label": "aio.zero", "status": "ok", "step_s": 4.0, "read_b": 2e9, "write_b": 1e9}
+    row["drive"] = {"read": 2.0, "write": 1.0}
+    scale.add_floor(row)
+    assert (row["floor_s"], row["io_eff"]) == (2.0, 2.0)
+    failed = {"label": "ds", "status": "failed", "drive": {"error": "x"}}
+    table = scale.markdown(scale.COLUMNS, [scale.table_row(row), scale.table_row(failed)])
+    assert "| aio.zero | ok | - | 4.00 | - | - | 2.00 | 1.00 | 2.00 / 1.00 | 2.0 | 2.00 |" in table
+    assert "| ds | failed | - |" in table

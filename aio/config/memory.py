@@ -143,9 +143,9 @@ class MemoryEstimate:
 
         out: list[str] = []
         avail = psutil.virtual_memory().available
-        if self.cpu_bytes > avail:
+        if self.peak_rss_bytes > avail:
             out.append(
-                f"needs {format_bytes(self.cpu_bytes)} of CPU memory "
+                f"needs {format_bytes(self.peak_rss_bytes)} of CPU memory at its peak "
                 f"({format_bytes(self.pinned_bytes)} pinned) "
                 f"but only {format_bytes(avail)} is available"
             )

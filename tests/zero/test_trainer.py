@@ -53,14 +53,17 @@ def test_fp32_bit_identical_to_in_memory(tmp_path, reference, param, opt, pipeli
 def test_two_drives_train_bit_identical_to_one_and_use_both(tmp_path, reference):
     """nvme_path as a list (one directory on the disk, one on tmpfs where there
     is one): the same losses as one directory (and as memory), every drive
-    read and written by both swappers, the folders gone at close."""
+    read and written by both swappers, the folders gone at close. Gradients
+    go through the drives, so every step reads every optimizer tensor (held in
+    memory, a small model's sub-groups stay in the step's buffers after step 1,
+    which reads only master weights)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     shm = f"/dev/shm/aio-test-two-drives-{os.getpid()}" if os.access("/dev/shm", os.W_OK) else None
     second = shm or str(tmp_path / "second")
     os.makedirs(second)
     try:
-        cfg = cfg_for(tmp_path / "unused")
+        cfg = cfg_for(tmp_path / "unused", aio_zero={"gradients": "nvme"})
         for key in ("offload_param", "offload_optimizer"):
             cfg["zero_optimization"][key]["nvme_path"] = [str(disk), second]
         with aio.zero.initialize(gpt(), cfg) as engine:
@@ -114,7 +117,9 @@ BF16_STATES_REL_TOL = 0.01
 def test_bf16_optimizer_states_track_fp32_and_move_fewer_bytes(tmp_path, reference):
     runs = {}
     for states in ("fp32", "bf16"):
-        cfg = cfg_for(tmp_path / states, aio_zero={"optimizer_states": states})
+        # Gradients through the drive: every step reads and writes every state
+        # (held in memory, this small model's states would stay in the buffers).
+        cfg = cfg_for(tmp_path / states, aio_zero={"optimizer_states": states, "gradients": "nvme"})
         with aio.zero.initialize(gpt(), cfg) as engine:
             losses = train_engine(engine, 20)
             o = engine.stats()["optimizer"]
@@ -124,8 +129,10 @@ def test_bf16_optimizer_states_track_fp32_and_move_fewer_bytes(tmp_path, referen
     assert dtype == "bf16" and losses != reference  # rounded states: close, not equal
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
     assert worst < BF16_STATES_REL_TOL, worst
-    # Adam: param + 2 states read and written; the states are half the bytes.
-    assert moved < 0.8 * runs["fp32"][1]
+    # Adam: gradient, master + 2 states read and written, the states in half
+    # the bytes: 32 against 48 bytes per parameter and step, less with each
+    # tensor of these ~3000-element sub-groups rounded up to whole 4 KiB blocks.
+    assert moved < 0.85 * runs["fp32"][1]
 
 
 def test_bf16_optimizer_states_checkpoint_resumes_exactly(tmp_path):
