@@ -294,7 +294,7 @@ def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
         cfg, n, dtype=args.dtype, optimizer_states=2, activation_bytes=gpt_activation_bytes(args)
     )
     if args.offload != "none":
-        est.add_gradients(place_gradients(load_train_config(cfg), n, est.cpu_bytes))
+        est.add_gradients(place_gradients(load_train_config(cfg), n, est.held_bytes))
     print(
         f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, drive {_gib(sum(est.nvme.values()))}, "
         f"peak RSS {_gib(est.peak_rss_bytes)}",

@@ -229,7 +229,7 @@ def _add_gradients(est: MemoryEstimate, path: str) -> None:
         note = f"gradient placement not estimated, not an aio.zero config: {e}"
         print(f"aio-config: note: {note}", file=sys.stderr)
         return
-    est.add_gradients(place_gradients(train, est.num_params, est.cpu_bytes))
+    est.add_gradients(place_gradients(train, est.num_params, est.held_bytes))
 
 
 def _run(a: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ as DeepSpeed does) or gathered in a pinned buffer, written to the drive and
 read back by the step (``nvme``: 8 more bytes of I/O per parameter per step).
 ``auto`` (the default) keeps them in memory only while they fit the host
 budget (``aio_zero.host_memory_budget``) together with what else aio.zero
-holds in CPU memory (pinned pools, resident parameters), so that host memory
+holds in CPU memory at its peak (pinned pools, resident parameters, the
+runtime and the largest tensors in use: ``MemoryEstimate.held_bytes``), so that host memory
 is set by the config, not by the model's size. One function decides, for the
 engine and for ``aio-config estimate`` alike."""
 
@@ -113,8 +114,9 @@ def warn_if_over_budget(placement: GradientPlacement, stacklevel: int = 2) -> No
         )
     elif placement.setting in ("auto", "nvme") and placement.other_bytes > placement.budget:
         msg = (
-            f"aio.zero's buffers and resident parameters take {format_bytes(placement.other_bytes)} of "
-            f"CPU memory, past the host-memory budget of {budget} (aio_zero.host_memory_budget) even "
+            f"aio.zero's buffers, resident parameters and working set take "
+            f"{format_bytes(placement.other_bytes)} of CPU memory, past the host-memory budget of "
+            f"{budget} (aio_zero.host_memory_budget) even "
             "with the gradients on the drive: lower the offload buffer_count/buffer_size or max_in_cpu"
         )
     else:

@@ -131,6 +131,12 @@ class MemoryEstimate:
         return sum(self.cpu.values()) + self.pinned_bytes
 
     @property
+    def held_bytes(self) -> int:
+        """What aio.zero itself holds at its peak: the predicted peak RSS but
+        the model's activations (the host-memory budget's share for aio)."""
+        return self.peak_rss_bytes - self.working.get("activations", 0)
+
+    @property
     def peak_rss_bytes(self) -> int:
         """The predicted peak resident set of a process training with this
         config: every buffer and CPU-resident tensor above, plus the working

@@ -203,7 +203,9 @@ def place_gradients_for(
     """Where this model's fp32 gradients wait for the step
     (:func:`aio.config.gradients.place_gradients`), counting against the host
     budget what :func:`aio.config.estimate_memory` says aio.zero holds in CPU
-    memory for these parameters under `cfg` (pinned pools, resident parameters)."""
+    memory for these parameters under `cfg` at its peak (pinned pools,
+    resident parameters, the runtime and the largest tensors in use:
+    ``held_bytes``), so that peak stays within the budget."""
     from ..config import estimate_memory
     from ..config.gradients import place_gradients
 
@@ -214,4 +216,4 @@ def place_gradients_for(
     est = estimate_memory(
         cfg.offload, None, cfg.dtype, param_numels=numels, largest_subgroup_numel=max(layout.group_numel)
     )
-    return place_gradients(cfg, trainable, est.cpu_bytes)
+    return place_gradients(cfg, trainable, est.held_bytes)

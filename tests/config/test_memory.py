@@ -59,6 +59,8 @@ def test_estimate_predicts_peak_rss_from_buffers_and_working_set():
     assert "--activations" in est.format()  # unknown activations are said to be missing
     with_act = estimate_memory(CFG, 1e9, "bf16", activation_bytes=5 << 20)
     assert with_act.peak_rss_bytes == est.peak_rss_bytes + (5 << 20)
+    # what the gradient budget counts for aio itself: all but the activations
+    assert with_act.held_bytes == est.held_bytes == est.peak_rss_bytes
     assert "--activations" not in with_act.format() and with_act.as_dict()["peak_rss_bytes"] > 0
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="activation_bytes"):

@@ -430,6 +430,10 @@ def test_gradients_auto_go_to_the_drive_past_the_budget(tmp_path, reference):
     with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a")) as engine:
         roomy = engine.stats()["gradients"]
     assert (roomy["where"], roomy["setting"]) == ("cpu", "auto")
+    # the budget holds aio.zero's predicted peak: buffers, runtime, working set
+    from aio.config.memory import RUNTIME_BYTES
+
+    assert roomy["other_bytes"] > RUNTIME_BYTES
     # A budget the buffers fit but the gradients do not.
     budget = roomy["other_bytes"] + roomy["bytes"] // 2
     cfg = cfg_for(tmp_path / "b", aio_zero={"host_memory_budget": budget})
