@@ -185,9 +185,9 @@ def lr_of(args: argparse.Namespace) -> float:
 # Sequences per micro-batch by default. aio-train shows what the drive does
 # for a model past RAM, so its default step is bound by the drive, not by the
 # host's matrix multiplies: one 64-token sequence. On a 2-core CPU host a
-# 3.2B model's fp32 forward and backward at batch 8 take about 70 s, more
-# than the drive needs for the step's 141 GB (the step then measures the
-# CPU), while at batch 1 they take about 17 s and overlap the drive's work.
+# 3.2B model's fp32 forward and backward at batch 8 take about 73 s, as long
+# as the drive needs for the step's 141 GB (the step then measures the CPU),
+# while at batch 1 they take about 17 s and overlap the drive's work.
 # On a GPU, or to train for real, raise --batch (and --gas).
 DEFAULT_BATCH = 1
 
