@@ -134,6 +134,7 @@ def registered_tensor(num_elem: int, dtype: Any, register: Register) -> tuple[An
     mv = memoryview(buf)
     undo = register(buf.ptr, pages)
     if undo is not None:
+        buf.make_fixed()
         weakref.finalize(mv, _run_then_drop, undo, buf)
     t = torch.frombuffer(mv, dtype=torch.uint8, count=num_elem * itemsize).view(dtype)
     return t, pages if undo is not None else 0
@@ -155,6 +156,7 @@ def _cuda_pinned_bytes(nbytes: int) -> tuple[memoryview, str]:
     buf = _C.PinnedBuffer(nbytes, False)
     mv = memoryview(buf)
     if _cuda_ok(_cudart().cudaHostRegister(buf.ptr, nbytes, 0)):
+        buf.make_fixed()
         _count_cuda(nbytes)
         weakref.finalize(mv, _unregister, buf.ptr, nbytes, buf, os.getpid())
         return mv, CUDA_REGISTER
@@ -363,6 +365,12 @@ class PinnedPool:
     def available(self) -> int:
         """Slots free right now (not leased)."""
         return int(self._c.available())
+
+    def make_fixed(self) -> None:
+        """Have io_uring register the pool as a fixed buffer (done at once
+        when `lock` is true). That pins its pages, so only for a pool pinned
+        by other means, such as ``cudaHostRegister``."""
+        self._c.make_fixed()
 
     def acquire(self, timeout: float | None = None) -> Lease:
         """Lease a free slot, waiting up to `timeout` seconds (None or inf: no

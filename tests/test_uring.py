@@ -3,6 +3,7 @@ round trips with many requests in flight, the same typed errors as kernel_aio,
 buffered I/O through the ring, and a clear error where io_uring is missing."""
 
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -102,3 +103,99 @@ def test_io_uring_is_listed_and_unavailability_is_clear():
         return
     with pytest.raises(OSError, match="io_uring"):
         aio.AsyncIOHandle(engine="io_uring")
+
+
+def _locked(n: int) -> np.ndarray:
+    """n bytes of locked memory (aio.new_locked_tensor), as a numpy array."""
+    import torch
+
+    return aio.new_locked_tensor(n, torch.uint8).numpy()
+
+
+@needs_uring
+def test_locked_memory_goes_out_as_fixed_buffers(pattern, fpath):
+    """Chunks in pinned buffers use the ring's registered (fixed) buffers;
+    other memory still works, as plain reads and writes."""
+    h = handle(engine="io_uring", block_size=MiB, queue_depth=8)
+    src = _locked(4 * MiB)
+    src[:] = pattern[: 4 * MiB]
+    h.sync_pwrite(src, fpath)
+    out = _locked(4 * MiB)
+    h.sync_pread(out, fpath)
+    assert np.array_equal(out, src)
+    st = h.stats()
+    assert st["fixed_ios"] == st["ios"] == 8
+    plain = np.empty(4 * MiB, np.uint8)  # numpy's memory: not registered
+    h.sync_pread(plain, fpath)
+    assert np.array_equal(plain, src)
+    assert h.stats()["fixed_ios"] == 8 and h.stats()["ios"] > 8
+
+
+@needs_uring
+def test_refused_registration_falls_back_to_plain_io(pattern, fpath):
+    h = handle(engine="io_uring", block_size=MiB)
+    aio._C.set_fixed_fault(errno.ENOMEM)  # as RLIMIT_MEMLOCK refuses an unprivileged user
+    try:
+        buf = _locked(3 * MiB)
+    finally:
+        aio._C.set_fixed_fault(0)
+    buf[:] = pattern[: 3 * MiB]
+    h.sync_pwrite(buf, fpath)
+    buf[:] = 0
+    h.sync_pread(buf, fpath)
+    assert np.array_equal(buf, pattern[: 3 * MiB])
+    assert h.stats()["fixed_ios"] == 0
+
+
+@needs_uring
+def test_freed_buffer_address_reused_reads_into_the_new_buffer(pattern, tmp_path):
+    """A buffer freed and another mapped at the same address: the ring must
+    use the new buffer's pages, never the old registration."""
+    h = handle(engine="io_uring", block_size=MiB)
+    paths = [str(tmp_path / f"{i}.bin") for i in range(4)]
+    for i, p in enumerate(paths):
+        with open(p, "wb") as f:
+            f.write(np.roll(pattern[: 4 * MiB], i).tobytes())
+    seen = set()
+    for i, p in enumerate(paths):
+        buf = _locked(4 * MiB)
+        seen.add(buf.ctypes.data)
+        h.sync_pread(buf, p)
+        assert np.array_equal(buf, np.roll(pattern[: 4 * MiB], i)), i
+        del buf
+    st = h.stats()
+    assert st["fixed_ios"] == st["ios"] == 16
+    assert aio._C.fixed_bytes() < 4 * MiB * len(paths)  # freed ones left the table
+
+
+@needs_uring
+def test_forked_child_registrations_never_reach_the_parents_ring(pattern, tmp_path):
+    """A child inherits the parent's ring descriptors: buffers it makes must
+    not be registered there (the kernel would pin the child's pages into the
+    parent's table, and the parent's next fixed read would land in them)."""
+    h = handle(engine="io_uring", block_size=MiB)
+    path = str(tmp_path / "p.bin")
+    with open(path, "wb") as f:
+        f.write(pattern[: 2 * MiB].tobytes())
+    h.sync_pread(_locked(2 * MiB), path)  # the worker's ring exists
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: wait until the parent's buffer is registered, then add one
+        try:
+            os.read(go_r, 1)
+            child_buf = _locked(2 * MiB)
+            child_buf[:] = 0
+            os.write(done_w, b"x")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    parent_buf = _locked(2 * MiB)
+    parent_buf[:] = 0
+    os.write(go_w, b"x")
+    assert os.read(done_r, 1) == b"x"
+    h.sync_pread(parent_buf, path)
+    os.write(go_w, b"x")
+    os.waitpid(pid, 0)
+    assert np.array_equal(parent_buf, pattern[: 2 * MiB])
+    assert h.stats()["fixed_ios"] == h.stats()["ios"]

@@ -70,6 +70,7 @@ class BufferPool:
                 pool = PinnedPool(self.count, self.slot_bytes, lock=False)
                 undo = self.register(pool.base_ptr, pool.total_bytes)
                 if undo is not None:
+                    pool.make_fixed()
                     weakref.finalize(pool, undo)
                     self.registered_bytes = pool.total_bytes
                     self._pool = pool

@@ -15,6 +15,7 @@
 #include "../core/alignment.h"
 #include "../core/engine.h"
 #include "../core/error.h"
+#include "../core/fixed_buffers.h"
 #include "../core/handle.h"
 #include "../core/interrupt.h"
 #include "../core/pinned.h"
@@ -128,6 +129,7 @@ py::dict stats_dict(const aio::Stats& s) {
   d["outstanding"] = s.outstanding;
   d["tasks"] = s.tasks;
   d["max_inflight"] = s.max_inflight;
+  d["fixed_ios"] = s.fixed_ios;
   d["alignment"] = s.alignment;
   return d;
 }
@@ -266,7 +268,8 @@ void bind_pinned(py::module_& m) {
       .def_property_readonly(
           "ptr", [](aio::PinnedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &aio::PinnedBuffer::size)
-      .def_property_readonly("locked", &aio::PinnedBuffer::locked);
+      .def_property_readonly("locked", &aio::PinnedBuffer::locked)
+      .def("make_fixed", &aio::PinnedBuffer::make_fixed, py::call_guard<py::gil_scoped_release>());
 
   py::class_<aio::PinnedPool>(m, "PinnedPool")
       .def(py::init(&make_pool), py::arg("count"), py::arg("slot_bytes"), py::arg("lock") = true)
@@ -282,6 +285,7 @@ void bind_pinned(py::module_& m) {
           "release", [](aio::PinnedPool& p, py::object i) { p.release(slot_index(p, i)); },
           py::arg("index"))
       .def("available", &aio::PinnedPool::available)
+      .def("make_fixed", &aio::PinnedPool::make_fixed, py::call_guard<py::gil_scoped_release>())
       .def(
           "slot_ptr",
           [](aio::PinnedPool& p, py::object i) {
@@ -346,6 +350,11 @@ void bind_functions(py::module_& m) {
       "set_lock_fault",
       [](py::object e) { aio::PinnedBuffer::set_lock_fault(int_arg<int>(e, "errno", 0)); },
       py::arg("errno"));
+  m.def(
+      "set_fixed_fault",
+      [](py::object e) { aio::FixedBuffers::set_register_fault(int_arg<int>(e, "errno", 0)); },
+      py::arg("errno"));
+  m.def("fixed_bytes", &aio::FixedBuffers::bytes);
   m.def("page_size", &aio::page_size);
 }
 

@@ -128,7 +128,7 @@ class KaioEngine final : public QueuedEngine {
 
   // Waits for completions (one with overlap_events, else all in flight).
   void wait(unsigned want) override {
-    const long nr = f_.trickle() ? static_cast<long>(want) : static_cast<long>(depth_);
+    const long nr = static_cast<long>(f_.trickle() ? want : std::max(want, kReapBatch));
     const long got = sys_io_getevents(ctx_, want, nr, events_.data());
     c_.getevents_calls.fetch_add(1, std::memory_order_relaxed);
     if (got < 0) {

@@ -9,6 +9,7 @@
 // the ring instead of blocking the worker in pread/pwrite.
 #include <errno.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "error.h"
+#include "fixed_buffers.h"
 #include "queued_engine.h"
 #include "uring_abi.h"
 
@@ -89,8 +91,15 @@ class Ring {
   explicit Ring(unsigned entries) {
     io_uring_params p;
     std::memset(&p, 0, sizeof(p));
-    p.flags = IORING_SETUP_CLAMP;
+    // COOP_TASKRUN (5.19): completions are posted when this thread next
+    // enters the kernel, not by interrupting it; it enters to wait anyway.
+    p.flags = IORING_SETUP_CLAMP | IORING_SETUP_COOP_TASKRUN;
     fd_ = sys_setup(entries, &p);
+    if (fd_ < 0 && errno == EINVAL) {
+      std::memset(&p, 0, sizeof(p));
+      p.flags = IORING_SETUP_CLAMP;
+      fd_ = sys_setup(entries, &p);
+    }
     if (fd_ < 0) {
       const int e = errno;
       throw Error(e, "io_uring_setup(queue_depth=" + std::to_string(entries) + ")", "", 0, 0,
@@ -113,6 +122,26 @@ class Ring {
   Ring& operator=(const Ring&) = delete;
 
   unsigned entries() const { return sq_entries_; }
+
+  // An empty table of FixedBuffers::kSlots fixed buffers (5.19); false where
+  // the kernel cannot (the ring then uses plain READ/WRITE only).
+  bool reserve_fixed() {
+    aio_uring_rsrc_register r;
+    std::memset(&r, 0, sizeof(r));
+    r.nr = FixedBuffers::kSlots;
+    r.flags = IORING_RSRC_REGISTER_SPARSE;
+    return sys_register(fd_, IORING_REGISTER_BUFFERS2, &r, sizeof(r)) >= 0;
+  }
+  // Puts [base, base + len) in `slot` (len 0: empties it); 0 or errno.
+  int update_fixed(unsigned slot, void* base, size_t len) {
+    iovec iov{base, len};
+    aio_uring_rsrc_update2 u;
+    std::memset(&u, 0, sizeof(u));
+    u.offset = slot;
+    u.data = reinterpret_cast<uint64_t>(&iov);
+    u.nr = 1;
+    return sys_register(fd_, IORING_REGISTER_BUFFERS_UPDATE, &u, sizeof(u)) < 0 ? errno : 0;
+  }
 
   // The next free SQE (zeroed); the caller fills it, then publish() makes it
   // visible to the kernel. The caller keeps at most entries() unconsumed.
@@ -217,17 +246,32 @@ class Ring {
   unsigned sq_tail_ = 0;  // our tail, published by publish()
 };
 
-class UringEngine final : public QueuedEngine {
+// Pinned buffers (FixedBuffers) are registered on every ring, so chunks in
+// them go out as READ_FIXED/WRITE_FIXED; other memory as plain READ/WRITE.
+class UringEngine final : public QueuedEngine, public FixedBuffers::Holder {
  public:
   explicit UringEngine(const EngineContext& ctx)
       : UringEngine(ctx, std::make_unique<Ring>(std::min(ctx.settings.queue_depth, kMaxEntries))) {}
+  ~UringEngine() override {
+    if (fixed_) FixedBuffers::detach(this);
+  }
 
   const char* name() const override { return "io_uring"; }
+
+  // FixedBuffers::Holder: called under FixedBuffers' lock, from any thread
+  // (io_uring_register is safe beside this worker's io_uring_enter).
+  int register_slot(unsigned slot, void* base, size_t len) override {
+    return ring_->update_fixed(slot, base, len);
+  }
+  void clear_slot(unsigned slot) override { ring_->update_fixed(slot, nullptr, 0); }
 
  private:
   UringEngine(const EngineContext& ctx, std::unique_ptr<Ring> ring)
       : QueuedEngine(ctx, std::min(ctx.settings.queue_depth, ring->entries()), kMaxChunk),
-        ring_(std::move(ring)) {}
+        ring_(std::move(ring)) {
+    fixed_ = ring_->reserve_fixed();
+    if (fixed_) FixedBuffers::attach(this);
+  }
 
   // Buffered descriptors are asynchronous through the ring too.
   bool queues(const Slice&) const override { return true; }
@@ -246,8 +290,16 @@ class UringEngine final : public QueuedEngine {
   }
 
   void prepare(const Slot& sl) {
+    const bool read = sl.job->s->op == Op::Read;
+    const int slot = fixed_ ? FixedBuffers::find(this, sl.io_buf(), sl.io_len()) : -1;
     io_uring_sqe* sqe = ring_->next_sqe();
-    sqe->opcode = sl.job->s->op == Op::Read ? IORING_OP_READ : IORING_OP_WRITE;
+    if (slot >= 0) {
+      sqe->opcode = read ? IORING_OP_READ_FIXED : IORING_OP_WRITE_FIXED;
+      sqe->buf_index = static_cast<uint16_t>(slot);
+      c_.fixed_ios.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      sqe->opcode = read ? IORING_OP_READ : IORING_OP_WRITE;
+    }
     sqe->fd = sl.job->fd;
     sqe->addr = reinterpret_cast<uint64_t>(sl.io_buf());
     sqe->len = static_cast<uint32_t>(sl.io_len());
@@ -303,13 +355,14 @@ class UringEngine final : public QueuedEngine {
     }
   }
 
-  // Submits what is queued and handles completions. Under the trickle fault
-  // no more than `want` are taken per wait, even when more are ready (as a
-  // slow drive would hand them out).
+  // Submits what is queued and handles completions: at most kReapBatch (or
+  // `want`) per call, the rest stay in the ring for the next. Under the
+  // trickle fault no more than `want` are taken per wait, even when more are
+  // ready (as a slow drive would hand them out).
   void wait(unsigned want) override {
     enter(want);
     unsigned n = ring_->cq_ready();
-    if (f_.trickle()) n = std::min(n, want);
+    n = std::min(n, f_.trickle() ? want : std::max(want, kReapBatch));
     for (unsigned i = 0; i < n; ++i) {
       // Copy and hand the entry back first: complete() may block (buffered
       // remainder) and the kernel can reuse the entry meanwhile.
@@ -320,6 +373,7 @@ class UringEngine final : public QueuedEngine {
   }
 
   std::unique_ptr<Ring> ring_;
+  bool fixed_ = false;  // the ring holds FixedBuffers' table
 };
 
 const bool registered = register_engine(

@@ -11,6 +11,7 @@
 #include "alignment.h"
 #include "error.h"
 #include "interrupt.h"
+#include "pid.h"
 
 namespace aio {
 
@@ -47,7 +48,7 @@ static std::string pick_auto(MakeAll& make_all, std::string* reason) {
 
 Handle::Handle(const Settings& s, const std::string& engine)
     : settings_(s),
-      owner_pid_(getpid()),
+      owner_pid_(current_pid()),
       alignment_(page_size()),
       idle_cv_(new std::condition_variable()) {
   const std::string bad = settings_problem(s);
@@ -77,7 +78,7 @@ Handle::Handle(const Settings& s, const std::string& engine)
   for (Worker* w : workers_) w->thread = std::thread(&Handle::worker_main, this, w);
 }
 
-bool Handle::forked() const { return getpid() != owner_pid_; }
+bool Handle::forked() const { return current_pid() != owner_pid_; }
 
 Handle::~Handle() {
   if (forked()) {
@@ -201,11 +202,10 @@ void Handle::enqueue(size_t worker, Task t) {
 void Handle::on_request_done(RequestState& r) {
   {
     std::lock_guard<std::mutex> g(order_mu_);
-    for (size_t i = 0; i < inflight_.size(); ++i) {
-      if (inflight_[i].req != &r) continue;
-      inflight_[i] = inflight_.back();
-      inflight_.pop_back();
-      break;
+    auto it = inflight_.find(&r);
+    if (it != inflight_.end()) {
+      if (it->second.op == Op::Write) --writes_inflight_;
+      inflight_.erase(it);
     }
   }
   {
@@ -291,12 +291,18 @@ std::vector<std::shared_ptr<RequestState>> Handle::register_inflight(
   InFlight me{req.get(), req, file.dev(), file.ino(), req->offset(), end, req->op()};
   std::vector<std::shared_ptr<RequestState>> deps;
   if (file.ino() == 0) return deps;  // identity unknown: nothing to order against
-  for (const InFlight& o : inflight_) {
-    if (o.dev != me.dev || o.ino != me.ino || o.end <= me.start || me.end <= o.start) continue;
-    if (o.op == Op::Read && me.op == Op::Read) continue;
-    if (auto d = o.weak.lock()) deps.push_back(std::move(d));
+  // A read can only wait for a write: with none in flight (random reads, the
+  // swappers' prefetch) there is nothing to scan.
+  if (me.op == Op::Write || writes_inflight_ > 0) {
+    for (const auto& kv : inflight_) {
+      const InFlight& o = kv.second;
+      if (o.dev != me.dev || o.ino != me.ino || o.end <= me.start || me.end <= o.start) continue;
+      if (o.op == Op::Read && me.op == Op::Read) continue;
+      if (auto d = o.weak.lock()) deps.push_back(std::move(d));
+    }
   }
-  inflight_.push_back(std::move(me));
+  if (me.op == Op::Write) ++writes_inflight_;
+  inflight_.emplace(req.get(), std::move(me));
   return deps;
 }
 
@@ -402,6 +408,7 @@ Stats Handle::stats() const {
   st.retries = counters_.retries.load();
   st.short_resumed = counters_.short_resumed.load();
   st.bounce_bytes = counters_.bounce_bytes.load();
+  st.fixed_ios = counters_.fixed_ios.load();
   st.edge_bytes = counters_.edge_bytes.load();
   st.buffered_bytes = counters_.buffered_bytes.load();
   st.tasks = counters_.tasks.load();

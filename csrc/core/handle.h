@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "engine.h"
@@ -31,7 +32,7 @@ struct Stats {
   uint64_t bounce_bytes = 0, edge_bytes = 0, buffered_bytes = 0;
   bool buffered_fallback = false;
   uint64_t outstanding = 0;
-  uint64_t tasks = 0, max_inflight = 0;
+  uint64_t tasks = 0, max_inflight = 0, fixed_ios = 0;
   size_t alignment = 0;
 };
 
@@ -121,7 +122,8 @@ class Handle {
   // Heap-held so a forked child can leak it (see ~Handle).
   std::unique_ptr<std::condition_variable> idle_cv_;
   std::mutex order_mu_;  // guards inflight_; serializes registration + enqueue
-  std::vector<InFlight> inflight_;
+  std::unordered_map<const RequestState*, InFlight> inflight_;
+  size_t writes_inflight_ = 0;  // writes in inflight_: reads alone never wait
   uint64_t outstanding_ = 0;
   uint64_t read_requests_ = 0, write_requests_ = 0, bytes_read_ = 0, bytes_written_ = 0;
   uint64_t failed_ = 0;

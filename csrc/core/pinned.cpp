@@ -10,6 +10,7 @@
 
 #include "alignment.h"
 #include "error.h"
+#include "fixed_buffers.h"
 
 namespace aio {
 
@@ -36,10 +37,35 @@ static size_t page_round(size_t n, const char* what) {
   return padded / ps * ps;
 }
 
+// Buffers from this size on start on a huge-page boundary and ask for
+// transparent huge pages: the kernel then hands each I/O physically
+// contiguous memory (one 2 MiB extent instead of 512 scattered pages), which
+// measured 1.2-1.6x faster direct reads and a fifth of the CPU per GB on the
+// dev box's virtio disk, for every engine (docs/performance.md).
+static constexpr size_t kHugePage = size_t{2} << 20;
+
+// Maps `len` bytes (whole pages) starting on a kHugePage boundary when len is
+// at least that, trimming the slack of a larger mapping; MAP_FAILED on error.
+static void* map_aligned(size_t len) {
+  const int prot = PROT_READ | PROT_WRITE, flags = MAP_PRIVATE | MAP_ANONYMOUS;
+  size_t padded;
+  if (len < kHugePage || __builtin_add_overflow(len, kHugePage, &padded))
+    return mmap(nullptr, len, prot, flags, -1, 0);
+  char* raw = static_cast<char*>(mmap(nullptr, padded, prot, flags, -1, 0));
+  if (raw == MAP_FAILED) return MAP_FAILED;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(raw);
+  char* p = raw + ((kHugePage - a % kHugePage) % kHugePage);
+  if (p > raw) munmap(raw, static_cast<size_t>(p - raw));
+  if (p + len < raw + padded) munmap(p + len, static_cast<size_t>(raw + padded - (p + len)));
+  // Advice only: where THP is off ("never") the memory is plain pages.
+  madvise(p, len, MADV_HUGEPAGE);
+  return p;
+}
+
 PinnedBuffer::PinnedBuffer(size_t nbytes, bool lock) {
   if (nbytes == 0) throw Error(EINVAL, "pinned alloc", "", 0, 0, "size must be positive");
   mapped_ = page_round(nbytes, "pinned alloc");
-  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* p = map_aligned(mapped_);
   if (p == MAP_FAILED) throw Error(errno, "mmap", "", 0, nbytes, "allocating pinned memory");
   ptr_ = p;
   size_ = nbytes;
@@ -60,10 +86,17 @@ PinnedBuffer::PinnedBuffer(size_t nbytes, bool lock) {
     locked_ = true;
     g_locked.fetch_add(mapped_);
   }
+  if (lock) make_fixed();
+}
+
+void PinnedBuffer::make_fixed() {
+  if (!fixed_token_) fixed_token_ = FixedBuffers::add(ptr_, mapped_);
 }
 
 PinnedBuffer::~PinnedBuffer() {
   if (!ptr_) return;
+  // Out of every ring before the pages go (a ring's registration pins them).
+  if (fixed_token_) FixedBuffers::remove(fixed_token_);
   if (locked_) {
     munlock(ptr_, mapped_);
     g_locked.fetch_sub(mapped_);

@@ -16,6 +16,7 @@ class PinnedBuffer {
  public:
   // Throws aio::Error with the RLIMIT_MEMLOCK limit and the size asked if the
   // memory cannot be locked. lock=false gives aligned, unlocked memory.
+  // Locked memory is also a fixed buffer for io_uring rings (make_fixed).
   PinnedBuffer(size_t nbytes, bool lock = true);
   ~PinnedBuffer();
   PinnedBuffer(const PinnedBuffer&) = delete;
@@ -24,6 +25,10 @@ class PinnedBuffer {
   void* data() const { return ptr_; }
   size_t size() const { return size_; }
   bool locked() const { return locked_; }
+  // io_uring rings register the memory as a fixed buffer (FixedBuffers) until
+  // it goes. That pins its pages, so it is for memory that is pinned anyway:
+  // locked here, or pinned by other means (cudaHostRegister).
+  void make_fixed();
 
   // Total bytes locked by all live PinnedBuffers in this process.
   static uint64_t total_locked_bytes();
@@ -35,6 +40,7 @@ class PinnedBuffer {
   size_t size_ = 0;
   size_t mapped_ = 0;
   bool locked_ = false;
+  uint64_t fixed_token_ = 0;  // FixedBuffers token, 0 when not fixed
 };
 
 // A fixed pool of `count` equal slots carved from one locked allocation.
@@ -50,6 +56,7 @@ class PinnedPool {
   void release(size_t i);
   size_t available() const;
   size_t total_bytes() const { return buf_->size(); }
+  void make_fixed() { buf_->make_fixed(); }
 
  private:
   size_t count_;

@@ -20,6 +20,14 @@
 
 namespace aio {
 
+// A wait hands at most this many completions (or as many as it waited for)
+// to complete() before the run loop refills the freed slots and submits them;
+// the rest stay queued in the kernel for the next wait. A device that
+// completes the whole queue at once (virtio does) would otherwise sit idle
+// while every completion is handled and every slot refilled: 4 KiB random
+// reads at queue depth 64 went from 72-80 to 87-120 kIOPS on the dev box.
+constexpr unsigned kReapBatch = 8;
+
 class QueuedEngine : public Engine {
  public:
   void transfer(const Slice& s) override;

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 
+#include "pid.h"
+
 namespace aio {
 
 namespace {
@@ -86,7 +88,7 @@ RequestState::RequestState(Op op, uint64_t nbytes, int64_t offset, std::shared_p
       nbytes_(nbytes),
       offset_(offset),
       path_(file ? file->path() : ""),
-      creator_pid_(getpid()),
+      creator_pid_(current_pid()),
       file_(std::move(file)),
       pending_(tasks),
       sync_(new Sync()),
@@ -99,11 +101,11 @@ RequestState::RequestState(Op op, uint64_t nbytes, int64_t offset, std::shared_p
 }
 
 RequestState::~RequestState() {
-  if (getpid() != creator_pid_) (void)sync_.release();  // see Sync
+  if (current_pid() != creator_pid_) (void)sync_.release();  // see Sync
 }
 
 void RequestState::check_owner() const {
-  if (getpid() == creator_pid_) return;
+  if (current_pid() == creator_pid_) return;
   throw Error(0, op_ == Op::Read ? "read" : "write", path_, offset_, nbytes_,
               "this request was submitted by process " + std::to_string(creator_pid_) +
                   " before fork(); its outcome is not known in this process. Submit the "

@@ -83,6 +83,49 @@ static_assert(sizeof(io_uring_cqe) == 16, "io_uring_cqe layout");
 static_assert(sizeof(io_uring_params) == 120, "io_uring_params layout");
 #endif
 
+// Fixed buffers (5.13: IORING_REGISTER_BUFFERS2/_UPDATE; 5.19: sparse
+// tables) and IORING_SETUP_COOP_TASKRUN (5.19). Defined here whatever the
+// system header says, under their own names where they are structs, so older
+// headers that lack them still build.
+#ifndef IORING_OP_READ_FIXED
+#define IORING_OP_READ_FIXED 4
+#endif
+#ifndef IORING_OP_WRITE_FIXED
+#define IORING_OP_WRITE_FIXED 5
+#endif
+#ifndef IORING_REGISTER_BUFFERS2
+#define IORING_REGISTER_BUFFERS2 15
+#endif
+#ifndef IORING_REGISTER_BUFFERS_UPDATE
+#define IORING_REGISTER_BUFFERS_UPDATE 16
+#endif
+#ifndef IORING_RSRC_REGISTER_SPARSE
+#define IORING_RSRC_REGISTER_SPARSE (1U << 0)
+#endif
+#ifndef IORING_SETUP_COOP_TASKRUN
+#define IORING_SETUP_COOP_TASKRUN (1U << 8)
+#endif
+
+// struct io_uring_rsrc_register
+struct aio_uring_rsrc_register {
+  uint32_t nr;
+  uint32_t flags;
+  uint64_t resv2;
+  uint64_t data;
+  uint64_t tags;
+};
+// struct io_uring_rsrc_update2
+struct aio_uring_rsrc_update2 {
+  uint32_t offset;
+  uint32_t resv;
+  uint64_t data;
+  uint64_t tags;
+  uint32_t nr;
+  uint32_t resv2;
+};
+static_assert(sizeof(aio_uring_rsrc_register) == 32, "io_uring_rsrc_register layout");
+static_assert(sizeof(aio_uring_rsrc_update2) == 32, "io_uring_rsrc_update2 layout");
+
 // The syscall numbers are the same on every architecture but alpha (the
 // syscalls were added after the tables were unified).
 #ifndef __NR_io_uring_setup
