@@ -48,8 +48,8 @@ class AsyncIOHandle:
     ``queue_depth`` I/Os in flight per worker, ``thread_count`` workers (each
     request is split into that many contiguous slices), ``single_submit`` one
     ``io_submit`` per I/O, ``overlap_events`` keep the queue full rather than
-    draining each batch. ``engine`` is ``"auto"`` (kernel AIO, else io_uring,
-    else posix threads, with a warning when it is not kernel AIO;
+    draining each batch. ``engine`` is ``"auto"`` (io_uring, else kernel AIO,
+    else posix threads, with a warning when it comes to posix;
     ``stats()["engine_reason"]`` says which and why),
     ``"kernel_aio"``, ``"io_uring"`` (Linux 5.6+; an ``OSError`` says why
     where it is unavailable) or ``"posix"``.
@@ -94,7 +94,8 @@ class AsyncIOHandle:
             thread_count=self._thread_count,
             engine=engine,
         )
-        if engine == "auto" and self._c.engine != "kernel_aio":
+        if engine == "auto" and self._c.engine == "posix":
+            # Neither kernel queue works here: every I/O blocks a thread.
             warnings.warn(self._c.engine_reason, RuntimeWarning, stacklevel=2)
         self._pid = os.getpid()
         self._lock = threading.Lock()

@@ -225,10 +225,19 @@ def test_io_setup_failure_is_explained_and_auto_falls_back():
         aio.AsyncIOHandle(engine="kernel_aio", queue_depth=65536, thread_count=2)
     assert "io_setup" in str(ei.value) and "aio-max-nr" in str(ei.value)
     if engine_unavailable("io_uring") is None:
-        # auto falls back to io_uring, which kernel AIO's limit does not bind.
-        with pytest.warns(RuntimeWarning, match="kernel_aio unavailable.*aio-max-nr"):
-            h = aio.AsyncIOHandle(engine="auto", queue_depth=65536, thread_count=2)
-        assert h.engine == "io_uring" and h.stats()["engine_reason"].endswith("io_uring is available here")
+        # auto takes io_uring, which kernel AIO's limit does not bind.
+        h = aio.AsyncIOHandle(engine="auto", queue_depth=65536, thread_count=2)
+        assert h.engine == "io_uring" and h.stats()["engine_reason"] == "auto: io_uring is available here"
+        # With io_uring refused too, auto comes down to posix threads, with a warning.
+        aio._C.set_uring_setup_fault(errno.EPERM)
+        try:
+            with pytest.warns(
+                RuntimeWarning, match="io_uring unavailable.*kernel_aio unavailable.*aio-max-nr"
+            ):
+                h = aio.AsyncIOHandle(engine="auto", queue_depth=65536, thread_count=2)
+        finally:
+            aio._C.set_uring_setup_fault(0)
+        assert h.engine == "posix"
         return
     with pytest.warns(RuntimeWarning, match="posix"):
         h = aio.AsyncIOHandle(engine="auto", queue_depth=65536, thread_count=2)

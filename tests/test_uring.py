@@ -105,6 +105,26 @@ def test_io_uring_is_listed_and_unavailability_is_clear():
         aio.AsyncIOHandle(engine="io_uring")
 
 
+def test_auto_prefers_io_uring_and_says_why_kernel_aio_serves_where_refused(recwarn):
+    """Where io_uring is refused (seccomp, kernel.io_uring_disabled), auto
+    takes kernel AIO without a warning and engine_reason says why; asking for
+    io_uring by name raises the same reason."""
+    if MISSING is None:
+        assert aio.AsyncIOHandle().engine == "io_uring"
+    aio._C.set_uring_setup_fault(errno.EPERM)
+    try:
+        h = aio.AsyncIOHandle()
+        with pytest.raises(PermissionError, match="io_uring"):
+            aio.AsyncIOHandle(engine="io_uring")
+    finally:
+        aio._C.set_uring_setup_fault(0)
+    assert h.engine == "kernel_aio"
+    reason = h.stats()["engine_reason"]
+    assert reason.startswith("auto: io_uring unavailable") and reason.endswith("kernel_aio is available here")
+    assert "io_uring" in reason and ("disabled" in reason or "blocked" in reason or "restricted" in reason)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 def _locked(n: int) -> np.ndarray:
     """n bytes of locked memory (aio.new_locked_tensor), as a numpy array."""
     import torch

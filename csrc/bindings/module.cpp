@@ -355,6 +355,10 @@ void bind_functions(py::module_& m) {
       [](py::object e) { aio::FixedBuffers::set_register_fault(int_arg<int>(e, "errno", 0)); },
       py::arg("errno"));
   m.def("fixed_bytes", &aio::FixedBuffers::bytes);
+  m.def(
+      "set_uring_setup_fault",
+      [](py::object e) { aio::set_uring_setup_fault(int_arg<int>(e, "errno", 0)); },
+      py::arg("errno"));
   m.def("page_size", &aio::page_size);
 }
 

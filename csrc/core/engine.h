@@ -104,6 +104,10 @@ std::vector<std::string> engine_names();
 void sync_transfer(File& file, Op op, bool direct, char* buf, uint64_t len, int64_t off,
                    Counters& c, FaultInjector& faults);
 
+// Test hook: io_uring_setup fails with this errno (0 = off), as it does
+// where seccomp or kernel.io_uring_disabled refuses io_uring.
+void set_uring_setup_fault(int err);
+
 // Upper bound on back-to-back EINTR/EAGAIN retries of a single I/O.
 constexpr int kMaxRetries = 1000;
 

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -22,6 +23,7 @@
 
 #include "error.h"
 #include "fixed_buffers.h"
+#include "pid.h"
 #include "queued_engine.h"
 #include "uring_abi.h"
 
@@ -37,6 +39,16 @@ constexpr uint64_t kMaxChunk = 1ull << 30;
 
 int sys_setup(unsigned entries, io_uring_params* p) {
   return static_cast<int>(syscall(__NR_io_uring_setup, entries, p));
+}
+std::atomic<int> g_setup_fault{0};
+
+// io_uring_setup, or the test hook's refusal (as seccomp or
+// kernel.io_uring_disabled would refuse it).
+int setup_or_fault(unsigned entries, io_uring_params* p) {
+  const int fault = g_setup_fault.load();
+  if (fault == 0) return sys_setup(entries, p);
+  errno = fault;
+  return -1;
 }
 int sys_enter(int fd, unsigned submit, unsigned min_complete, unsigned flags) {
   return static_cast<int>(
@@ -94,7 +106,7 @@ class Ring {
     // COOP_TASKRUN (5.19): completions are posted when this thread next
     // enters the kernel, not by interrupting it; it enters to wait anyway.
     p.flags = IORING_SETUP_CLAMP | IORING_SETUP_COOP_TASKRUN;
-    fd_ = sys_setup(entries, &p);
+    fd_ = setup_or_fault(entries, &p);
     if (fd_ < 0 && errno == EINVAL) {
       std::memset(&p, 0, sizeof(p));
       p.flags = IORING_SETUP_CLAMP;
@@ -115,6 +127,11 @@ class Ring {
     }
   }
   ~Ring() {
+    // A child forked meanwhile holds the ring open, and with it every
+    // registration: drop them first so the pages are not pinned for as long
+    // as it lives (only in the process that made the ring: the child's own
+    // copy of this object must not touch the parent's table).
+    if (fixed_ && owner_ == current_pid()) sys_register(fd_, IORING_UNREGISTER_BUFFERS, nullptr, 0);
     unmap();
     if (fd_ >= 0) ::close(fd_);
   }
@@ -130,7 +147,8 @@ class Ring {
     std::memset(&r, 0, sizeof(r));
     r.nr = FixedBuffers::kSlots;
     r.flags = IORING_RSRC_REGISTER_SPARSE;
-    return sys_register(fd_, IORING_REGISTER_BUFFERS2, &r, sizeof(r)) >= 0;
+    fixed_ = sys_register(fd_, IORING_REGISTER_BUFFERS2, &r, sizeof(r)) >= 0;
+    return fixed_;
   }
   // Puts [base, base + len) in `slot` (len 0: empties it); 0 or errno.
   int update_fixed(unsigned slot, void* base, size_t len) {
@@ -244,6 +262,8 @@ class Ring {
   unsigned* cq_ktail_ = nullptr;
   unsigned sq_mask_ = 0, cq_mask_ = 0, sq_entries_ = 0;
   unsigned sq_tail_ = 0;  // our tail, published by publish()
+  bool fixed_ = false;    // holds a fixed-buffer table
+  const pid_t owner_ = current_pid();
 };
 
 // Pinned buffers (FixedBuffers) are registered on every ring, so chunks in
@@ -375,6 +395,12 @@ class UringEngine final : public QueuedEngine, public FixedBuffers::Holder {
   std::unique_ptr<Ring> ring_;
   bool fixed_ = false;  // the ring holds FixedBuffers' table
 };
+
+}  // namespace
+
+void set_uring_setup_fault(int err) { g_setup_fault.store(err); }
+
+namespace {
 
 const bool registered = register_engine(
     "io_uring", [](const EngineContext& ctx) { return std::make_unique<UringEngine>(ctx); });

@@ -93,6 +93,9 @@ static_assert(sizeof(io_uring_params) == 120, "io_uring_params layout");
 #ifndef IORING_OP_WRITE_FIXED
 #define IORING_OP_WRITE_FIXED 5
 #endif
+#ifndef IORING_UNREGISTER_BUFFERS
+#define IORING_UNREGISTER_BUFFERS 1
+#endif
 #ifndef IORING_REGISTER_BUFFERS2
 #define IORING_REGISTER_BUFFERS2 15
 #endif
