@@ -150,7 +150,10 @@ class Ring {
     fixed_ = sys_register(fd_, IORING_REGISTER_BUFFERS2, &r, sizeof(r)) >= 0;
     return fixed_;
   }
+  bool fixed() const { return fixed_; }
   // Puts [base, base + len) in `slot` (len 0: empties it); 0 or errno.
+  // EINTR/EAGAIN are retried (bounded): an emptying that failed would keep
+  // the old pages pinned until the ring closes.
   int update_fixed(unsigned slot, void* base, size_t len) {
     iovec iov{base, len};
     aio_uring_rsrc_update2 u;
@@ -158,7 +161,10 @@ class Ring {
     u.offset = slot;
     u.data = reinterpret_cast<uint64_t>(&iov);
     u.nr = 1;
-    return sys_register(fd_, IORING_REGISTER_BUFFERS_UPDATE, &u, sizeof(u)) < 0 ? errno : 0;
+    for (int tries = 0;; ++tries) {
+      if (sys_register(fd_, IORING_REGISTER_BUFFERS_UPDATE, &u, sizeof(u)) >= 0) return 0;
+      if ((errno != EINTR && errno != EAGAIN) || tries >= kMaxRetries) return errno;
+    }
   }
 
   // The next free SQE (zeroed); the caller fills it, then publish() makes it
@@ -273,7 +279,7 @@ class UringEngine final : public QueuedEngine, public FixedBuffers::Holder {
   explicit UringEngine(const EngineContext& ctx)
       : UringEngine(ctx, std::make_unique<Ring>(std::min(ctx.settings.queue_depth, kMaxEntries))) {}
   ~UringEngine() override {
-    if (fixed_) FixedBuffers::detach(this);
+    if (ring_->fixed()) FixedBuffers::detach(this);
   }
 
   const char* name() const override { return "io_uring"; }
@@ -289,8 +295,7 @@ class UringEngine final : public QueuedEngine, public FixedBuffers::Holder {
   UringEngine(const EngineContext& ctx, std::unique_ptr<Ring> ring)
       : QueuedEngine(ctx, std::min(ctx.settings.queue_depth, ring->entries()), kMaxChunk),
         ring_(std::move(ring)) {
-    fixed_ = ring_->reserve_fixed();
-    if (fixed_) FixedBuffers::attach(this);
+    if (ring_->reserve_fixed()) FixedBuffers::attach(this);
   }
 
   // Buffered descriptors are asynchronous through the ring too.
@@ -311,7 +316,7 @@ class UringEngine final : public QueuedEngine, public FixedBuffers::Holder {
 
   void prepare(const Slot& sl) {
     const bool read = sl.job->s->op == Op::Read;
-    const int slot = fixed_ ? FixedBuffers::find(this, sl.io_buf(), sl.io_len()) : -1;
+    const int slot = ring_->fixed() ? FixedBuffers::find(this, sl.io_buf(), sl.io_len()) : -1;
     io_uring_sqe* sqe = ring_->next_sqe();
     if (slot >= 0) {
       sqe->opcode = read ? IORING_OP_READ_FIXED : IORING_OP_WRITE_FIXED;
@@ -393,7 +398,6 @@ class UringEngine final : public QueuedEngine, public FixedBuffers::Holder {
   }
 
   std::unique_ptr<Ring> ring_;
-  bool fixed_ = false;  // the ring holds FixedBuffers' table
 };
 
 }  // namespace

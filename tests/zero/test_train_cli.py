@@ -229,3 +229,49 @@ def test_baseline_that_cannot_fit_memory_is_skipped_and_said(tmp_path, monkeypat
     assert "fp32 gradients: in memory (auto:" in text
     result = json.loads(out.read_text())
     assert result["baseline_skipped"] == "too big here" and "in_memory" not in result
+
+
+_THP_PROBE = """
+import os, sys
+import aio.train as t
+print("set", t.huge_pages_for_torch(), os.environ.get("THP_MEM_ALLOC_ENABLE"))
+import torch
+x = torch.empty(64 << 20, dtype=torch.uint8)
+x.fill_(1)
+with open("/proc/self/smaps_rollup") as f:
+    huge = [int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")]
+print("huge_kb", huge[0] if huge else -1)
+"""
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def test_aio_train_puts_torch_tensors_on_huge_pages():
+    """Before torch is imported aio-train sets THP_MEM_ALLOC_ENABLE=1, so a
+    large tensor lands on huge pages (where the kernel allows THP); a value
+    the user set is kept, and after torch is imported nothing changes."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run(
+        [sys.executable, "-c", _THP_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    assert "set True 1" in out.stdout, out.stdout
+    if _thp_mode() in ("always", "madvise"):
+        assert int(out.stdout.split("huge_kb ")[1]) >= 2048, out.stdout
+    env["THP_MEM_ALLOC_ENABLE"] = "0"
+    out = subprocess.run(
+        [sys.executable, "-c", _THP_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    assert "set False 0" in out.stdout, out.stdout
+    late = (
+        "import torch, os, aio.train as t; "
+        "print(t.huge_pages_for_torch(), 'THP_MEM_ALLOC_ENABLE' in os.environ)"
+    )
+    env.pop("THP_MEM_ALLOC_ENABLE")
+    out = subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout
