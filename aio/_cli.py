@@ -68,6 +68,8 @@ def _describe_os_error(e: OSError) -> str:
 _deferred_interrupt = False
 _interrupted = False
 _interrupted_at = 0.0
+# Inside signals_deferred(): a signal is remembered, raised when it ends.
+_defer_depth = 0
 # After the one KeyboardInterrupt of a run, repeats are ignored this long: the
 # CLI is unwinding to exit 130. Later ones (a caller that embeds main() and
 # goes on) raise again.
@@ -102,6 +104,9 @@ def _on_signal(signum: int, frame: Any) -> None:
     global _deferred_interrupt
     if _interrupted and time.monotonic() - _interrupted_at < _REPEAT_GRACE_S:
         return  # one KeyboardInterrupt per run: the CLI is already unwinding
+    if _defer_depth:
+        _deferred_interrupt = True
+        return
     f = frame
     while f is not None:
         if f.f_code.co_name == "__del__" or f.f_code.co_filename == weakref.__file__:
@@ -115,6 +120,22 @@ def _on_signal(signum: int, frame: Any) -> None:
 def _mark_interrupted() -> None:
     global _interrupted, _interrupted_at
     _interrupted, _interrupted_at = True, time.monotonic()
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C (and SIGTERM) inside the block are raised only when it ends, so
+    a step that creates something and hands it back (a scratch file: its
+    descriptor and path assigned to the caller's names) is never cut between
+    the two, which would leave the caller nothing to clean up."""
+    global _defer_depth
+    _defer_depth += 1
+    try:
+        yield
+    finally:
+        _defer_depth -= 1
+    if _defer_depth == 0:
+        check_interrupt()
 
 
 def check_interrupt() -> None:

@@ -32,7 +32,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ._cli import CliError, check_directory, check_interrupt, check_memory, open_scratch, remove_scratch
+from ._cli import (
+    CliError,
+    check_directory,
+    check_interrupt,
+    check_memory,
+    open_scratch,
+    remove_scratch,
+    signals_deferred,
+)
 from .handle import AsyncIOHandle
 
 NO_CUDA_EXIT = 2
@@ -209,8 +217,13 @@ def drive_checks(base: str, nbytes: int, handle_kw: dict[str, Any]) -> list[Chec
     import torch
 
     n = min(nbytes, DRIVE_BYTES_MAX)
-    fd, path, direct = open_scratch(base, "aio-check-gpu-")
-    h = AsyncIOHandle(**handle_kw)
+    with signals_deferred():
+        fd, path, direct = open_scratch(base, "aio-check-gpu-")
+    try:
+        h = AsyncIOHandle(**handle_kw)
+    except BaseException:
+        remove_scratch(fd, path)
+        raise
     try:
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
         h.sync_pwrite(src, fd)

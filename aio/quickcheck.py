@@ -30,6 +30,7 @@ from ._cli import (
     remove_scratch,
     run_cli,
     scratch_buffer,
+    signals_deferred,
 )
 from .handle import AsyncIOHandle
 
@@ -92,14 +93,17 @@ def drive_rates(directory: str, nbytes: int, repeat: int = 2, **handle_kw: Any) 
     against (aio-train --floor)."""
     check_directory(directory, nbytes, "the drive check")
     check_memory(nbytes, "the drive check")
-    fd, path, _ = open_scratch(directory, "aio-floor-")
-    h = AsyncIOHandle(**handle_kw)
+    with signals_deferred():
+        fd, path, _ = open_scratch(directory, "aio-floor-")
+    h = None
     try:
+        h = AsyncIOHandle(**handle_kw)
         buf, _ = scratch_buffer(nbytes, lambda _msg: None)
         buf.random_(0, 256)
         return timed_rates(h, buf, fd, repeat)
     finally:
-        h.close()
+        if h is not None:
+            h.close()
         remove_scratch(fd, path)
 
 
@@ -114,7 +118,8 @@ def _check(args: argparse.Namespace) -> int:
     try:
         check_directory(base, args.size, "--size")
         check_memory(args.size, "--size")
-        fd, path, direct = open_scratch(base, "aio-check-")
+        with signals_deferred():  # a Ctrl-C here must still leave fd and path to remove
+            fd, path, direct = open_scratch(base, "aio-check-")
         buf, locked = scratch_buffer(args.size, print)
         buf.random_(0, 256)
         h = AsyncIOHandle(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads)

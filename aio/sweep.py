@@ -47,6 +47,7 @@ from ._cli import (
     remove_scratch,
     run_cli,
     scratch_buffer,
+    signals_deferred,
 )
 from .handle import AsyncIOHandle
 
@@ -217,10 +218,11 @@ class Drive:
         self.direct = []
         for d in self.dirs:
             try:
-                fd, probe, direct = open_scratch(d, ".aio-sweep-probe-")
+                with signals_deferred():
+                    fd, probe, direct = open_scratch(d, ".aio-sweep-probe-")
+                    remove_scratch(fd, probe)
             except CliError as e:
                 raise SweepError(str(e)) from None
-            remove_scratch(fd, probe)
             self.direct.append(direct)
             if not direct:
                 if not self.allow_buffered:
@@ -267,11 +269,12 @@ class Drive:
         try:
             for d, buf, dio in zip(self.dirs, self.bufs, direct, strict=True):
                 try:
-                    fd, p, _ = open_scratch(d, "aio-sweep-", direct=dio)
+                    with signals_deferred():  # the file is in self.paths before a Ctrl-C lands
+                        fd, p, _ = open_scratch(d, "aio-sweep-", direct=dio)
+                        self.fds.append(fd)
+                        self.paths.append(p)
                 except CliError as e:
                     raise SweepError(str(e)) from None
-                self.fds.append(fd)
-                self.paths.append(p)
                 # Allocate the whole file once: writing into new blocks is much
                 # slower than overwriting and would skew the write trials.
                 try:

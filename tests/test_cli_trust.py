@@ -287,3 +287,30 @@ def test_repeated_interrupt_still_exits_130(tmp_path):
     assert p.returncode == 130, (out, err)
     assert err.count("interrupted") == 1 and "Traceback" not in err
     assert os.listdir(d) == []
+
+
+_DEFERRED = """
+import os, signal, sys, time
+from aio import _cli
+seen = []
+def body():
+    with _cli.signals_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # the handler has run by now, and only remembered it
+        seen.append("inside")
+    seen.append("after")
+    return 0
+print(_cli.run_cli("t", body), seen)
+"""
+
+
+def test_interrupt_inside_signals_deferred_lands_when_the_block_ends():
+    """A scratch file is created and handed back under signals_deferred(): a
+    Ctrl-C meanwhile waits for the block's end, so the caller always has the
+    descriptor and path to remove (aio-check left its file behind when one
+    landed between the two)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _DEFERRED], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.stdout.split() == ["130", "['inside']"], (out.stdout, out.stderr)
+    assert "t: interrupted" in out.stderr and "Traceback" not in out.stderr
