@@ -219,12 +219,9 @@ def drive_checks(base: str, nbytes: int, handle_kw: dict[str, Any]) -> list[Chec
     n = min(nbytes, DRIVE_BYTES_MAX)
     with signals_deferred():
         fd, path, direct = open_scratch(base, "aio-check-gpu-")
+    h = None
     try:
         h = AsyncIOHandle(**handle_kw)
-    except BaseException:
-        remove_scratch(fd, path)
-        raise
-    try:
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
         h.sync_pwrite(src, fd)
         dev = torch.zeros(n, dtype=torch.uint8, device="cuda")
@@ -245,7 +242,8 @@ def drive_checks(base: str, nbytes: int, handle_kw: dict[str, Any]) -> list[Chec
         out.append(_equal_check(f"CUDA tensor -> drive, sync_pwrite {_mib(m)}", wrote, m, up, back))
         return out
     finally:
-        h.close()
+        if h is not None:
+            h.close()
         remove_scratch(fd, path)
 
 

@@ -128,7 +128,9 @@ class KaioEngine final : public QueuedEngine {
 
   // Waits for completions (one with overlap_events, else all in flight).
   void wait(unsigned want) override {
-    const long nr = static_cast<long>(f_.trickle() ? want : std::max(want, kReapBatch));
+    // At most depth_ events fit events_ (and no more can be in flight).
+    const long nr =
+        static_cast<long>(f_.trickle() ? want : std::min(depth_, std::max(want, kReapBatch)));
     const long got = sys_io_getevents(ctx_, want, nr, events_.data());
     c_.getevents_calls.fetch_add(1, std::memory_order_relaxed);
     if (got < 0) {
