@@ -279,6 +279,9 @@ def _run_isa(cap: str | None, match: bool) -> list[str]:
     return _isa_runs(cap)[match]
 
 
+# One worker runs all four: they share _isa_runs' three child processes
+# (spread over workers, each would run the uncapped reference again).
+@pytest.mark.xdist_group("isa-runs")
 @pytest.mark.parametrize("cap", ["avx2", "portable"])
 @pytest.mark.parametrize("match", MATCH)
 def test_every_instruction_set_gives_the_same_bits(cap, match):
