@@ -15,7 +15,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -66,14 +65,13 @@ def _describe_os_error(e: OSError) -> str:
 
 
 _deferred_interrupt = False
+# After the one KeyboardInterrupt of a run every repeat is ignored, however
+# long the unwinding takes: the CLI exits 130 next. (A time limit here failed
+# under load: the main thread sat in a blocking call past it, and the queued
+# repeat then raised from the handler's own teardown, outside run_cli's try.)
 _interrupted = False
-_interrupted_at = 0.0
 # Inside signals_deferred(): a signal is remembered, raised when it ends.
 _defer_depth = 0
-# After the one KeyboardInterrupt of a run, repeats are ignored this long: the
-# CLI is unwinding to exit 130. Later ones (a caller that embeds main() and
-# goes on) raise again.
-_REPEAT_GRACE_S = 5.0
 
 
 @contextlib.contextmanager
@@ -102,7 +100,7 @@ def _on_signal(signum: int, frame: Any) -> None:
     # weakref callback) is printed as "Exception ignored" and lost; remember
     # the signal instead, and check_interrupt() raises it at the next step.
     global _deferred_interrupt
-    if _interrupted and time.monotonic() - _interrupted_at < _REPEAT_GRACE_S:
+    if _interrupted:
         return  # one KeyboardInterrupt per run: the CLI is already unwinding
     if _defer_depth:
         _deferred_interrupt = True
@@ -118,8 +116,10 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _mark_interrupted() -> None:
-    global _interrupted, _interrupted_at
-    _interrupted, _interrupted_at = True, time.monotonic()
+    # A signal deferred before this one is the same Ctrl-C: raising it later
+    # would cut the cleanup the first one started.
+    global _interrupted, _deferred_interrupt
+    _interrupted, _deferred_interrupt = True, False
 
 
 @contextlib.contextmanager

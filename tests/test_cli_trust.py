@@ -289,6 +289,39 @@ def test_repeated_interrupt_still_exits_130(tmp_path):
     assert os.listdir(d) == []
 
 
+_LATE_REPEAT = """
+import os, signal, time
+from aio import _cli
+real = time.monotonic
+def body():
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    finally:
+        # The unwinding sat in a blocking call for an hour (CI under load: the
+        # main thread runs a queued handler only when that call returns).
+        time.monotonic = lambda: real() + 3600
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))
+        except KeyboardInterrupt:
+            print("repeat raised")
+    return 0
+print("exit", _cli.run_cli("t", body))
+"""
+
+
+def test_repeat_handled_long_after_the_first_interrupt_is_ignored():
+    # A time limit on ignoring repeats let a repeat queued behind a slow
+    # cleanup raise again, and outside run_cli's try it killed the CLI with
+    # SIGINT (CI: test_repeated_interrupt_still_exits_130 saw -2).
+    p = subprocess.run(
+        [sys.executable, "-c", _LATE_REPEAT], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert p.stdout.split() == ["exit", "130"], (p.stdout, p.stderr)
+
+
 _DEFERRED = """
 import os, signal, sys, time
 from aio import _cli
