@@ -595,7 +595,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure the drive's write/read GB/s in the swap directory after set-up and print each "
         "step's bytes by category against the drive floor (bytes read / read GB/s + written / write GB/s)",
     )
-    ap.add_argument("--floor-mib", type=int_in(1, 1 << 20), default=512, help="MiB each way for --floor")
+    ap.add_argument(
+        "--floor-mib",
+        type=int_in(1, 1 << 20),
+        default=512,
+        help="MiB each way for --floor, through a buffer of at most 256 MiB; a VM host's page cache "
+        "serves a small sample: past it (e.g. 16384) the floor uses the drive's sustained rates",
+    )
     return ap
 
 
