@@ -137,6 +137,7 @@ class OptimizerSwapper:
             "written": collections.Counter(),
         }
         self.closed = False
+        self._zeros: Any = None  # _zero_bytes()'s zeros (a checkpoint before a sub-group's first step)
         # Buffers carried from one step to the next: sub-groups whose state is
         # still in a buffer after its write landed, and reads started ahead.
         self._carry: _StepIO | None = None
@@ -269,8 +270,14 @@ class OptimizerSwapper:
 
     # -- initial state and gradients -------------------------------------------------
     def initialize(self, index: int, master: Any) -> None:
-        """Write a sub-group's fp32 master weights, with zero gradient and
-        state, to the drive; returns once every write has landed."""
+        """Write a sub-group's fp32 master weights to the drive, its gradient
+        and state starting at zero; returns once the write has landed.
+
+        The zeros are never written: until the sub-group's first step
+        (``scalars`` None) its first step zeroes the states in its buffers
+        instead of reading them, a window's first gradient starts zeroed in
+        memory, and a checkpoint takes the states from zeros (:meth:`_chunks`).
+        Writing them was three quarters of set-up's optimizer bytes with AdamW."""
         import torch
 
         self._check_usable()
@@ -279,16 +286,9 @@ class OptimizerSwapper:
         if src.numel() != g.numel:
             raise ValueError(f"sub-group {index}: expected {g.numel} elements, got {src.numel()}")
         self.drop_cached()
-        pool = self._pool()
-        with pool.acquire() as zeros, pool.acquire() as lease:
-            # Gradient and states start at zero: one zeroed buffer is the source
-            # of all those writes. Every part's write is in flight at once: one
-            # after the other, the drive idled between them (set-up ran at about
-            # half the drive's write rate).
-            zeros.tensor(torch.uint8).zero_()
+        with self._pool().acquire() as lease:
             lease.tensor(torch.float32, g.numel).copy_(src.to(torch.float32))
-            futs = [self._start_part_write(g, name, lease if name == "param" else zeros) for name in g.parts]
-            _wait_all(futs)
+            _wait_all([self._start_part_write(g, "param", lease)])
         g.scalars = None
         g.valid = True
 
@@ -640,7 +640,10 @@ class OptimizerSwapper:
             off, n = self._part_io(g, name)
             at = off - base
             if to_checkpoint:
-                c = Chunk(n, g.index, read=functools.partial(self.space.read, offset=off))
+                if name != "param" and g.scalars is None:  # never stepped: zeros set-up did not write
+                    c = Chunk(n, g.index, data=self._zero_bytes(n))
+                else:
+                    c = Chunk(n, g.index, read=functools.partial(self.space.read, offset=off))
                 c.write = functools.partial(handle.async_pwrite, path=path, file_offset=at)
             else:
                 c = Chunk(n, g.index, read=functools.partial(handle.async_pread, path=path, file_offset=at))
@@ -648,6 +651,14 @@ class OptimizerSwapper:
                     c.write = functools.partial(self.space.write, offset=off)
             out.append(c)
         return out
+
+    def _zero_bytes(self, n: int) -> Any:
+        """A view of `n` zero bytes, shared by every chunk of a checkpoint."""
+        import torch
+
+        if self._zeros is None or self._zeros.numel() < n:
+            self._zeros = torch.zeros(n, dtype=torch.uint8)
+        return self._zeros[:n]
 
     def _copy(self, chunks: list[Chunk]) -> dict[Any, int]:
         """copy_chunks() through two of the swapper's free buffers (cached
@@ -887,7 +898,7 @@ class _StepIO:
         futs: list[IOFuture] = []
         self.reads[i] = (dict(zip(names, leases, strict=True)), futs, False)
         sw._settle_grad(g)
-        # Before its first step a sub-group's states are the zeros set-up wrote:
+        # Before its first step a sub-group's states are zeros set-up never wrote:
         # zeroed here instead of read (a fifth of step 1's reads with AdamW).
         fresh = {n for n, _ in sw.spec} if g.scalars is None else set()
         for name, lease in zip(names, leases, strict=True):

@@ -4,6 +4,7 @@ or not), configuration errors up front, faults mid-step, checkpoints."""
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -424,6 +425,42 @@ def test_checkpoint_resume_is_exact(tmp_path):
         b.step()
     for i, w in enumerate(want):
         assert torch.equal(b.read_master(i), w)
+    b.close()
+
+
+def test_states_set_up_never_wrote_are_zeros_in_steps_and_checkpoints(tmp_path):
+    """initialize() writes the master weights alone. Re-initialized over a
+    drive copy that still holds two steps' states, the sub-groups step from
+    zero states, and a checkpoint taken before that step holds zeros: both
+    resume exactly as a fresh start."""
+    g = torch.Generator().manual_seed(5)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    hyper = {"lr": 1e-2}
+    want = _reference(torch.optim.Adam, hyper, init, steps=2)
+    (tmp_path / "a").mkdir()
+    a, _ = _swapped(tmp_path / "a", torch.optim.Adam, hyper, init, steps=2, pipe=(True, True))
+    written = dict(a.bytes_by_part["written"])
+    for i, t in enumerate(init):
+        a.initialize(i, t)
+    grew = {k: v - written.get(k, 0) for k, v in a.bytes_by_part["written"].items()}
+    assert {k for k, v in grew.items() if v} == {"param"}, grew  # the master weights, nothing else
+    assert 4 * sum(SIZES) <= grew["param"] < 4 * sum(SIZES) + 4096 * len(SIZES)  # each padded to a page
+    ck = str(tmp_path / "ckpt")
+    a.export_checkpoint(ck)
+    for i, n in enumerate(SIZES):  # each file: the master weights (page-padded), then the states
+        saved = (Path(ck) / f"subgroup_{i}.bin").read_bytes()
+        master = -(-4 * n // 4096) * 4096
+        assert len(saved) > master and saved[master:].count(0) == len(saved) - master, i
+    _steps(a, range(2))
+    (tmp_path / "b").mkdir()
+    b = OptimizerSwapper(str(tmp_path / "b"), torch.optim.Adam, hyper, buffer_count=11)
+    for i, t in enumerate(init):
+        b.register_subgroup(i, t.numel())
+    b.import_checkpoint(ck)
+    _steps(b, range(2))
+    for i, w in enumerate(want):
+        assert torch.equal(a.read_master(i), w) and torch.equal(b.read_master(i), w), i
+    a.close()
     b.close()
 
 
