@@ -84,7 +84,10 @@ def test_aio_train_on_two_drives(tmp_path):
     d1, d2 = tmp_path / "d1", tmp_path / "d2"
     d1.mkdir()
     d2.mkdir()
-    args = ["--steps", "2", "--layers", "2", "--width", "64", "--vocab", "256"]
+    # Width 128: the master weights and states a step moves span both drives'
+    # stripes (at 64 only the gradient's region, unused with gradients in
+    # memory, reached the second drive).
+    args = ["--steps", "2", "--layers", "2", "--width", "128", "--vocab", "256"]
     args += ["--nvme-path", str(d1), str(d2)]
     stdout, res = run_train(args, tmp_path)
     assert f"drive={d1} {d2}" in stdout and res["identical"] is True
