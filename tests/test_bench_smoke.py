@@ -70,6 +70,7 @@ CASES: dict[str, Case] = {
         " --width 32 --layers 1 --batch 2 --param-buffers 4 --optimizer-buffers 4",
         expect=("median step aio", "torch AdamW"),
         needs=("deepspeed",),
+        slow=True,  # ~20 s (imports DeepSpeed); tests/integrations run DeepSpeed on aio
     ),
     "gpu_sim_counts.py": Case("--steps 1 --ahead 1 --gpus lazy", expect=("modules_ahead", "| lazy |")),
     "hf_load_rss.py": Case(
@@ -94,6 +95,7 @@ CASES: dict[str, Case] = {
         "zero-cpu --fp32 --model gpt --layers 1 --width 32 --heads 2 --vocab 64 --seq 8 --batch 1"
         " --dir {dir}",
         expect=("forward / backward / step() / whole", "Self CPU"),
+        slow=True,  # ~15 s: two interpreters import torch and aio.zero
     ),
     "scale.py": Case(
         # aio alone (DeepSpeed's ops JIT-build); the helpers are tested in test_scale_helpers.
@@ -107,6 +109,7 @@ CASES: dict[str, Case] = {
         " --train-rounds 1 --steps 1 --warmup 0 --layers 1 --width 32 --heads 2 --vocab 64"
         " --seq 8 --batch 1",
         expect=("losses identical",),
+        slow=True,  # ~17 s; tests/swap/test_drives.py and test_train_cli's two drives cover striping
     ),
     "swap.py": Case(
         "--dir {dir} --subgroups 2 --numel 64K --partitions 4 --partition-numel 64K"
