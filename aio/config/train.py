@@ -256,6 +256,16 @@ class AioZeroConfig(BaseModel):
         ),
     )
 
+    params_from_master: Bool = Field(
+        True,
+        description=(
+            "with parameters and optimizer both on NVMe and float32 parameters: read each "
+            "parameter from its slice of the optimizer's fp32 master weights on the drive "
+            "instead of a copy of its own, which then is not written back after every step "
+            "(4 bytes per parameter less written per step); false keeps the copy"
+        ),
+    )
+
     modules_ahead: int = Field(
         2,
         ge=1,

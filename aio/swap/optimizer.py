@@ -390,6 +390,26 @@ class OptimizerSwapper:
         finally:
             io.abort()
 
+    def flush(self) -> None:
+        """Write the fp32 master weights of the stepped sub-groups the last
+        step kept only in buffers (see step()); their states stay there, still
+        to be written when the buffers are needed, and the next step starts
+        from them without a read. Afterwards every :meth:`master_extent` range
+        holds the current weights. A failed write leaves the swapper refusing
+        use until import_checkpoint(), as a failed step does."""
+        self._check_usable()
+        if self._carry is None:
+            return
+        try:
+            self._carry.write_masters()
+        except BaseException as e:
+            self.drop_cached(write_back=False)
+            self.broken = (
+                f"writing master weights failed ({type(e).__name__}: {e}); the swapped optimizer "
+                "state is incomplete. Restore it with import_checkpoint()"
+            )
+            raise
+
     def _settle_grad(self, g: _SubGroup) -> None:
         fut, g.grad_future = g.grad_future, None
         if fut is not None:
@@ -529,6 +549,15 @@ class OptimizerSwapper:
         self.counters["subgroup_steps"] += 1
         if after is not None:
             after(g.index, views["param"])
+
+    def master_extent(self, index: int) -> tuple[SwapSpace, int]:
+        """Where sub-group `index`'s fp32 master weights live on the drive: the
+        swap space and the logical offset of element 0 (element k is 4 k bytes
+        further). Between steps that copy is current once :meth:`flush` ran;
+        a reader elsewhere (a parameter swapper reading float32 parameters
+        from it) must not write it: the swapper owns it."""
+        g = self.groups[index]
+        return self.space, g.offset + g.parts["param"][0]
 
     def read_master(self, index: int) -> Any:
         """A CPU copy of a sub-group's fp32 master weights."""
@@ -949,6 +978,17 @@ class _StepIO:
             for i in next_order:
                 if i not in self.reads and not self.start_read(i, must=False):
                     break
+
+    def write_masters(self) -> None:
+        """Write the master weights of every carried sub-group not yet on the
+        drive, and wait; the sub-groups stay dirty (their states are not written)."""
+        futs: list[IOFuture] = []
+        for i, (leases, _futs, dirty) in self.reads.items():
+            if dirty:
+                off, n = self.sw._part_io(self.sw.groups[i], "param")
+                futs.append(self.sw.space.write(leases["param"].buffer()[:n], off))
+                self.sw.count_io("written", "param", n)
+        _wait_all(futs)
 
     def write_back(self) -> None:
         """Write every carried sub-group not yet on the drive, and wait (the

@@ -22,7 +22,7 @@ from ..pinned import Lease, Register, locked_nbytes, new_locked_tensor, register
 from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
 from .pool import BufferPool, PoolExhaustedError
-from .storage import checkpoint_dir, crc32_of, require_complete, write_manifest
+from .storage import ALIGN, checkpoint_dir, crc32_of, require_complete, write_manifest
 
 
 class SwapStateError(RuntimeError):
@@ -54,6 +54,8 @@ class _Partition:
     future: IOFuture | None = None
     written: bool = False  # has the drive copy ever been written?
     releasing: bool = False  # release the buffer once the pending write lands
+    # Read from another swapper's range instead of `offset` (see ParamSwapper.alias).
+    alias: tuple[SwapSpace, int] | None = None
 
 
 def _itemsize(dtype: Any) -> int:
@@ -188,6 +190,58 @@ class ParamSwapper:
         self.parts[part_id] = _Partition(part_id, numel, dtype, nbytes, State.ON_DRIVE, offset=off)
         return State.ON_DRIVE
 
+    # -- aliases -------------------------------------------------------------------
+    def alias(self, part_id: Any, space: SwapSpace, offset: int) -> bool:
+        """Read drive partition `part_id` from logical `offset` of `space` from
+        now on: another swapper's range that holds the same bytes, e.g. the
+        optimizer's float32 master weights of a float32 parameter. That range's
+        owner writes it: after a step the caller only refreshes a buffered copy
+        (:meth:`owner_wrote`) instead of writing the partition, which saves its
+        bytes. The partition's own extent is not read while aliased; write(),
+        swap_out() and apply_checkpoint() store to it and end the alias.
+
+        False (nothing changes) for a CPU-resident partition, or one that a
+        buffer cannot hold at that offset's alignment (each is read into its
+        buffer at ``offset % 4096``, so the drive's aligned middle goes direct)."""
+        self._check_open()
+        p = self._part(part_id)
+        if p.state == State.RESIDENT or offset % ALIGN + p.nbytes > self.pool.slot_bytes:
+            return False
+        self._settle(p)
+        if p.state == State.INVALID:
+            raise SwapStateError(f"partition {part_id!r} is invalid; cannot alias it")
+        p.alias = (space, offset)
+        p.written = True
+        return True
+
+    def is_aliased(self, part_id: Any) -> bool:
+        """Whether the partition is read from another swapper's range (:meth:`alias`)."""
+        return self._part(part_id).alias is not None
+
+    def owner_wrote(self, part_id: Any, values: Any) -> None:
+        """An aliased partition's owner has new values for it (`values`, flat,
+        any float dtype), written to its range before the partition is next
+        read: only a copy held in a buffer is refreshed, nothing is written."""
+        p = self._part(part_id)
+        if p.alias is None:
+            raise ValueError(f"partition {part_id!r} is not aliased; write() it")
+        self._settle(p)  # a read may still land in its buffer
+        if p.lease is not None:
+            p.tensor.copy_(values.detach().reshape(-1))
+
+    def read_into(self, part_id: Any, out: Any) -> None:
+        """Read a drive partition's stored values into `out` (a contiguous CPU
+        tensor of its bytes) from wherever they live; waits for its I/O first."""
+        p = self._part(part_id)
+        self._settle(p)
+        if p.state in (State.RESIDENT, State.AVAILABLE):
+            out.copy_(p.tensor)
+            return
+        if p.state == State.INVALID or not p.written:
+            raise SwapStateError(f"partition {part_id!r} has no valid stored copy to read")
+        space, offset = _where(self.space, p)
+        space.sync_read(out, offset)
+
     # -- moving data ----------------------------------------------------------------
     def write(self, part_id: Any, tensor: Any, async_op: bool = False) -> None:
         """Store new values for a partition (initial values, or after a step)."""
@@ -202,6 +256,7 @@ class ParamSwapper:
             p.tensor.copy_(src)
             return
         self._settle(p)
+        p.alias = None  # new values of its own: its extent holds them from here on
         if p.lease is not None:
             p.tensor.copy_(src)  # keep the buffered copy coherent; write from it
             src = p.tensor
@@ -275,8 +330,11 @@ class ParamSwapper:
                 )
             lease = self.pool.try_acquire()
         p.lease = lease
-        p.tensor = BufferPool.view(lease, p.dtype, p.numel)
-        p.future = self.space.read(p.tensor, p.offset)
+        space, offset = _where(self.space, p)
+        # At the offset's alignment in the buffer: the file's aligned middle then
+        # meets aligned memory and goes direct (not through a bounce buffer).
+        p.tensor = BufferPool.view(lease, p.dtype, p.numel, offset % ALIGN)
+        p.future = space.read(p.tensor, offset)
         p.state = State.IN_FLIGHT
         self.counters["swap_in"] += 1
         self.counters["bytes_read"] += p.nbytes
@@ -313,6 +371,7 @@ class ParamSwapper:
                 raise SwapStateError(
                     f"partition {part_id!r} is {p.state.value}, not available; nothing to swap out"
                 )
+            p.alias = None  # modified: its own extent holds it from here on
             p.future = self.space.write(p.tensor, p.offset)
             p.state = State.WRITING
             p.releasing = True
@@ -404,7 +463,8 @@ class ParamSwapper:
                 if p.state == State.RESIDENT or p.lease is not None:
                     chunks.append(Chunk(p.nbytes, p.part_id, data=p.tensor.contiguous(), write=write))
                 else:
-                    read = functools.partial(self.space.read, offset=p.offset)
+                    space, offset = _where(self.space, p)
+                    read = functools.partial(space.read, offset=offset)
                     chunks.append(Chunk(p.nbytes, p.part_id, read=read, write=write))
                 entries.append(
                     {
@@ -500,6 +560,7 @@ class ParamSwapper:
                     continue
                 chunks.append(self._from_checkpoint(directory, p, e, into_swap=True))
                 p.state, p.written = State.INVALID, False  # until its copy has landed
+                p.alias = None  # the checkpoint's values go to its own extent
             # The file was verified; a checksum failing now means it changed since.
             self._check_crcs(directory, verified, self._copy(chunks))
             for c in chunks:
@@ -546,6 +607,7 @@ class ParamSwapper:
         return {
             **self.counters,
             "partitions": len(self.parts),
+            "aliased": sum(1 for p in self.parts.values() if p.alias is not None),
             "by_state": by_state,
             "buffers_free": self.pool.available(),
             "pinned_buffer_bytes": self.pool.pinned_bytes,
@@ -584,6 +646,11 @@ class ParamSwapper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _where(own: SwapSpace, p: _Partition) -> tuple[SwapSpace, int]:
+    """The space and logical offset partition `p`'s drive copy is read from."""
+    return p.alias if p.alias is not None else (own, p.offset)
 
 
 def _empty(numel: int, dtype: Any) -> Any:

@@ -61,6 +61,13 @@ class MemoryOptimizer:
     def discard_gradients(self) -> None:
         """Nothing in flight: the next window zeroes the buffers."""
 
+    def master_extent(self, index: int) -> None:
+        """None: the master weights are in memory, on no drive."""
+        return None
+
+    def flush(self) -> None:
+        """Nothing to write: the state is in memory."""
+
     def set_lr(self, lr: float) -> None:
         """The learning rate of every param group from the next step on."""
         set_lr(self.hyper, self.optimizer, lr, self.torch_groups)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..config import TrainConfig
     from ..pinned import Lease, Register
-    from ..swap.drives import IOFuture
+    from ..swap.drives import IOFuture, SwapSpace
     from ..swap.param_groups import TorchGroups
 
 
@@ -111,6 +111,18 @@ class ZeroOptimizer(Protocol):
         For each sub-group index in `lowp`, its bfloat16/float16 tensor (the
         sub-group's size) holds the updated master weights rounded to its dtype
         before `after` runs (aio's Adam writes it in its update's pass)."""
+        ...
+
+    def master_extent(self, index: int) -> tuple[SwapSpace, int] | None:
+        """Where sub-group `index`'s fp32 master weights live on the drive (the
+        swap space and the logical offset of element 0), or None when they are
+        not on a drive. The drive copy is current between steps once flush()
+        ran; only the optimizer writes it."""
+        ...
+
+    def flush(self) -> None:
+        """Make the drive copy of every stepped sub-group current (state a step
+        left only in buffers is written; the buffers are kept)."""
         ...
 
     def set_lr(self, lr: float) -> None:

@@ -383,7 +383,7 @@ class ParamStore:
         if part.state == State.RESIDENT or part.lease is not None:
             return part.tensor.clone()
         out = torch.empty(part.numel, dtype=self.dtype)
-        self.swapper.space.sync_read(out, part.offset)
+        self.swapper.read_into(part_id, out)
         return out
 
     def write(self, param: Any, flat: Any, async_op: bool = True) -> None:
@@ -413,6 +413,24 @@ class ParamStore:
             # In use right now (e.g. inside gathered()): refresh the live copy too.
             self._materialise(param, self._host(part_id))
 
+    def mirrors(self, param: Any) -> bool:
+        """Whether `param`'s drive copy is read from the optimizer's master
+        weights (:meth:`aio.swap.ParamSwapper.alias`): after a step it needs
+        :meth:`refresh`, not :meth:`write`."""
+        return self.swapper is not None and self.swapper.is_aliased(param.aio_id)
+
+    def refresh(self, param: Any, flat: Any) -> None:
+        """New values for a mirrored parameter (see :meth:`mirrors`) that the
+        optimizer writes to the drive itself: only copies in memory (a buffer
+        read ahead, a parameter in use) take them; nothing is written."""
+        if self.swapper is None:
+            raise ValueError(f"parameter {param.aio_name!r} is not on the drive; write() it")
+        part_id = param.aio_id
+        self.uploads.settle(part_id)  # an upload may still read the old values
+        self.swapper.owner_wrote(part_id, flat)
+        if self.refs.get(part_id, 0) > 0 and self.swapper.parts[part_id].lease is not None:
+            self._materialise(param, self._host(part_id))
+
     def settle(self, params: list[Any]) -> None:
         """Wait for these parameters' pending writes (raises a failed one)."""
         if self.swapper is not None:
@@ -425,6 +443,13 @@ class ParamStore:
             self.swapper.release(done)
         if self.swapper is not None:
             self.swapper.synchronize()
+
+    def quiesce(self) -> None:
+        """Wait for every read and write in flight, ignoring failures (before
+        the files a mirrored parameter reads are closed; see close())."""
+        if self.swapper is not None:
+            with contextlib.suppress(Exception):
+                self.swapper.synchronize()
 
     @contextlib.contextmanager
     def gathered(self, params: list[Any], modify: bool = False) -> Iterator[None]:

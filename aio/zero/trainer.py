@@ -30,6 +30,7 @@ from .hooks import Fetcher
 from .init_guard import PlaceholderCheck
 from .linear import install_linear, saved_tensor_guard
 from .malloc import trim_if_fragmented, trim_malloc
+from .mirror import mirror_master
 from .optimizer import ZeroOptimizer, make_optimizer
 from .params import ParamStore
 from .placement import Plan, SubGroupLayout, place_gradients_for, plan_placement
@@ -186,6 +187,7 @@ class OffloadTrainer:
         self.fetcher: Fetcher | None = None
         self._grad_hooks: list[Any] = []
         self._omp: OpenMPThrottle | None = None
+        self.mirrored = 0  # parameters read from the master weights (see _mirror)
         try:
             nvme = "nvme" in (cfg.param_device, cfg.optimizer_device)
             if cfg.aio_zero.short_openmp_spin(nvme):
@@ -234,6 +236,7 @@ class OffloadTrainer:
         for gi in range(len(layout.groups)):
             opt.initialize(gi, layout.gather_master(gi, self.store.read))
         self.store.pack([[s.param for s in group] for group in layout.groups])
+        self._mirror()
         for s in layout.places.values():
             self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
         if self.store.swapper is not None or self.device.type != "cpu":
@@ -243,6 +246,14 @@ class OffloadTrainer:
         self.grads = GradientAccumulator(
             opt, layout, cfg.gradient_accumulation_steps, self.scaling.needs_norms, self.store.copies
         )
+
+    def _mirror(self) -> None:
+        """Read float32 drive parameters from the master weights (see
+        :mod:`aio.zero.mirror`), unless ``aio_zero.params_from_master`` is off."""
+        self.mirrored = 0
+        if self.cfg.aio_zero.params_from_master and self.opt is not None:
+            self.mirrored = mirror_master(self.store, self.opt, self.layout)
+            logger.info("parameters read from the master weights: %d", self.mirrored)
 
     @property
     def gas(self) -> int:
@@ -403,6 +414,8 @@ class OffloadTrainer:
         finally:
             self.store.settle(self._param_writes)
             self._param_writes = []
+        if self.mirrored:  # the next forward reads parameters from the drive's master weights
+            self.zero_optimizer.flush()
         self.global_steps += 1
 
     def _abandon_window(self) -> None:
@@ -431,6 +444,9 @@ class OffloadTrainer:
             if packed:
                 self.store.wrote_packed(s.param)
                 continue
+            if self.store.mirrors(s.param):  # the optimizer writes these bytes itself
+                self.store.refresh(s.param, master[s.offset : s.offset + s.numel])
+                continue
             self.store.write(s.param, master[s.offset : s.offset + s.numel])
             self._param_writes.append(s.param)
 
@@ -454,7 +470,9 @@ class OffloadTrainer:
         completeness marker, model match, every checksum -- before anything
         changes: a failed load leaves the trainer exactly as it was."""
         self._check_open()
-        return checkpoint.load(self, load_dir, tag)
+        out = checkpoint.load(self, load_dir, tag)
+        self._mirror()  # loading stored the parameters in their own copies
+        return out
 
     # -- access and accounting -------------------------------------------------------------
     def gathered(self, params: Any = None, modify: bool = False) -> Any:
@@ -549,9 +567,12 @@ class OffloadTrainer:
         finally:
             if self._omp is not None:
                 self._omp.close()
-            if self.opt is not None:
-                self.opt.close()
-            self.store.close()
+            try:
+                self.store.quiesce()  # parameter reads from the optimizer's files end first
+            finally:
+                if self.opt is not None:
+                    self.opt.close()
+                self.store.close()
 
     def __enter__(self) -> OffloadTrainer:
         return self

@@ -237,3 +237,71 @@ def test_checkpoint_roundtrip_and_corruption(tmp_path):
             b.import_checkpoint(str(tmp_path / "ck"))
         with pytest.raises(FileExistsError):
             b.export_checkpoint(str(tmp_path / "ck"))
+
+
+def _owner_range(tmp_path, values, at):
+    """Another swapper's space whose extent holds `values` (float32) at byte `at`."""
+    from aio.swap.drives import SwapSpace
+
+    (tmp_path / "owner").mkdir()
+    owner = SwapSpace(str(tmp_path / "owner"), "owner", "owner.swp")
+    base = owner.allocate(1 << 20)
+    region = torch.zeros((1 << 20) // 4)
+    region[at // 4 : at // 4 + values.numel()] = values
+    owner.sync_write(region, base)
+    return owner, base
+
+
+@pytest.mark.parametrize("at", [0, 12, 4096 + 2000])
+def test_alias_reads_the_owners_range_until_written(tmp_path, at):
+    mine, theirs, newer, own = (rand(5000, torch.float32, seed) for seed in range(4))
+    owner, base = _owner_range(tmp_path, theirs, at)
+    with make(tmp_path / "owner", dtype=torch.float32) as s, owner:
+        s.register(0, 5000)
+        s.write(0, mine)
+        written = s.counters["bytes_written"]
+        assert s.alias(0, owner, base + at) and s.is_aliased(0) and s.stats()["aliased"] == 1
+        (t,) = s.swap_in([0])
+        assert torch.equal(t, theirs)
+        # Read at the offset's alignment in the buffer: the aligned middle goes direct.
+        assert (t.data_ptr() - (base + at)) % 4096 == 0
+        s.owner_wrote(0, newer)  # the owner has new values: the buffered copy takes them
+        assert torch.equal(t, newer) and s.counters["bytes_written"] == written
+        s.release([0])
+        out = torch.empty(5000)
+        s.read_into(0, out)
+        assert torch.equal(out, theirs)  # the drive copy is the owner's range (not rewritten here)
+        s.write(0, own)  # values of its own end the alias
+        assert not s.is_aliased(0)
+        (t,) = s.swap_in([0])
+        assert torch.equal(t, own)
+        s.release([0])
+        owner.sync_read(out, base + at)
+        assert torch.equal(out, theirs)  # the owner's range was never written through the alias
+        with pytest.raises(ValueError, match="not aliased"):
+            s.owner_wrote(0, newer)
+
+
+def test_alias_checkpoint_exports_the_owners_values(tmp_path):
+    theirs = rand(5000, torch.float32, 1)
+    owner, base = _owner_range(tmp_path, theirs, 12)
+    with make(tmp_path / "owner", dtype=torch.float32) as s, owner:
+        s.register(0, 5000)
+        s.write(0, rand(5000, torch.float32, 2))
+        s.alias(0, owner, base + 12)
+        s.export_checkpoint(str(tmp_path / "ck"))
+        s.import_checkpoint(str(tmp_path / "ck"))  # stored in its own extent: the alias ends
+        assert not s.is_aliased(0)
+        (t,) = s.swap_in([0])
+        assert torch.equal(t, theirs)
+
+
+def test_alias_refused_where_it_cannot_hold(tmp_path):
+    owner, base = _owner_range(tmp_path, torch.zeros(1), 0)
+    with make(tmp_path / "owner", dtype=torch.float32, buffer_size=4096, min_swap_bytes=1024) as s, owner:
+        s.register("small", 10)  # CPU-resident
+        s.register("full", 4096)  # fills a buffer: only at an aligned offset
+        s.write("full", rand(4096, torch.float32))
+        assert not s.alias("small", owner, base)
+        assert not s.alias("full", owner, base + 4)
+        assert s.alias("full", owner, base + 4096)

@@ -93,15 +93,21 @@ def loss_of_step(engine, step, micro):
     return loss_of(engine, step, micro)
 
 
-def test_parameter_read_error_names_the_file(tmp_path):
-    with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=1)) as engine:
+@pytest.mark.parametrize("from_master", [False, True])
+def test_parameter_read_error_names_the_file(tmp_path, from_master):
+    # float32 parameters are read from the optimizer's master weights by default.
+    cfg = cfg_for(tmp_path, gas=1, aio_zero={"params_from_master": from_master})
+    with aio.zero.initialize(gpt(), cfg) as engine:
         train_engine(engine, 1, gas=1)
-        engine.store.swapper.space.drives[0].reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
+        space = engine.opt.space if from_master else engine.store.swapper.space
+        assert engine.store.stats()["aliased"] == engine.mirrored and (engine.mirrored > 0) == from_master
+        space.drives[0].reader._c.inject_fault("error", errno.EIO, "read", 1, 1)
         with pytest.raises(OSError) as ei:
             for _ in range(3):  # prefetched buffers may serve the first modules
                 train_engine(engine, 1, gas=1)
-        assert ei.value.errno == errno.EIO and "params.swp" in str(ei.value.filename)
-        engine.store.swapper.space.drives[0].reader._c.clear_fault()
+        file = "optimizer.swp" if from_master else "params.swp"
+        assert ei.value.errno == errno.EIO and file in str(ei.value.filename)
+        space.drives[0].reader._c.clear_fault()
 
 
 def test_exit_mid_training_leaves_no_swap_files(tmp_path):

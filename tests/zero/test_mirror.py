@@ -1,0 +1,58 @@
+"""aio.zero.mirror: float32 parameters read from the optimizer's master
+weights train exactly as with a copy of their own, write no parameter bytes
+after set-up, and go back to their own copy when stored from elsewhere."""
+
+import pytest
+import torch
+
+import aio.zero
+
+from .common import cfg_for, gpt, train_engine
+
+
+def _engine(tmp_path, from_master, gradients="auto", **kw):
+    cfg = cfg_for(tmp_path, aio_zero={"params_from_master": from_master, "gradients": gradients}, **kw)
+    return aio.zero.initialize(gpt(), cfg)
+
+
+@pytest.mark.parametrize("gradients", ["cpu", "nvme"])
+def test_trains_as_with_own_copies_and_writes_no_parameters(tmp_path, reference, gradients):  # noqa: F811
+    with _engine(tmp_path / "own", False, gradients) as own:
+        own_losses = train_engine(own, 4)
+        own_weights = own.state_dict()
+    with _engine(tmp_path / "mirror", True, gradients) as engine:
+        drive = engine.store.on_drive_part_ids(engine.module.parameters())
+        assert engine.mirrored == engine.store.stats()["aliased"] == len(drive) > 0
+        set_up = engine.io_bytes_by_category()["written"]["parameters"]
+        losses = train_engine(engine, 4)
+        written = engine.io_bytes_by_category()["written"]
+        assert written["parameters"] == set_up  # nothing after set-up: the master weights are the copy
+        weights = engine.state_dict()
+    assert losses == own_losses == reference[:4]
+    assert all(torch.equal(weights[k], own_weights[k]) for k in own_weights)
+
+
+def test_low_precision_parameters_keep_their_own_copy(tmp_path):
+    with _engine(tmp_path, True, bf16={"enabled": True}) as engine:
+        assert engine.mirrored == 0
+        train_engine(engine, 1)
+        assert engine.store.stats()["aliased"] == 0
+
+
+def test_modified_parameter_keeps_its_values_and_checkpoint_mirrors_again(tmp_path, reference):  # noqa: F811
+    with _engine(tmp_path / "d", True) as engine:
+        first = train_engine(engine, 3)
+        engine.save_checkpoint(str(tmp_path / "ck"))
+        p = next(q for q in engine.module.parameters() if engine.store.mirrors(q))
+        before = engine.store.read(p)
+        with engine.gathered([p], modify=True):
+            p.data.add_(1.0)
+        assert not engine.store.mirrors(p)  # stored in its own copy from here on
+        assert torch.equal(engine.store.read(p), before + 1.0)
+        with engine.gathered([p]):
+            assert torch.equal(p.data.reshape(-1), before + 1.0)
+        mirrored = engine.mirrored
+        engine.load_checkpoint(str(tmp_path / "ck"))
+        assert engine.store.stats()["aliased"] == engine.mirrored == mirrored
+        rest = train_engine(engine, 3, start=3)
+    assert first + rest == reference[:6]
