@@ -32,7 +32,7 @@ import functools
 import json
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,19 +278,45 @@ class OptimizerSwapper:
         instead of reading them, a window's first gradient starts zeroed in
         memory, and a checkpoint takes the states from zeros (:meth:`_chunks`).
         Writing them was three quarters of set-up's optimizer bytes with AdamW."""
+        src = master.detach().reshape(-1)
+        g = self.groups.get(index)
+        if g is not None and src.numel() != g.numel:
+            raise ValueError(f"sub-group {index}: expected {g.numel} elements, got {src.numel()}")
+        self.initialize_many([(index, lambda out: out.copy_(src))])
+
+    def initialize_many(self, fills: Iterable[tuple[int, Callable[[Any], Any]]]) -> None:
+        """initialize() for each (index, fill) pair, in order: ``fill(out)``
+        writes the sub-group's fp32 master weights into `out` (a pinned
+        buffer's float32 view of its size), e.g. reading the parameters
+        straight into it. Each write is left in flight while the next
+        sub-group is filled (as many as the buffers allow); returns once all
+        landed, raising the first failure after every write has ended (a
+        sub-group whose write failed stays invalid)."""
         import torch
 
         self._check_usable()
-        g = self.groups[index]
-        src = master.detach().reshape(-1)
-        if src.numel() != g.numel:
-            raise ValueError(f"sub-group {index}: expected {g.numel} elements, got {src.numel()}")
         self.drop_cached()
-        with self._pool().acquire() as lease:
-            lease.tensor(torch.float32, g.numel).copy_(src.to(torch.float32))
-            _wait_all([self._start_part_write(g, "param", lease)])
-        g.scalars = None
-        g.valid = True
+        pool = self._pool()
+        pending: collections.deque[tuple[_SubGroup, Lease, IOFuture]] = collections.deque()
+        try:
+            for index, fill in fills:
+                g = self.groups[index]
+                if pending and pool.available() == 0:
+                    _land_initial(pending.popleft())
+                lease = pool.acquire()
+                try:
+                    fill(lease.tensor(torch.float32, g.numel))
+                    g.scalars, g.valid = None, False
+                    pending.append((g, lease, self._start_part_write(g, "param", lease)))
+                except BaseException:
+                    lease.release()
+                    raise
+            while pending:
+                _land_initial(pending.popleft())
+        finally:
+            for g, lease, fut in pending:  # after a failure: every write ends first
+                g.valid = fut.exception() is None
+                lease.release()
 
     def count_io(self, direction: str, part: str, nbytes: int) -> None:
         """Count bytes moved ("read" or "written") for one tensor kind, in
@@ -1022,6 +1048,16 @@ class _StepIO:
         self.held.clear()
         self.reads.clear()
         self.kept.clear()
+
+
+def _land_initial(entry: tuple[_SubGroup, Lease, IOFuture]) -> None:
+    """Wait for one of initialize_many()'s writes; its sub-group is valid once it landed."""
+    g, lease, fut = entry
+    try:
+        fut.result()
+        g.valid = True
+    finally:
+        lease.release()
 
 
 def _wait_all(futs: list[IOFuture]) -> None:

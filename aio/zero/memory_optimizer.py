@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..swap.param_groups import TorchGroups
@@ -42,6 +42,12 @@ class MemoryOptimizer:
     def initialize(self, index: int, master: Any) -> None:
         """Set sub-group `index`'s master weights from `master` (copied, flattened, converted to fp32)."""
         self.master[index].copy_(master.detach().reshape(-1))
+
+    def initialize_many(self, fills: Iterable[tuple[int, Callable[[Any], Any]]]) -> None:
+        """For each (index, fill): ``fill(master)`` writes sub-group `index`'s
+        fp32 master weights into its tensor in place."""
+        for index, fill in fills:
+            fill(self.master[index])
 
     def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
         """open_gradient(): a buffer in memory is always free, so never None."""

@@ -16,7 +16,7 @@ To add an optimizer backend: implement this Protocol and return it from
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -78,6 +78,13 @@ class ZeroOptimizer(Protocol):
 
     def initialize(self, index: int, master: Any) -> None:
         """Set sub-group `index`'s fp32 master weights (`numel` elements) before the first step."""
+        ...
+
+    def initialize_many(self, fills: Iterable[tuple[int, Callable[[Any], Any]]]) -> None:
+        """initialize() for each (index, fill) pair: ``fill(out)`` writes the
+        sub-group's fp32 master weights into `out` (a float32 tensor of its
+        size, e.g. a pinned buffer the drive backend then writes from); the
+        drive backend fills the next sub-group while the last one's write lands."""
         ...
 
     def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:

@@ -386,6 +386,17 @@ class ParamStore:
         self.swapper.read_into(part_id, out)
         return out
 
+    def read_into(self, param: Any, out: Any) -> None:
+        """Put a parameter's stored values into `out` (flat, its numel, any float
+        dtype; converted): straight from the drive when `out` has the training
+        dtype and no buffer holds the parameter, else through read()."""
+        if self.swapper is not None and out.dtype == self.dtype and out.is_contiguous():
+            part = self.swapper.parts[param.aio_id]
+            if part.state != State.RESIDENT and part.lease is None:
+                self.swapper.read_into(param.aio_id, out)
+                return
+        out.copy_(self.read(param))
+
     def write(self, param: Any, flat: Any, async_op: bool = True) -> None:
         """Store new values (flat, any float dtype; converted). The caller may
         reuse `flat` right away: an asynchronous write goes from a copy."""

@@ -168,9 +168,14 @@ class SubGroupLayout:
         import torch
 
         master = torch.empty(self.group_numel[gi], dtype=torch.float32)
-        for s in self.groups[gi]:
-            master[s.offset : s.offset + s.numel].copy_(read(s.param))
+        self.fill_master(gi, lambda p, out: out.copy_(read(p)), master)
         return master
+
+    def fill_master(self, gi: int, read_into: Any, out: Any) -> None:
+        """Write sub-group `gi`'s fp32 master weights into `out` (float32, the
+        sub-group's size): ``read_into(param, view)`` fills each parameter's slice."""
+        for s in self.groups[gi]:
+            read_into(s.param, out[s.offset : s.offset + s.numel])
 
 
 def _unique_named_params(model: Any) -> list[tuple[str, Any]]:

@@ -17,6 +17,7 @@ low-precision parameters back.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any
@@ -233,8 +234,12 @@ class OffloadTrainer:
             self._torch_opt.share_groups(self._user_optimizer.param_groups)
         for gi, numel in enumerate(layout.group_numel):
             opt.register_subgroup(gi, numel, plan.group_of[gi])
-        for gi in range(len(layout.groups)):
-            opt.initialize(gi, layout.gather_master(gi, self.store.read))
+        # Each sub-group's parameters are read into the buffer its master
+        # weights are written from, while the previous sub-groups' writes land.
+        opt.initialize_many(
+            (gi, functools.partial(layout.fill_master, gi, self.store.read_into))
+            for gi in range(len(layout.groups))
+        )
         self.store.pack([[s.param for s in group] for group in layout.groups])
         self._mirror()
         for s in layout.places.values():

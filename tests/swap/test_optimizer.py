@@ -2,6 +2,7 @@
 or not), configuration errors up front, faults mid-step, checkpoints."""
 
 import errno
+import functools
 import json
 import os
 from pathlib import Path
@@ -548,3 +549,32 @@ def test_bf16_states_fused_in_the_kernel_equal_widened_steps(tmp_path):
         sw.close()
     assert all(torch.equal(a, b) for a, b in zip(*masters, strict=True))
     assert crcs[0] == crcs[1]
+
+
+def test_initialize_many_fills_buffers_and_a_failed_write_stays_invalid(tmp_path):
+    init = [torch.randn(n) for n in SIZES]
+    with OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-2}, buffer_count=4) as sw:
+        for i, t in enumerate(init):
+            sw.register_subgroup(i, t.numel())
+        filled = []
+
+        def fill(i, out):
+            filled.append((i, out.dtype, out.numel()))
+            out.copy_(init[i])
+
+        fills = [(i, functools.partial(fill, i)) for i in range(len(init))]
+        sw.initialize_many(iter(fills))
+        assert filled == [(i, torch.float32, n) for i, n in enumerate(SIZES)]
+        assert all(torch.equal(sw.read_master(i), t) for i, t in enumerate(init))
+        sw.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 2, 1)  # sub-group 1's
+        with pytest.raises(OSError) as ei:
+            sw.initialize_many(iter(fills))
+        sw.space.drives[0].writer._c.clear_fault()
+        assert ei.value.errno == errno.EIO and sw.pool.available() == 4  # every write ended, buffers back
+        assert [sw.groups[i].valid for i in range(len(SIZES))] == [True, False, True, True, True]
+        with pytest.raises(SwapStateError, match="initialize"):
+            sw.step()
+        sw.initialize(1, init[1])
+        for i, t in enumerate(init):
+            sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
+        sw.step()
