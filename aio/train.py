@@ -304,30 +304,41 @@ def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
         print(f"warning: {problem}", file=out)
 
 
-def build_trainer(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, Any]:
-    """The model (built under aio.zero.Init with --init) and its OffloadTrainer."""
+def build_model(args: argparse.Namespace, cfg: dict[str, Any]) -> Any:
+    """The GPT, seeded; with --init built under aio.zero.Init, each parameter
+    stored (on the drive) as it is made."""
     import aio.zero
 
     _torch().manual_seed(args.seed)
     if args.init:
         with aio.zero.Init(cfg):
-            model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
-    else:
-        model = build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
+            return build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
+    return build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
+
+
+def build_trainer(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """The model (:func:`build_model`) and its OffloadTrainer."""
+    import aio.zero
+
+    model = build_model(args, cfg)
     return model, aio.zero.initialize(model, cfg)
 
 
 def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> dict[str, Any]:
     """Train with aio.zero under `cfg`, printing each step; the figures."""
     _print_estimate(args, cfg, out)
+    import aio.zero
+
     t0 = time.perf_counter()
-    model, trainer = build_trainer(args, cfg)
+    model = build_model(args, cfg)
+    built = time.perf_counter() - t0
+    trainer = aio.zero.initialize(model, cfg)
     setup = time.perf_counter() - t0
     n = sum(p.aio_numel for p in {id(p): p for p in model.parameters()}.values())
     print(
         f"model: {n / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}); "
-        f"set-up {setup:.1f} s; pinned buffers {_gib(trainer.pinned_bytes())}; "
-        f"fp32 optimizer state {_gib(n * 12)}",
+        f"set-up {setup:.1f} s (model {built:.1f} s, trainer {setup - built:.1f} s); "
+        f"pinned buffers {_gib(trainer.pinned_bytes())}; fp32 optimizer state {_gib(n * 12)}",
         file=out,
     )
     grads = trainer.stats()["gradients"]
@@ -342,6 +353,7 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
         stats = trainer.stats()
         trainer.close()
     run.update(params=n, peak_rss=peak_rss(), pinned_bytes=stats["pinned_bytes"], setup_s=setup, stats=stats)
+    run["setup_model_s"] = built
     return run
 
 
