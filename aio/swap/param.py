@@ -229,6 +229,19 @@ class ParamSwapper:
         if p.lease is not None:
             p.tensor.copy_(values.detach().reshape(-1))
 
+    def invalidate_aliased(self) -> int:
+        """The owner's range of every aliased partition can no longer be
+        trusted (a write to it failed part-way): each becomes invalid --
+        reads refuse -- until new values are written (write(),
+        apply_checkpoint()). Returns how many."""
+        lost = [p for p in self.parts.values() if p.alias is not None]
+        for p in lost:
+            with contextlib.suppress(BaseException):  # a read into its buffer ends first
+                self._settle(p)
+            p.alias = None
+            p.state, p.written = State.INVALID, False
+        return len(lost)
+
     def read_into(self, part_id: Any, out: Any) -> None:
         """Read a drive partition's stored values into `out` (a contiguous CPU
         tensor of its bytes) from wherever they live; waits for its I/O first."""
@@ -305,7 +318,7 @@ class ParamSwapper:
         if p.state == State.INVALID:
             raise SwapStateError(
                 f"partition {p.part_id!r}: its drive copy is invalid after a failed write; "
-                "write() it again before reading"
+                "write() it again (or load a checkpoint) before reading"
             )
         if p.state in (State.RESIDENT, State.AVAILABLE, State.IN_FLIGHT):
             self.counters["hits"] += 1

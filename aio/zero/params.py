@@ -442,6 +442,13 @@ class ParamStore:
         if self.refs.get(part_id, 0) > 0 and self.swapper.parts[part_id].lease is not None:
             self._materialise(param, self._host(part_id))
 
+    def lose_mirrors(self) -> None:
+        """The optimizer's write of the master weights failed: every mirrored
+        parameter's drive copy is now untrusted and refuses to be read until
+        new values are stored (loading a checkpoint does)."""
+        if self.swapper is not None:
+            self.swapper.invalidate_aliased()
+
     def settle(self, params: list[Any]) -> None:
         """Wait for these parameters' pending writes (raises a failed one)."""
         if self.swapper is not None:

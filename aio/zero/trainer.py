@@ -416,11 +416,18 @@ class OffloadTrainer:
         lowp = {gi: flat for gi, (flat, _) in self.store.packed.items()}
         try:
             self.zero_optimizer.step(after=self._store_params, grad_scale=grad_scale, lowp=lowp)
+            if self.mirrored:  # the next forward reads parameters from the drive's master weights
+                self.zero_optimizer.flush()
+        except BaseException:
+            # The master weights on the drive may be partly written: parameters
+            # read from them refuse until a checkpoint is loaded, as the optimizer does.
+            if self.mirrored:
+                self.store.lose_mirrors()
+                self.mirrored = 0
+            raise
         finally:
             self.store.settle(self._param_writes)
             self._param_writes = []
-        if self.mirrored:  # the next forward reads parameters from the drive's master weights
-            self.zero_optimizer.flush()
         self.global_steps += 1
 
     def _abandon_window(self) -> None:

@@ -578,3 +578,35 @@ def test_initialize_many_fills_buffers_and_a_failed_write_stays_invalid(tmp_path
         for i, t in enumerate(init):
             sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
         sw.step()
+
+
+def test_flush_writes_kept_masters_only_and_a_failure_poisons(tmp_path):
+    """Held gradients: a step keeps sub-groups in buffers unwritten; flush()
+    makes each one's master weights on the drive current (what master_extent()
+    names) without writing its states, and they stay kept for the next step."""
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    hyper = {"lr": 1e-2}
+    want = _reference(torch.optim.Adam, hyper, init, steps=2)
+    sw, _ = _swapped(tmp_path, torch.optim.Adam, hyper, init, steps=0, pipe=(True, True), held=True)
+    mem = [sw.groups[i].grad_mem for i in sorted(sw.groups)]
+    _steps(sw, [0, 1], mem)
+    written = dict(sw.bytes_by_part["written"])
+    sw.flush()
+    added = {k: v - written.get(k, 0) for k, v in sw.bytes_by_part["written"].items()}
+    assert added.get("param", 0) > 0 and added.get("exp_avg", 0) == added.get("exp_avg_sq", 0) == 0
+    for i, w in enumerate(want):
+        space, off = sw.master_extent(i)
+        got = torch.empty(SIZES[i])
+        space.sync_read(got, off)
+        assert torch.equal(got, w)
+    assert sw.pool.available() < sw.pool.count  # still kept for the next step
+    _steps(sw, [2], mem)
+    sw.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
+    with pytest.raises(OSError):
+        sw.flush()
+    sw.space.drives[0].writer._c.clear_fault()
+    assert sw.broken and "import_checkpoint" in sw.broken and sw.pool.available() == sw.pool.count
+    with pytest.raises(SwapStateError, match="master weights failed"):
+        sw.step()
+    sw.close()

@@ -56,10 +56,13 @@ def test_optimizer_write_error_poisons_until_checkpoint_restore(tmp_path, refere
             engine.step()
         assert ei.value.errno == errno.ENOSPC
         engine.opt.space.drives[0].writer._c.clear_fault()
-        # The optimizer state is partly stepped: it refuses rather than continue wrongly.
-        with pytest.raises(SwapStateError, match="partly updated"):
+        # The optimizer state is partly stepped, and so are the master weights the
+        # parameters are read from: both refuse rather than continue wrongly.
+        assert engine.mirrored == 0 and engine.store.stats()["by_state"]["invalid"] > 0
+        with pytest.raises(SwapStateError, match="partly updated|invalid"):
             train_engine(engine, 1, start=5)
         engine.load_checkpoint(ckpt)
+        assert engine.mirrored > 0
         rest = train_engine(engine, 15, start=5)
     assert first + rest == reference
 
