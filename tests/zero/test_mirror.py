@@ -32,11 +32,24 @@ def test_trains_as_with_own_copies_and_writes_no_parameters(tmp_path, reference,
     assert all(torch.equal(weights[k], own_weights[k]) for k in own_weights)
 
 
-def test_low_precision_parameters_keep_their_own_copy(tmp_path):
-    with _engine(tmp_path, True, bf16={"enabled": True}) as engine:
+@pytest.mark.parametrize(
+    "why",
+    ["bf16 parameters", "optimizer in memory", "params_from_master false"],
+    ids=lambda w: w.replace(" ", "-"),
+)
+def test_parameters_keep_their_own_copy_where_it_differs_or_is_asked(tmp_path, why):
+    kw = {
+        "bf16 parameters": {"bf16": {"enabled": True}},
+        "optimizer in memory": {"opt": "cpu"},
+        "params_from_master false": {"from_master": False},
+    }[why]
+    from_master = kw.pop("from_master", True)
+    with _engine(tmp_path, from_master, **kw) as engine:
         assert engine.mirrored == 0
+        set_up = engine.io_bytes_by_category()["written"]["parameters"]
         train_engine(engine, 1)
         assert engine.store.stats()["aliased"] == 0
+        assert engine.io_bytes_by_category()["written"]["parameters"] > set_up  # written back after the step
 
 
 def test_modified_parameter_keeps_its_values_and_checkpoint_mirrors_again(tmp_path, reference):  # noqa: F811
