@@ -111,14 +111,22 @@ class MemoryEstimate:
     # What the process holds at its peak besides the buffers: the runtime,
     # the largest tensors in use at once, the model's activations (if given).
     working: dict[str, int] = field(default_factory=dict)
+    # Drive space of the optimizer's fp32 gradient slots, by nvme_path (in
+    # ``nvme`` until add_gradients() keeps the gradients in memory).
+    gradient_slots: dict[str, int] = field(default_factory=dict)
 
     def add_gradients(self, placement: GradientPlacement) -> None:
-        """Count aio.zero's fp32 gradients as `placement` puts them (in CPU
-        memory, or 8 bytes more per parameter on the optimizer's drive traffic;
-        with the optimizer in CPU memory they are already counted there)."""
+        """Count aio.zero's fp32 gradients as `placement` puts them: in CPU
+        memory (and then not on the drive: aio.zero's swapped optimizer leaves
+        their slots out), or on the drive, 8 bytes more per parameter of the
+        optimizer's traffic; with the optimizer in CPU memory they are already
+        counted there."""
         self.gradients = placement
         if placement.setting != "optimizer in memory" and placement.where == "cpu":
             self.cpu["fp32 gradients (aio_zero.gradients)"] = placement.nbytes
+            for path, n in self.gradient_slots.items():
+                self.nvme[path] -= n
+            self.gradient_slots = {}
 
     @property
     def pinned_bytes(self) -> int:
@@ -362,10 +370,14 @@ def _estimate_working(
         est.working["activations"] = activations
 
 
+def _shares(dirs: list[str], nbytes: int) -> dict[str, int]:
+    """`nbytes` of drive space striped evenly over the directories of one nvme_path."""
+    return {path: nbytes // len(dirs) + (1 if i < nbytes % len(dirs) else 0) for i, path in enumerate(dirs)}
+
+
 def _spread(est: MemoryEstimate, dirs: list[str], nbytes: int) -> None:
     """Drive bytes striped evenly over the directories of one nvme_path."""
-    for i, path in enumerate(dirs):
-        share = nbytes // len(dirs) + (1 if i < nbytes % len(dirs) else 0)
+    for path, share in _shares(dirs, nbytes).items():
         est.nvme[path] = est.nvme.get(path, 0) + share
 
 
@@ -393,7 +405,11 @@ def _estimate_optimizer(est: MemoryEstimate, z: Any, sub: int, states: int, stat
     if o is not None and o.device == "nvme":
         slot = _round(_round(sub * 4, _ALIGN), _page())
         (est.pinned if o.pin_memory else est.cpu)["offload_optimizer buffers"] = o.buffer_count * slot
-        # fp32 gradient slot + master, then the states as stored
-        _spread(est, o.nvme_dirs(), n * (8 + state_bytes * states))
+        # master, the states as stored, and the fp32 gradient slot (which
+        # add_gradients() takes back when the gradients stay in memory)
+        _spread(est, o.nvme_dirs(), n * (4 + state_bytes * states))
+        est.gradient_slots = _shares(o.nvme_dirs(), n * 4)
+        for path, share in est.gradient_slots.items():
+            est.nvme[path] = est.nvme.get(path, 0) + share
     elif o is not None and o.device == "cpu":
         est.cpu["offload_optimizer (all in CPU)"] = n * 4 * (2 + states)

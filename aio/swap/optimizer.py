@@ -6,6 +6,10 @@ aligned extent of the swap file::
 
     [ grad | master | state_0 | state_1 | ... ]
 
+(without the gradient where :meth:`OptimizerSwapper.gradient_slot` says the
+gradients are only ever held in memory, as aio.zero's trainer does with
+``aio_zero.gradients: cpu``).
+
 The optimizer's state tensors are discovered by stepping the optimizer once
 on a probe parameter, not hard-coded, so any elementwise torch optimizer
 works (Adam's two moments, SGD's momentum, Adagrad's sum...). Scalar state
@@ -175,12 +179,25 @@ class OptimizerSwapper:
 
         parts: dict[str, tuple[int, Any]] = {}
         off = 0
-        for name, dtype in [("grad", torch.float32), ("param", torch.float32), *self.spec]:
+        grad = [("grad", torch.float32)] if self.gradient_slot() else []
+        for name, dtype in [*grad, ("param", torch.float32), *self.spec]:
             if name in self.narrowed:
                 dtype = torch.bfloat16
             parts[name] = (off, dtype)
             off += _part_bytes(numel, dtype)
         return parts, off
+
+    def gradient_slot(self) -> bool:
+        """Whether each sub-group's extent has room for its fp32 gradient
+        (write_gradient()); a subclass that only ever holds gradients in
+        memory (hold_gradient()) leaves it out: 4 bytes per element less drive."""
+        return True
+
+    def _no_gradient_slot(self, index: int) -> ValueError:
+        return ValueError(
+            f"sub-group {index} has no gradient on the drive: this optimizer holds gradients in "
+            "memory (aio_zero.gradients: cpu); hold_gradient() them"
+        )
 
     def _slot_bytes(self, numel: int) -> int:
         """Bytes one buffer needs for any single tensor of a `numel`-element sub-group."""
@@ -342,6 +359,8 @@ class OptimizerSwapper:
                 f"sub-group {index}: gradient must be {g.numel} fp32 elements, "
                 f"got {src.numel()} of {src.dtype}"
             )
+        if "grad" not in g.parts:
+            raise self._no_gradient_slot(index)
         if g.grad_future is not None:
             g.grad_future.result()
         g.grad_mem = None  # the drive copy is the gradient from here on
@@ -364,6 +383,8 @@ class OptimizerSwapper:
                 f"sub-group {index}: gradient buffer must be {g.numel} fp32 elements, "
                 f"got {out.numel()} of {out.dtype}"
             )
+        if "grad" not in g.parts:
+            raise self._no_gradient_slot(index)
         self._settle_grad(g)
         self.space.sync_read(out, g.offset + g.parts["grad"][0])
         self.count_io("read", "grad", g.numel * 4)
@@ -520,6 +541,8 @@ class OptimizerSwapper:
         for i in order:
             if not self.groups[i].valid and (self._carry is None or i not in self._carry.reads):
                 raise SwapStateError(f"sub-group {i} has no valid state on the drive; initialize() it first")
+            if "grad" not in self.groups[i].parts and self.groups[i].grad_mem is None:
+                raise SwapStateError(f"sub-group {i} has no gradient: hold_gradient() one before step()")
         self._ensure_optimizer()
         io, self._carry = self._carry, None
         io = io or _StepIO(self, self._pool())

@@ -28,6 +28,11 @@ class SwappedOptimizer(OptimizerSwapper):
 
     gradients_on_drive = False
 
+    def gradient_slot(self) -> bool:
+        """Room for fp32 gradients on the drive only with ``gradients: nvme``
+        (set before the sub-groups are registered)."""
+        return self.gradients_on_drive
+
     def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
         """The sub-group's gradient buffer (see open_gradient()); None only when
         gradients go through pinned buffers and none is free now."""

@@ -302,15 +302,17 @@ def test_cli_validate_says_deepspeed_takes_one_directory(tmp_path, capsys):
     assert "offload_param.nvme_path lists" not in out.err
 
 
-def test_cli_estimate_counts_bf16_states_at_two_bytes(tmp_path, capsys):
+@pytest.mark.parametrize("gradients,slot", [("nvme", 4), ("cpu", 0)])
+def test_cli_estimate_counts_bf16_states_at_two_bytes(tmp_path, capsys, gradients, slot):
+    # Gradients held in memory have no slot on the drive (4 B/param less).
     cfg = json.loads(json.dumps(CFG))
     p = tmp_path / "c.json"
     sizes = {}
     for states in ("fp32", "bf16"):
-        cfg["aio_zero"] = {"optimizer_states": states}
+        cfg["aio_zero"] = {"optimizer_states": states, "gradients": gradients}
         p.write_text(json.dumps(cfg))
         assert config_main(["estimate", str(p), "--params", "1e9", "--dtype", "bf16", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         sizes[states] = (out["nvme"]["/o"], out["pinned_bytes"])
-    assert sizes["fp32"][0] == 10**9 * 16 and sizes["bf16"][0] == 10**9 * 12
+    assert sizes["fp32"][0] == 10**9 * (12 + slot) and sizes["bf16"][0] == 10**9 * (8 + slot)
     assert sizes["fp32"][1] == sizes["bf16"][1]  # the buffers hold float32 either way

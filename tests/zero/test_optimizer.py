@@ -139,3 +139,39 @@ def test_swapped_gradient_buffers_are_one_pool_slot_each(tmp_path):
         assert opt.stats()["pinned_buffer_bytes"] == opt.pinned_bytes()
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("gradients", ["cpu", "nvme"])
+def test_gradient_slot_on_the_drive_only_with_gradients_there(tmp_path, gradients):
+    """With gradients held in memory the swap file has no room for them (4 B
+    per element less drive space), and writing one there is refused."""
+    from aio.config import estimate_memory
+    from aio.swap.storage import align_up
+
+    cfg = load_train_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4},
+            },
+            "aio_zero": {"gradients": gradients},
+        }
+    )
+    sizes = [1000, 5000]
+    opt = make_optimizer(cfg, torch.optim.AdamW, {"lr": 1e-3}, gradients=gradients)
+    try:
+        for i, n in enumerate(sizes):
+            opt.register_subgroup(i, n)
+        slots = 1 if gradients == "nvme" else 0
+        assert opt.stats()["drive_bytes"] == sum(align_up(4 * n) * (3 + slots) for n in sizes)
+        if not slots:
+            with pytest.raises(ValueError, match="holds gradients in memory"):
+                opt.write_gradient(0, torch.zeros(1000))
+    finally:
+        opt.close()
+    est = estimate_memory(cfg.offload, 10**6)
+    full = sum(est.nvme.values())
+    from aio.config.gradients import place_gradients
+
+    est.add_gradients(place_gradients(cfg, 10**6, est.held_bytes))
+    assert full - sum(est.nvme.values()) == (4 * 10**6 if gradients == "cpu" else 0)
