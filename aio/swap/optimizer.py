@@ -608,6 +608,25 @@ class OptimizerSwapper:
         g = self.groups[index]
         return self.space, g.offset + g.parts["param"][0]
 
+    def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:
+        """Change a sub-group's fp32 master weights between steps: ``edit(master)``
+        changes the float32 tensor of its size in place, and it is written back
+        before this returns (its optimizer state is untouched). A failed write
+        leaves the sub-group invalid until initialize() or a checkpoint."""
+        import torch
+
+        self._check_usable()
+        g = self.groups[index]
+        self.drop_cached()  # nothing kept in a buffer may overwrite it later
+        off, n = self._part_io(g, "param")
+        with self._pool().acquire() as lease:
+            _wait_all([self.space.read(lease.buffer()[:n], off)])
+            self.count_io("read", "param", n)
+            edit(lease.tensor(torch.float32, g.numel))
+            g.valid = False
+            _wait_all([self._start_part_write(g, "param", lease)])
+            g.valid = True
+
     def read_master(self, index: int) -> Any:
         """A CPU copy of a sub-group's fp32 master weights."""
         import torch

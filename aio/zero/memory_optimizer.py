@@ -49,6 +49,10 @@ class MemoryOptimizer:
         for index, fill in fills:
             fill(self.master[index])
 
+    def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:
+        """``edit(master)`` changes sub-group `index`'s fp32 master weights in place."""
+        edit(self.master[index])
+
     def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
         """open_gradient(): a buffer in memory is always free, so never None."""
         return self.open_gradient(index, numel, resume)

@@ -13,8 +13,9 @@ read again. ``aio_zero.params_from_master: false`` keeps the separate copy.
 
 A parameter whose values are stored from elsewhere (``gathered(modify=True)``,
 a checkpoint) goes back to its own copy (the alias ends on any write); the
-trainer mirrors again after loading a checkpoint, whose master weights and
-parameters are the same bytes.
+trainer mirrors again once the master weights hold the same values: after
+``gathered(modify=True)`` (which stores them as the master weights too) and
+after loading a checkpoint.
 """
 
 from __future__ import annotations

@@ -87,6 +87,12 @@ class ZeroOptimizer(Protocol):
         drive backend fills the next sub-group while the last one's write lands."""
         ...
 
+    def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:
+        """Between steps: ``edit(master)`` changes sub-group `index`'s fp32
+        master weights (a float32 tensor of its size) in place; stored before
+        this returns, the optimizer state untouched."""
+        ...
+
     def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
         """The sub-group's gradient buffer (zeroed, or holding the gradient
         accumulated so far when `resume`), or None when no buffer is free now."""

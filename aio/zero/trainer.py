@@ -17,9 +17,11 @@ low-precision parameters back.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ..config import ConfigError, TrainConfig, load_train_config
@@ -487,12 +489,36 @@ class OffloadTrainer:
         return out
 
     # -- access and accounting -------------------------------------------------------------
-    def gathered(self, params: Any = None, modify: bool = False) -> Any:
+    @contextlib.contextmanager
+    def gathered(self, params: Any = None, modify: bool = False) -> Iterator[None]:
         """Context manager materialising `params` (default: all) outside
-        forward/backward, e.g. to inspect or export weights."""
-        if params is None:
-            params = list(self.module.parameters())
-        return self.store.gathered(list(params), modify=modify)
+        forward/backward, e.g. to inspect or export weights. With `modify`,
+        the values the block leaves in them are stored -- as the parameters
+        and, for trainable ones, as their fp32 master weights, so the next
+        step goes on from them -- unless the block raises."""
+        self._check_open()
+        params = list(self.module.parameters()) if params is None else list(params)
+        with self.store.gathered(params, modify=modify):
+            yield
+        if modify:
+            self._masters_from(params)
+
+    def _masters_from(self, params: list[Any]) -> None:
+        """Set the master weights of trainable `params` to their stored values."""
+        places: dict[int, list[Any]] = {}
+        for p in params:
+            s = self.layout.places.get(getattr(p, "aio_id", -1))
+            if s is not None:
+                places.setdefault(s.group, []).append(s)
+        for gi, group in places.items():
+
+            def edit(master: Any, group: list[Any] = group) -> None:
+                for s in group:
+                    master[s.offset : s.offset + s.numel].copy_(self.store.read(s.param))
+
+            self.zero_optimizer.update_master(gi, edit)
+        if places:
+            self._mirror()  # the parameters stored above are the master weights again
 
     def state_dict(self) -> dict[str, Any]:
         """The model's parameters and buffers as CPU tensors, one parameter at a time."""

@@ -1,6 +1,7 @@
 """ParamSwapper: bit-exact round trips, placement, states, pool errors, faults."""
 
 import errno
+import gc
 import os
 
 import pytest
@@ -67,6 +68,8 @@ def test_placement_small_and_max_in_cpu(tmp_path):
 @pytest.mark.parametrize("pin", [True, False])
 def test_pinned_bytes_are_what_is_locked(tmp_path, pin):
     from aio import pinned
+
+    gc.collect()  # an earlier test's buffers are freed now, not during this one
 
     before = pinned.locked_bytes()
     with make(tmp_path, max_in_cpu=3000, min_swap_bytes=1024, pin_memory=pin) as s:

@@ -1,6 +1,7 @@
 """aio.zero.mirror: float32 parameters read from the optimizer's master
 weights train exactly as with a copy of their own, write no parameter bytes
-after set-up, and go back to their own copy when stored from elsewhere."""
+after set-up, and are read from the master weights again after
+gathered(modify=True) and checkpoint loads, which store them there too."""
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_parameters_keep_their_own_copy_where_it_differs_or_is_asked(tmp_path, w
         assert engine.io_bytes_by_category()["written"]["parameters"] > set_up  # written back after the step
 
 
-def test_modified_parameter_keeps_its_values_and_checkpoint_mirrors_again(tmp_path, reference):  # noqa: F811
+def test_modified_parameter_keeps_its_values_and_checkpoint_restores(tmp_path, reference):  # noqa: F811
     with _engine(tmp_path / "d", True) as engine:
         first = train_engine(engine, 3)
         engine.save_checkpoint(str(tmp_path / "ck"))
@@ -60,8 +61,8 @@ def test_modified_parameter_keeps_its_values_and_checkpoint_mirrors_again(tmp_pa
         before = engine.store.read(p)
         with engine.gathered([p], modify=True):
             p.data.add_(1.0)
-        assert not engine.store.mirrors(p)  # stored in its own copy from here on
-        assert torch.equal(engine.store.read(p), before + 1.0)
+        # Stored as the parameter and as its master weights, which it is read from again.
+        assert engine.store.mirrors(p) and torch.equal(engine.store.read(p), before + 1.0)
         with engine.gathered([p]):
             assert torch.equal(p.data.reshape(-1), before + 1.0)
         mirrored = engine.mirrored
@@ -69,3 +70,40 @@ def test_modified_parameter_keeps_its_values_and_checkpoint_mirrors_again(tmp_pa
         assert engine.store.stats()["aliased"] == engine.mirrored == mirrored
         rest = train_engine(engine, 3, start=3)
     assert first + rest == reference[:6]
+
+
+@pytest.mark.parametrize("opt", ["nvme", "cpu"])
+def test_modified_parameters_are_where_training_goes_on(tmp_path, opt):
+    """gathered(modify=True) between steps stores the values as the
+    parameters and their master weights: training continues from them exactly
+    as in memory (it used to be overwritten by the next step's master weights)."""
+    from aio.optim import CPUAdamW
+
+    from .common import loss_of
+
+    def change(model_params):
+        model_params[3].data.mul_(0.5)
+        model_params[5].data.fill_(0.25)
+
+    model = gpt()
+    ref_opt = CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    want = []
+    for step in range(4):
+        if step == 2:
+            change(list(model.parameters()))
+        for micro in range(2):
+            loss = loss_of(model, step, micro)
+            (loss / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path, opt=opt)) as engine:
+        got = train_engine(engine, 2)
+        params = list(engine.module.parameters())
+        with engine.gathered([params[3], params[5]], modify=True):
+            change(params)
+        got += train_engine(engine, 2, start=2)
+        if opt == "nvme":
+            assert engine.mirrored == engine.store.stats()["aliased"] > 0  # the master weights again
+    assert got == want
