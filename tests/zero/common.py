@@ -58,14 +58,17 @@ def loss_of(model, step, micro):
     return torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def train_in_memory(steps, gas=2, clip=0.5, model=None):
+def train_in_memory(steps, gas=2, clip=0.5, model=None, before_step=None):
     """Losses of plain in-memory training with the AdamW step aio.zero takes
     by default (aio.optim's kernel: torch's AdamW with the correctly rounded
-    square root), so an offloaded run must give the same bits."""
+    square root), so an offloaded run must give the same bits.
+    `before_step(step, model)` runs at the start of each step."""
     model = model or gpt()
     opt = CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     out = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(step, model)
         for micro in range(gas):
             loss = loss_of(model, step, micro)
             (loss / gas if gas > 1 else loss).backward()

@@ -77,27 +77,13 @@ def test_modified_parameters_are_where_training_goes_on(tmp_path, opt):
     """gathered(modify=True) between steps stores the values as the
     parameters and their master weights: training continues from them exactly
     as in memory (it used to be overwritten by the next step's master weights)."""
-    from aio.optim import CPUAdamW
-
-    from .common import loss_of
+    from .common import train_in_memory
 
     def change(model_params):
         model_params[3].data.mul_(0.5)
         model_params[5].data.fill_(0.25)
 
-    model = gpt()
-    ref_opt = CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    want = []
-    for step in range(4):
-        if step == 2:
-            change(list(model.parameters()))
-        for micro in range(2):
-            loss = loss_of(model, step, micro)
-            (loss / 2).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = train_in_memory(4, before_step=lambda step, m: change(list(m.parameters())) if step == 2 else None)
     with aio.zero.initialize(gpt(), cfg_for(tmp_path, opt=opt)) as engine:
         got = train_engine(engine, 2)
         params = list(engine.module.parameters())
