@@ -1050,13 +1050,14 @@ class _StepIO:
     def write_masters(self) -> None:
         """Write the master weights of every carried sub-group not yet on the
         drive, and wait; the sub-groups stay dirty (their states are not written)."""
-        futs: list[IOFuture] = []
-        for i, (leases, _futs, dirty) in self.reads.items():
-            if dirty:
-                off, n = self.sw._part_io(self.sw.groups[i], "param")
-                futs.append(self.sw.space.write(leases["param"].buffer()[:n], off))
-                self.sw.count_io("written", "param", n)
-        _wait_all(futs)
+        sw = self.sw
+        _wait_all(
+            [
+                sw._start_part_write(sw.groups[i], "param", leases["param"])
+                for i, (leases, _futs, dirty) in self.reads.items()
+                if dirty
+            ]
+        )
 
     def write_back(self) -> None:
         """Write every carried sub-group not yet on the drive, and wait (the

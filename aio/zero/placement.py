@@ -163,14 +163,6 @@ class SubGroupLayout:
         """Every place, in model order."""
         return sorted(self.places.values(), key=lambda s: s.order)
 
-    def gather_master(self, gi: int, read: Any) -> Any:
-        """Sub-group `gi`'s fp32 master weights, each parameter read by `read(param)`."""
-        import torch
-
-        master = torch.empty(self.group_numel[gi], dtype=torch.float32)
-        self.fill_master(gi, lambda p, out: out.copy_(read(p)), master)
-        return master
-
     def fill_master(self, gi: int, read_into: Any, out: Any) -> None:
         """Write sub-group `gi`'s fp32 master weights into `out` (float32, the
         sub-group's size): ``read_into(param, view)`` fills each parameter's slice."""

@@ -88,5 +88,6 @@ def test_sub_group_layout_packs_in_model_order():
         (1, 0, 3),
         (1, 60, 4),
     ]
-    master = layout.gather_master(1, lambda p: torch.full((p.aio_numel,), float(p.aio_id)))
+    master = torch.empty(layout.group_numel[1])
+    layout.fill_master(1, lambda p, out: out.fill_(float(p.aio_id)), master)
     assert master.tolist() == [3.0] * 60 + [4.0] * 10
