@@ -27,6 +27,16 @@ class CliError(Exception):
     """A problem the user can fix; the CLI prints one line and exits with status 2."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, raised by the CLI's signal handler.
+
+    A subclass on purpose: CPython remembers a bare KeyboardInterrupt that
+    leaves any ``exec``/``eval`` of a string (dataclasses and namedtuple build
+    their methods that way) as "unhandled", and ``python -m`` then ends the
+    process by SIGINT after our handled exit 130. It compares the exact type,
+    so a subclass is never mistaken for one nobody caught."""
+
+
 class CliParser(argparse.ArgumentParser):
     """argparse with a one-line error (``prog: error: ...``) and exit status 2."""
 
@@ -112,7 +122,7 @@ def _on_signal(signum: int, frame: Any) -> None:
             return
         f = f.f_back
     _mark_interrupted()
-    raise KeyboardInterrupt
+    raise Interrupted
 
 
 def _mark_interrupted() -> None:
@@ -144,7 +154,7 @@ def check_interrupt() -> None:
     if _deferred_interrupt:
         _deferred_interrupt = False
         _mark_interrupted()
-        raise KeyboardInterrupt
+        raise Interrupted
 
 
 def parse_size(text: str) -> int:

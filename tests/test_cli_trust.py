@@ -347,3 +347,28 @@ def test_interrupt_inside_signals_deferred_lands_when_the_block_ends():
     )
     assert out.stdout.split() == ["130", "['inside']"], (out.stdout, out.stderr)
     assert "t: interrupted" in out.stderr and "Traceback" not in out.stderr
+
+
+_IN_EXEC = """
+import os, signal
+from aio import _cli
+def body():
+    # dataclasses and namedtuple build methods by exec of a string: the signal
+    # lands while such code runs.
+    exec("os.kill(os.getpid(), signal.SIGTERM)\\nsum(range(1000))", {"os": os, "signal": signal})
+    return 0
+raise SystemExit(_cli.run_cli("t", body))
+"""
+
+
+def test_interrupt_inside_exec_of_a_string_still_exits_130(tmp_path):
+    # CI saw aio-check die of SIGINT (-2) after "interrupted; scratch file
+    # removed": a bare KeyboardInterrupt leaving an exec'd string marks itself
+    # unhandled in CPython, and python -m then kills itself with SIGINT.
+    (tmp_path / "in_exec.py").write_text(_IN_EXEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run(
+        [sys.executable, "-m", "in_exec"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env
+    )
+    assert p.returncode == 130, (p.stdout, p.stderr)
+    assert "t: interrupted" in p.stderr and "Traceback" not in p.stderr
