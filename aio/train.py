@@ -264,7 +264,9 @@ def make_config(args: argparse.Namespace, nvme_path: str | list[str]) -> dict[st
         }
         z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, **optimizer_buffers(largest)}
         if args.optimizer_states != "fp32":
-            cfg["aio_zero"] = {"optimizer_states": args.optimizer_states}
+            cfg.setdefault("aio_zero", {})["optimizer_states"] = args.optimizer_states
+        if args.gradients != "auto":
+            cfg.setdefault("aio_zero", {})["gradients"] = args.gradients
     elif args.offload == "cpu":
         z["offload_param"] = {"device": "cpu"}
         z["offload_optimizer"] = {"device": "cpu"}
@@ -597,6 +599,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="optimizer states on the drive (--offload nvme): bf16 halves their bytes, not bit-identical",
     )
+    ap.add_argument(
+        "--gradients",
+        choices=["auto", "cpu", "nvme"],
+        default="auto",
+        help=(
+            "where fp32 gradients wait for the step (--offload nvme; aio_zero.gradients): auto keeps them "
+            "in memory within the host-memory budget, nvme always on the drive (least RAM)"
+        ),
+    )
     ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     ap.add_argument("--no-init", dest="init", action="store_false", help="build the model in memory first")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
@@ -646,6 +657,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
     if args.optimizer_states != "fp32" and args.offload != "nvme":
         ap.error("--optimizer-states bf16 stores the states on the drive: it needs --offload nvme")
+    if args.gradients != "auto" and args.offload != "nvme":
+        ap.error(f"--gradients {args.gradients} places gradients for the drive's optimizer: it needs --offload nvme")
+    if args.config and (args.gradients != "auto" or args.optimizer_states != "fp32"):
+        ap.error("--gradients and --optimizer-states do not apply with --config: set aio_zero's keys in the config")
     if args.config and args.nvme_path:
         ap.error("--nvme-path does not apply with --config: the config's offload blocks name their nvme_path")
     for path in args.nvme_path or []:

@@ -181,6 +181,9 @@ def _bad_invocations(tmp):
         (t, ["--sub-group-size", "inf"]),
         (t, ["--json", os.path.join(missing, "r.json")]),
         (t, ["--nvme-path", afile]),
+        (t, ["--gradients", "nvme", "--offload", "cpu"]),
+        (t, ["--gradients", "ram"]),
+        (t, ["--config", good, "--gradients", "nvme"]),
     ]
 
 
