@@ -476,7 +476,7 @@ def spawn(job: dict, job_path: str, timeout: float) -> tuple[int, bool, str]:
     with open(job_path, "w") as f:
         json.dump(job, f, default=str)
     log_path = os.path.join(os.path.dirname(job_path), "worker.log")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = ts.worker_env()
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", job_path]
     with open(log_path, "w") as log:
         # Its own session: a timeout kills the worker with whatever it started (a JIT build).

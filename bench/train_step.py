@@ -460,6 +460,16 @@ def child_args(a: argparse.Namespace) -> list[str]:
     return out
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process: this checkout on PYTHONPATH, and
+    torch's large CPU tensors on huge pages (``THP_MEM_ALLOC_ENABLE=1``, as
+    aio-train sets it) unless the caller's environment says either way; every
+    variant gets the same, so the engines are compared on one allocator."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return env
+
+
 def run_one(
     a: argparse.Namespace, v: str, root: str, script: str = __file__, extra: tuple[str, ...] = ()
 ) -> dict:
@@ -468,7 +478,7 @@ def run_one(
     drive = tempfile.mkdtemp(prefix=f"{v}-", dir=root)
     out = os.path.join(drive, "result.json")
     cmd = [sys.executable, os.path.abspath(script), "--worker", v, "--out", out, "--dir", drive]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = worker_env()
     time.sleep(a.idle)
     try:
         p = subprocess.run(cmd + child_args(a) + list(extra), capture_output=True, text=True, env=env)
@@ -485,7 +495,7 @@ def measure_drive(a: argparse.Namespace, root: str) -> dict:
     time.sleep(a.idle)
     cmd = [sys.executable, os.path.abspath(__file__), "--drive-only", "--dir", root]
     cmd += ["--drive-size", str(a.drive_size)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = worker_env()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         print(p.stderr[-3000:], file=sys.stderr)
