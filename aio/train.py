@@ -658,9 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.optimizer_states != "fp32" and args.offload != "nvme":
         ap.error("--optimizer-states bf16 stores the states on the drive: it needs --offload nvme")
     if args.gradients != "auto" and args.offload != "nvme":
-        ap.error(f"--gradients {args.gradients} places gradients for the drive's optimizer: it needs --offload nvme")
+        ap.error(f"--gradients {args.gradients} is for the drive's optimizer: it needs --offload nvme")
     if args.config and (args.gradients != "auto" or args.optimizer_states != "fp32"):
-        ap.error("--gradients and --optimizer-states do not apply with --config: set aio_zero's keys in the config")
+        ap.error("--gradients and --optimizer-states do not apply with --config: set its aio_zero keys")
     if args.config and args.nvme_path:
         ap.error("--nvme-path does not apply with --config: the config's offload blocks name their nvme_path")
     for path in args.nvme_path or []:

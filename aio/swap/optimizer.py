@@ -619,7 +619,14 @@ class OptimizerSwapper:
         g = self.groups[index]
         self.drop_cached()  # nothing kept in a buffer may overwrite it later
         off, n = self._part_io(g, "param")
-        with self._pool().acquire() as lease:
+        lease = self._pool().try_acquire()
+        if lease is None:  # waiting could hang: nothing gives a buffer back meanwhile
+            raise SwapStateError(
+                f"changing sub-group {index}'s master weights needs a free optimizer swap buffer and "
+                f"all {self._pool().count} are in use; finish the step (or give back the buffers "
+                f"taken with acquire_buffer()) first, or raise {BUFFER_COUNT_KEY}"
+            )
+        with lease:
             _wait_all([self.space.read(lease.buffer()[:n], off)])
             self.count_io("read", "param", n)
             edit(lease.tensor(torch.float32, g.numel))
@@ -644,6 +651,13 @@ class OptimizerSwapper:
         leaves no half-written checkpoint under that name)."""
 
         self._check_usable()
+        self.drop_cached()  # the drive copy must be current
+        torn = [i for i in sorted(self.groups) if not self.groups[i].valid]
+        if torn:
+            raise SwapStateError(
+                f"sub-groups {torn} have no complete state on the drive (never initialized, or a "
+                "write failed): refusing to save a checkpoint of them; load one first"
+            )
         with checkpoint_dir(directory) as tmp:
             manifest: dict[str, Any] = {
                 "version": CHECKPOINT_VERSION,

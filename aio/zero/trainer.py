@@ -259,7 +259,13 @@ class OffloadTrainer:
         :mod:`aio.zero.mirror`), unless ``aio_zero.params_from_master`` is off."""
         self.mirrored = 0
         if self.cfg.aio_zero.params_from_master and self.opt is not None:
-            self.mirrored = mirror_master(self.store, self.opt, self.layout)
+            try:
+                self.mirrored = mirror_master(self.store, self.opt, self.layout)
+            except BaseException:
+                # Some are aliased already: a step must flush for them, or they refuse.
+                self.mirrored = 1
+                self._lose_mirrors()
+                raise
             logger.info("parameters read from the master weights: %d", self.mirrored)
 
     @property
@@ -423,9 +429,7 @@ class OffloadTrainer:
         except BaseException:
             # The master weights on the drive may be partly written: parameters
             # read from them refuse until a checkpoint is loaded, as the optimizer does.
-            if self.mirrored:
-                self.store.lose_mirrors()
-                self.mirrored = 0
+            self._lose_mirrors()
             raise
         finally:
             self.store.settle(self._param_writes)
@@ -498,27 +502,50 @@ class OffloadTrainer:
         step goes on from them -- unless the block raises."""
         self._check_open()
         params = list(self.module.parameters()) if params is None else list(params)
+        if modify:
+            # Gradient writes in flight (mid-window, or before step()) hold
+            # optimizer buffers the master weights' update needs.
+            try:
+                self.grads.settle_writes()
+            except BaseException:
+                self._abandon_window()
+                raise
         with self.store.gathered(params, modify=modify):
             yield
         if modify:
             self._masters_from(params)
 
     def _masters_from(self, params: list[Any]) -> None:
-        """Set the master weights of trainable `params` to their stored values."""
+        """Set the master weights of trainable `params` to their stored values
+        where those differ from the master weights rounded to the training
+        dtype (elsewhere the master keeps its fp32 precision)."""
         places: dict[int, list[Any]] = {}
         for p in params:
             s = self.layout.places.get(getattr(p, "aio_id", -1))
             if s is not None:
                 places.setdefault(s.group, []).append(s)
-        for gi, group in places.items():
-
-            def edit(master: Any, group: list[Any] = group) -> None:
-                for s in group:
-                    master[s.offset : s.offset + s.numel].copy_(self.store.read(s.param))
-
-            self.zero_optimizer.update_master(gi, edit)
+        try:
+            for gi, group in places.items():
+                self.zero_optimizer.update_master(gi, functools.partial(self._edit_master, group))
+        except BaseException:
+            # Master weights partly written: parameters read from them refuse
+            # until a checkpoint is loaded, as after a failed step.
+            self._lose_mirrors()
+            raise
         if places:
             self._mirror()  # the parameters stored above are the master weights again
+
+    def _edit_master(self, group: list[Any], master: Any) -> None:
+        for s in group:
+            new = self.store.read(s.param).reshape(-1)
+            old = master[s.offset : s.offset + s.numel]
+            changed = new != old.to(new.dtype)
+            old[changed] = new[changed].to(old.dtype)
+
+    def _lose_mirrors(self) -> None:
+        if self.mirrored:
+            self.store.lose_mirrors()
+            self.mirrored = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The model's parameters and buffers as CPU tensors, one parameter at a time."""

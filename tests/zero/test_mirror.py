@@ -93,3 +93,86 @@ def test_modified_parameters_are_where_training_goes_on(tmp_path, opt):
         if opt == "nvme":
             assert engine.mirrored == engine.store.stats()["aliased"] > 0  # the master weights again
     assert got == want
+
+
+def test_modify_mid_window_with_gradients_on_the_drive_does_not_wait_forever(tmp_path):
+    """Mid accumulation window the gradient writes in flight held every
+    optimizer buffer, and update_master() waited for one forever (review of
+    383302c): gathered(modify=True) now lets those writes land first."""
+    import threading
+
+    from .common import loss_of
+
+    cfg = cfg_for(tmp_path, pipeline=False, aio_zero={"gradients": "nvme"})  # 4 optimizer buffers
+    cfg["zero_optimization"]["sub_group_size"] = 17_000  # more sub-groups than buffers
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        engine.backward(loss_of(engine, 0, 0))
+        engine.step()  # micro-step 1 of 2: the gradients' writes are in flight
+        p = list(engine.module.parameters())[3]
+        before = engine.store.read(p)
+        outcome = []
+
+        def modify():
+            try:
+                with engine.gathered([p], modify=True):
+                    p.data.mul_(0.5)
+                outcome.append("done")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                outcome.append(e)
+
+        t = threading.Thread(target=modify, daemon=True)
+        t.start()
+        t.join(60)
+        assert outcome == ["done"], outcome or "gathered(modify=True) still waiting after 60 s"
+        assert torch.equal(engine.store.read(p), before * 0.5)
+        engine.backward(loss_of(engine, 1, 0))
+        engine.step()  # the window's second micro-step and its optimizer step
+        assert engine.global_steps == 1
+
+
+@pytest.mark.parametrize("opt", ["nvme", "cpu"])
+def test_modify_keeps_fp32_master_weights_of_values_left_alone(tmp_path, opt):
+    """bf16 parameters: gathered(modify=True) stores as master weights only
+    the values the block changed; the others keep their fp32 precision (a
+    copy of the bf16 values rounded 4.5 % of the master weights)."""
+    cfg = cfg_for(tmp_path, opt=opt, bf16={"enabled": True})
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        train_engine(engine, 2)
+        opt_ = engine.zero_optimizer
+        groups = range(len(engine.layout.groups))
+        before = [opt_.read_master(gi) if opt == "nvme" else opt_.master[gi].clone() for gi in groups]
+        params = list(engine.module.parameters())[:4]
+        with engine.gathered(params, modify=True):
+            params[0].data.view(-1)[0] = 0.5  # one value changed
+        after = [opt_.read_master(gi) if opt == "nvme" else opt_.master[gi].clone() for gi in groups]
+        s = engine.layout.places[params[0].aio_id]
+        changed = [int((a != b).sum()) for a, b in zip(before, after, strict=True)]
+        assert sum(changed) == changed[s.group] == 1
+        assert after[s.group][s.offset].item() == 0.5
+
+
+def test_failed_master_update_makes_parameters_read_from_it_refuse(tmp_path):
+    """A failed write of gathered(modify=True)'s master weights leaves that
+    sub-group's drive copy untrusted: parameters read from master weights
+    refuse (until a checkpoint is loaded), as after a failed step, and no
+    checkpoint is saved from it."""
+    import errno
+
+    with _engine(tmp_path / "d", True) as engine:
+        train_engine(engine, 1)
+        params = [q for q in engine.module.parameters() if engine.store.mirrors(q)]
+        p = params[0]
+        group = engine.layout.places[p.aio_id].group
+        other = next(q for q in params if engine.layout.places[q.aio_id].group != group)
+        engine.opt.drop_cached()  # nothing kept: the next optimizer write is the master weights'
+        engine.opt.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 1, 1)
+        with pytest.raises(OSError), engine.gathered([p], modify=True):
+            p.data.mul_(0.5)
+        engine.opt.space.drives[0].writer._c.clear_fault()
+        assert engine.mirrored == 0
+        with pytest.raises(Exception, match="invalid"):
+            engine.store.read(other)
+        with pytest.raises(Exception, match="cannot checkpoint"):
+            engine.save_checkpoint(str(tmp_path / "ck"))
+        with pytest.raises(Exception, match="no complete state"):  # the optimizer refuses too
+            engine.zero_optimizer.export_checkpoint(str(tmp_path / "opt"))
