@@ -260,7 +260,9 @@ def checkpoint_dir(directory: str) -> Iterator[str]:
         raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
     parent = os.path.dirname(os.path.abspath(directory))
     tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
+    # Private (0700 whatever the umask): nobody else can plant a file or a
+    # symlink in it for a write to follow; the checkpoint keeps that mode.
+    os.mkdir(tmp, 0o700)
     try:
         yield tmp
         sizes = _sync_tree(tmp)

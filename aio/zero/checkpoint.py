@@ -23,10 +23,11 @@ _COUNTERS = ("global_steps", "micro_steps", "skipped_steps")
 
 def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: dict | None) -> str:
     """See :meth:`aio.zero.OffloadTrainer.save_checkpoint`."""
-    if trainer.micro_steps % trainer.gas != 0:
+    if trainer.micro_steps % trainer.gas != 0 or trainer.grads.touched or trainer.grads.has_open:
         raise ValueError(
-            "save_checkpoint() in the middle of gradient accumulation would lose the partial "
-            "gradient; save right after a step() at an accumulation boundary"
+            "save_checkpoint() in the middle of gradient accumulation (or after a backward() "
+            "whose step() has not run) would lose the partial gradient; save right after a "
+            "step() at an accumulation boundary"
         )
     tag = check_tag(f"global_step{trainer.global_steps}" if tag is None else tag)
     _make_dirs_durably(os.path.abspath(save_dir))
@@ -39,6 +40,7 @@ def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: 
         save_plain(
             _schedule_state(trainer), os.path.join(tmp, "schedule.pt"), "the param groups and lr scheduler"
         )
+        save_plain(_buffers(trainer), os.path.join(tmp, "buffers.pt"), "the module buffers")
         write_json_durably(os.path.join(tmp, "engine.json"), _meta(trainer))
     _point_latest(save_dir, tag)
     return path
@@ -117,16 +119,63 @@ def _read_latest(load_dir: str) -> str:
 
 
 def _meta(trainer: OffloadTrainer) -> dict[str, Any]:
-    cls = trainer.optimizer_cls
     scaler = trainer.scaling.scaler
     return {
         "version": CHECKPOINT_VERSION,
         **{k: getattr(trainer, k) for k in _COUNTERS},
+        "gradient_accumulation_steps": trainer.gas,
         "dtype": trainer.cfg.dtype,
-        "optimizer": f"{cls.__module__}.{cls.__qualname__}",
+        "optimizer": _optimizer_name(trainer),
         "params": _param_shapes(trainer),
         "scaler": scaler.state_dict() if scaler else None,
     }
+
+
+def _optimizer_name(trainer: OffloadTrainer) -> str:
+    cls = trainer.optimizer_cls
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _buffers(trainer: OffloadTrainer) -> dict[str, Any]:
+    """The module's persistent buffers (BatchNorm's running statistics...), as
+    its state_dict() holds them, on the CPU."""
+    out = {}
+    for mod_name, mod in trainer.module.named_modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = b.detach().cpu().clone()
+    return out
+
+
+def _verify_buffers(trainer: OffloadTrainer, path: str) -> dict[str, Any] | None:
+    """The checkpoint's module buffers, checked against the model's (None in a
+    checkpoint from before they were saved)."""
+    f = os.path.join(path, "buffers.pt")
+    if not os.path.exists(f):
+        return None
+    import torch
+
+    saved = load_plain(f)
+
+    def kinds(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else None for k, v in d.items()}
+
+    if not isinstance(saved, dict) or kinds(saved) != kinds(_buffers(trainer)):
+        raise ValueError(f"{path}: the module buffers saved (names, shapes, dtypes) do not fit the model")
+    return dict(saved)
+
+
+def _apply_buffers(trainer: OffloadTrainer, saved: dict[str, Any] | None) -> None:
+    if saved is None:
+        return
+    import torch
+
+    with torch.no_grad():
+        for mod_name, mod in trainer.module.named_modules():
+            for name, b in mod.named_buffers(recurse=False):
+                key = f"{mod_name}.{name}" if mod_name else name
+                if key in saved:
+                    b.copy_(saved[key])
 
 
 def _schedule_state(trainer: OffloadTrainer) -> dict[str, Any]:
@@ -155,6 +204,17 @@ def _verify_schedule(trainer: OffloadTrainer, path: str) -> dict[str, Any] | Non
     groups = state.get("param_groups") if isinstance(state, dict) else None
     if not isinstance(groups, list) or len(groups) != len(trainer.optimizer.param_groups):
         raise ValueError(f"{path}: the checkpoint's param groups do not match this optimizer's")
+    if not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"{path}: the checkpoint's param groups are malformed")
+    sched, saved = trainer.lr_scheduler, state.get("lr_scheduler")
+    if sched is not None and saved is not None:
+        # Loaded only after the parameters and the optimizer state: a scheduler
+        # of another kind must be refused here, while nothing has changed yet.
+        if not isinstance(saved, dict) or set(saved) != set(sched.state_dict()):
+            raise ValueError(
+                f"{path}: the checkpoint's lr scheduler state does not fit this trainer's "
+                f"{type(sched).__name__} (saved with another kind of scheduler?)"
+            )
     return state
 
 
@@ -182,6 +242,7 @@ def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, 
     params = trainer.store.verify_checkpoint(os.path.join(path, "params"))
     opt = trainer.zero_optimizer.verify_checkpoint(os.path.join(path, "optimizer"))
     schedule = _verify_schedule(trainer, path)
+    buffers = _verify_buffers(trainer, path)
     # Verified: only I/O errors can fail from here, and the swappers then
     # refuse to be used or exported until a checkpoint loads.
     trainer.reset_window()
@@ -189,8 +250,13 @@ def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, 
     trainer.store.apply_checkpoint(os.path.join(path, "params"), params)
     trainer.zero_optimizer.apply_checkpoint(os.path.join(path, "optimizer"), opt)
     _apply_schedule(trainer, schedule)
+    _apply_buffers(trainer, buffers)
     for k in _COUNTERS:
         setattr(trainer, k, meta[k])
+    # Saved at a window's end; with another gradient_accumulation_steps the
+    # next micro-step must still open a window (zeroed gradients, the loss
+    # divided by the new count), not continue one.
+    trainer.micro_steps = -(-meta["micro_steps"] // trainer.gas) * trainer.gas
     scaler = trainer.scaling.scaler
     if scaler is not None and meta["scaler"]:
         scaler.load_state_dict(meta["scaler"])
@@ -201,8 +267,15 @@ def verify_meta(trainer: OffloadTrainer, path: str) -> dict[str, Any]:
     """The checkpoint's ``engine.json``, checked against `trainer`."""
     with open(os.path.join(path, "engine.json")) as f:
         meta = json.load(f)
-    if not isinstance(meta, dict) or meta.get("version") != CHECKPOINT_VERSION:
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: engine.json is not an aio.zero checkpoint's")
+    if meta.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: unsupported aio.zero checkpoint version {meta.get('version')!r}")
+    if meta.get("optimizer", _optimizer_name(trainer)) != _optimizer_name(trainer):
+        raise ValueError(
+            f"{path}: saved with optimizer {meta.get('optimizer')}, this trainer steps with "
+            f"{_optimizer_name(trainer)}: its state would not fit"
+        )
     if meta.get("params") != _param_shapes(trainer):
         raise ValueError(f"{path}: the checkpoint's parameters (names and shapes) do not match this model")
     dtype = trainer.cfg.dtype

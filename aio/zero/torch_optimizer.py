@@ -57,6 +57,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: gradients never stay on the parameters."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: the optimizer state lives with the offloaded master weights,
+        not here; a state dict of this object would silently lack it."""
+        raise RuntimeError(
+            "engine.optimizer.state_dict() cannot hold aio.zero's offloaded optimizer state; "
+            "save it with engine.save_checkpoint() (and load with engine.load_checkpoint())"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refused, as :meth:`state_dict` (it would also stop sharing the param
+        groups with the user's optimizer, and its scheduler)."""
+        raise RuntimeError(
+            "engine.optimizer.load_state_dict() cannot restore aio.zero's offloaded optimizer "
+            "state; use engine.load_checkpoint()"
+        )
+
     def __getattr__(self, name: str) -> Any:
         backend = self.__dict__.get("_backend")
         if backend is None or name.startswith("__"):

@@ -302,3 +302,123 @@ def test_ambiguous_tags_are_refused_before_writing(tmp_path, tag):
                 engine.load_checkpoint(str(ckpt))
         (ckpt / "latest").write_text("best\n")  # an editor's newline is fine
         engine.load_checkpoint(str(ckpt))
+
+
+# -- found by a review of the checkpoint code (each failed before its fix) ------------------
+
+
+def _realigned_after_load(tmp_path, name, pretrain):
+    """Micro-steps of the first window after loading a gas=2 checkpoint into a
+    gas=3 trainer, and the parameters after it."""
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / name, "cpu", "cpu", gas=3)) as e:
+        if pretrain:
+            train_engine(e, 1, gas=3)  # leaves a gradient in the buffers
+        e.load_checkpoint(str(tmp_path / "ck"))
+        assert e.micro_steps % e.gas == 0
+        g0, n = e.global_steps, 0
+        while e.global_steps == g0:
+            e.backward(loss_of(e, 10, n))
+            e.step()
+            n += 1
+        return n, e.state_dict()
+
+
+def test_another_accumulation_count_on_resume_starts_a_whole_window(tmp_path):
+    """Saved at gradient_accumulation_steps 2, loaded at 3: the first window
+    after loading has 3 micro-steps from zeroed gradients, whatever the
+    trainer did before loading (it used to start mid-window and add onto the
+    gradient left in the buffers)."""
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu", gas=2)) as e:
+        train_engine(e, 2, gas=2)
+        e.save_checkpoint(str(tmp_path / "ck"))
+    n1, s1 = _realigned_after_load(tmp_path, "b", pretrain=False)
+    n2, s2 = _realigned_after_load(tmp_path, "c", pretrain=True)
+    assert n1 == n2 == 3
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_scheduler_of_another_kind_is_refused_before_anything_changes(tmp_path):
+    step_lr = lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5)  # noqa: E731
+    constant = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)  # noqa: E731
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu"), lr_scheduler=step_lr) as e:
+        train_engine(e, 2)
+        e.save_checkpoint(str(tmp_path / "ck"))
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "b", "cpu", "cpu"), lr_scheduler=constant) as e:
+        train_engine(e, 1)
+        before, steps = e.state_dict(), e.global_steps
+        with pytest.raises(ValueError, match="LambdaLR"):
+            e.load_checkpoint(str(tmp_path / "ck"))
+        after = e.state_dict()
+        assert e.global_steps == steps and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_checkpoint_of_another_optimizer_is_refused(tmp_path):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu")) as e:
+        train_engine(e, 1)
+        e.save_checkpoint(str(tmp_path / "ck"))
+    c = cfg_for(tmp_path / "b", "cpu", "cpu")
+    c["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}
+    with aio.zero.initialize(gpt(), c) as e, pytest.raises(ValueError, match="saved with optimizer"):
+        e.load_checkpoint(str(tmp_path / "ck"))
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+
+
+def _bn_loss(engine, step, micro):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return engine(torch.randn(4, 8, generator=g) * 3 + 1).square().mean()
+
+
+@pytest.mark.parametrize("drive", ["cpu", "nvme"])
+def test_module_buffers_are_in_the_checkpoint(tmp_path, drive):
+    """BatchNorm's running statistics come back with the parameters (they
+    used to be the fresh model's: resume was not exact)."""
+    with aio.zero.initialize(_bn_model(), cfg_for(tmp_path / "a", drive, drive)) as e:
+        train_engine(e, 3, loss_fn=_bn_loss)
+        e.save_checkpoint(str(tmp_path / "ck"))
+        saved = e.state_dict()
+    with aio.zero.initialize(_bn_model(), cfg_for(tmp_path / "b", drive, drive)) as e:
+        e.load_checkpoint(str(tmp_path / "ck"))
+        got = e.state_dict()
+    assert [k for k in saved if not torch.equal(saved[k], got[k])] == []
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1))
+    other[1] = torch.nn.BatchNorm1d(16, track_running_stats=False)  # same parameters, no buffers
+    with aio.zero.initialize(other, cfg_for(tmp_path / "c", drive, drive)) as e:
+        with pytest.raises(ValueError, match="module buffers"):
+            e.load_checkpoint(str(tmp_path / "ck"))
+
+
+def test_save_after_a_backward_whose_step_has_not_run_is_refused(tmp_path):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu", gas=1)) as e:
+        train_engine(e, 1, gas=1)
+        e.backward(loss_of(e, 1, 0))
+        with pytest.raises(ValueError, match="accumulation"):
+            e.save_checkpoint(str(tmp_path / "ck"))
+        e.step()
+        e.save_checkpoint(str(tmp_path / "ck"))
+
+
+def test_engine_optimizer_state_dict_is_refused_not_empty(tmp_path):
+    """engine.optimizer is a torch optimizer for schedulers; its state dict
+    would lack the offloaded state (and loading one unshared the param groups
+    from the user's optimizer): both say to use the engine's checkpoints."""
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu")) as e:
+        train_engine(e, 1)
+        with pytest.raises(RuntimeError, match="save_checkpoint"):
+            e.optimizer.state_dict()
+        with pytest.raises(RuntimeError, match="load_checkpoint"):
+            e.optimizer.load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_checkpoint_folder_is_private_whatever_the_umask(tmp_path):
+    old = os.umask(0o002)
+    try:
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path / "a", "cpu", "cpu")) as e:
+            train_engine(e, 1)
+            path = e.save_checkpoint(str(tmp_path / "ck"))
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o700
