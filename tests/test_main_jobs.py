@@ -14,7 +14,16 @@ def test_quickcheck_runs(capsys, tmp_path):
     assert main(["--size", "4M", "--repeat", "1", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "GB/s" in out and "write" in out and "read" in out
+    assert "can come from a cache" in out and "--size 16G" in out  # a small sample says so
     assert os.listdir(tmp_path) == []  # cleaned up
+
+
+def test_quickcheck_sustained_sample_has_no_cache_note(capsys, tmp_path, monkeypatch):
+    from aio import quickcheck as qc
+
+    monkeypatch.setattr(qc, "SUSTAINED_SIZE", 4 << 20)
+    assert qc.main(["--size", "4M", "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    assert "cache" not in capsys.readouterr().out
 
 
 def test_a_sample_larger_than_the_buffer_moves_through_it(tmp_path, monkeypatch):
