@@ -97,7 +97,11 @@ class GradientAccumulator:
         self._copies: HostCopies | DeviceCopies | None = copies
         self._arriving: collections.deque[_Arriving] = collections.deque()
         self._fresh: set[int] = set()  # sub-groups opened zeroed in this micro-step
-        self._seen: set[int] = set()  # parameters (aio_id) with a gradient in this micro-step
+        self._seen: set[int] = set()  # parameters (aio_id) with a gradient in this backward
+        # Backwards finished in this micro-step: a second one before step()
+        # adds to the first's gradients, as torch sums into .grad.
+        self._passes = 0
+        self._normed: set[int] = set()  # place orders whose norm this backward took
         self.norms_on_device = 0  # gradient norms taken on the compute device, in all
 
     def is_boundary(self) -> bool:
@@ -147,11 +151,14 @@ class GradientAccumulator:
         hooks add each parameter's gradient once per backward (see aio.zero.hooks)."""
         if not (first and self.record_norms and self.gas == 1 and getattr(self._copies, "on_device", False)):
             return
+        if self._passes:  # not the whole window's gradient: taken from the sum on the host
+            return
         s = self.layout.places[param.aio_id]
         import torch
 
         wide = None if flat.dtype == torch.float32 else torch.float32
         self._norms[s.order] = torch._foreach_norm([flat], 2, dtype=wide)[0]
+        self._normed.add(s.order)
         self.norms_on_device += 1
 
     def _land(self, keep: int) -> None:
@@ -174,8 +181,9 @@ class GradientAccumulator:
             self._recycle()
         if a.stop < s.numel:
             return
-        if self.record_norms and self.is_boundary() and s.order not in self._norms:
+        if self.record_norms and self.is_boundary() and s.order not in self._normed:
             self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
+            self._normed.add(s.order)
         self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
         if self._arrived[s.group] == len(self.layout.groups[s.group]):
             self._close(s.group)
@@ -203,7 +211,10 @@ class GradientAccumulator:
     def _buffer(self, gi: int) -> GradientBuffer:
         if gi in self._open:
             return self._open[gi]
-        resume = not (self.at_window_start() and gi not in self._flushed)
+        # Resumed: mid-window, written part-way, or holding an earlier backward's
+        # gradient of this micro-step.
+        again = self._passes > 0 and gi in self._touched
+        resume = not (self.at_window_start() and gi not in self._flushed and not again)
         self._touched.add(gi)
         if not resume:
             self._fresh.add(gi)
@@ -244,6 +255,8 @@ class GradientAccumulator:
         self._arrived.clear()
         self._flushed.clear()
         self._seen.clear()
+        self._normed.clear()
+        self._passes += 1
 
     def settle_writes(self) -> None:
         """Wait for every gradient write; every buffer is given back even when one fails."""
@@ -263,6 +276,7 @@ class GradientAccumulator:
     def end_micro_step(self) -> None:
         """A micro-step inside the window is over."""
         self._touched.clear()
+        self._passes = 0
         self.micro_steps += 1
 
     def end_window(self) -> None:
@@ -287,6 +301,8 @@ class GradientAccumulator:
         self._norms.clear()
         self._fresh.clear()
         self._seen.clear()
+        self._normed.clear()
+        self._passes = 0
         self.micro_steps -= self.micro_steps % self.gas
 
     def close(self) -> None:

@@ -5,7 +5,9 @@ Forward: a pre-hook materialises the module's own parameters, a post-hook
 releases them and wraps the outputs in an identity autograd function whose
 backward fetches them again. Backward: each parameter is released when its
 gradient has been accumulated (``register_post_accumulate_grad_hook``, which
-fires once per backward even for tied weights), anything left over at the
+fires once per backward even for tied weights); frozen parameters (no
+gradient, e.g. LoRA's base weights) when the gradient reaches the module's
+inputs, wrapped in a second identity function; anything left over at the
 end of backward is released then.
 """
 
@@ -140,6 +142,13 @@ class Fetcher:
         self.soon = set(window)
         self.store.prefetch(window, limit=self.reserve)
 
+    def release_frozen(self, module: Any) -> None:
+        """`module`'s backward is done: release its parameters that take no
+        gradient (frozen ones get no gradient hook to release them)."""
+        for p in self.mparams[self.index[id(module)]]:
+            if not p.requires_grad and (q := self.bw_held.pop(p.aio_id, None)) is not None:
+                self.store.drop([q], keep=self.soon)
+
     def release_after_backward(self, param: Any) -> None:
         """`param`'s gradient is accumulated: release it if backward holds it (its
         buffer is kept for now when it is about to be needed again)."""
@@ -148,20 +157,32 @@ class Fetcher:
             self.store.drop([p], keep=self.soon)
 
     # -- hooks ------------------------------------------------------------------------------
-    def _pre_forward(self, module: Any, args: Any) -> None:
+    def _pre_forward(self, module: Any, args: Any) -> Any:
+        import torch
+
         if self.phase != "fw":
             self._begin("fw")
         self.fetch(module, "fw")
+        params = self.mparams[self.index[id(module)]]
+        if torch.is_grad_enabled() and not all(p.requires_grad for p in params):
+            # Frozen parameters (LoRA's base weights): the inputs' gradient is
+            # complete only after the module's backward, so its identity
+            # function on them releases what no gradient hook will.
+            new_args, wrapped = _wrap(args, _PostBackward, self, module)
+            if wrapped:
+                return new_args
+        return None
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> Any:
         import torch
 
         params = self.mparams[self.index[id(module)]]
-        needs_backward = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         new_output = output
-        if needs_backward:
-            new_output, wrapped = _wrap(output, self, module)
-            if not wrapped:
+        if torch.is_grad_enabled():
+            # Also a module whose parameters are all frozen: a gradient passing
+            # through it to the layers below needs its weights in backward.
+            new_output, wrapped = _wrap(output, _PreBackward, self, module)
+            if not wrapped and any(p.requires_grad for p in params):
                 # No output tensor carries a gradient path we can hook: keep
                 # the parameters until the end of backward instead.
                 for p in params:
@@ -178,8 +199,9 @@ class Fetcher:
         self.handles.clear()
 
 
-def _wrap(output: Any, fetcher: Fetcher, module: Any) -> tuple[Any, bool]:
-    """Route `output`'s tensors that require grad through _PreBackward."""
+def _wrap(output: Any, fn: Any, fetcher: Fetcher, module: Any) -> tuple[Any, bool]:
+    """Route `output`'s tensors that require grad through the identity
+    function `fn` (_PreBackward, _PostBackward); whether any did."""
     import torch
 
     leaves: list[Any] = []
@@ -198,7 +220,7 @@ def _wrap(output: Any, fetcher: Fetcher, module: Any) -> tuple[Any, bool]:
     collect(output)
     if not leaves:
         return output, False
-    new = _PreBackward.apply(fetcher, module, *leaves)
+    new = fn.apply(fetcher, module, *leaves)
     mapping = {id(t): n for t, n in zip(leaves, new, strict=True)}
 
     def rebuild(o: Any) -> Any:
@@ -219,12 +241,12 @@ def _wrap(output: Any, fetcher: Fetcher, module: Any) -> tuple[Any, bool]:
     return rebuild(output), True
 
 
-def _make_pre_backward() -> Any:
+def _make_identity(name: str, on_backward: Any) -> Any:
     import torch
 
-    class PreBackward(torch.autograd.Function):
-        """Identity in forward; fetches the module's parameters in backward,
-        before the module's own backward runs."""
+    class Identity(torch.autograd.Function):
+        """Identity in forward; ``on_backward(fetcher, module)`` when the
+        gradient reaches it in backward."""
 
         @staticmethod
         def forward(ctx: Any, fetcher: Fetcher, module: Any, *tensors: Any) -> Any:
@@ -234,19 +256,28 @@ def _make_pre_backward() -> Any:
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
-            ctx.fetcher.fetch(ctx.module, "bw")
+            on_backward(ctx.fetcher, ctx.module)
             return (None, None, *grads)
 
-    return PreBackward
+    Identity.__name__ = Identity.__qualname__ = name
+    return Identity
 
 
 class _Lazy:
-    fn: Any = None
+    """An identity autograd function made at first use (torch imported late)."""
+
+    def __init__(self, name: str, on_backward: Any) -> None:
+        self.name = name
+        self.on_backward = on_backward
+        self.fn: Any = None
 
     def apply(self, *args: Any) -> Any:
         if self.fn is None:
-            self.fn = _make_pre_backward()
+            self.fn = _make_identity(self.name, self.on_backward)
         return self.fn.apply(*args)
 
 
-_PreBackward = _Lazy()
+# On a module's outputs: fetches its parameters before the module's own backward.
+_PreBackward = _Lazy("PreBackward", lambda fetcher, module: fetcher.fetch(module, "bw"))
+# On a module's inputs (when it has frozen parameters): its backward is done.
+_PostBackward = _Lazy("PostBackward", lambda fetcher, module: fetcher.release_frozen(module))

@@ -246,7 +246,14 @@ class ParamStore:
                 raise
         else:
             tensors = [self.resident[p.aio_id] for p in todo]
-        self._materialise_all(todo, tensors)
+        try:
+            self._materialise_all(todo, tensors)
+        except BaseException:
+            # A device out of memory mid-upload: undo as if never acquired, so
+            # a retry (a smaller batch) uploads them again instead of finding
+            # them counted as in use with placeholder data.
+            self.drop(params)
+            raise
 
     def _materialise_all(self, params: list[Any], hosts: list[Any]) -> None:
         """Point `params` at their values: on a CPU model (or while a model is

@@ -51,6 +51,11 @@ def plan_placement(model: Any, cfg: TrainConfig, device: Any, groups: list[list[
     store = _existing_store(named)
     if device is None:
         device = store.device if store is not None else named[0][1].device
+    elif store is not None and not _same_device(device, store.device):
+        raise ValueError(
+            f"the model was built under aio.zero.Init for device {store.device}, but initialize() was "
+            f"given device={device}: pass the same device to both (or leave initialize's out)"
+        )
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise ValueError("no parameter requires grad: nothing to train")
@@ -168,6 +173,20 @@ class SubGroupLayout:
         sub-group's size): ``read_into(param, view)`` fills each parameter's slice."""
         for s in self.groups[gi]:
             read_into(s.param, out[s.offset : s.offset + s.numel])
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    """Whether devices `a` and `b` are one (``cuda`` and ``cuda:0`` alike when
+    device 0 is the current one)."""
+    import torch
+
+    da, db = torch.device(a), torch.device(b)
+    if da.type != db.type:
+        return False
+    if da.type != "cuda" or da.index == db.index:
+        return True
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (da.index if da.index is not None else current) == (db.index if db.index is not None else current)
 
 
 def _unique_named_params(model: Any) -> list[tuple[str, Any]]:

@@ -251,3 +251,139 @@ def test_gpu_job_pins_through_the_device_not_mlock(tmp_path):
             assert _C.locked_bytes() == before
             assert engine.pinned_bytes() > 0
         assert sim.stats()["pageable_h2d"] == 0 and sim.stats()["pageable_d2h"] == 0
+
+
+# -- found by a review of the GPU data path (each failed before its fix) --------------------
+
+
+def _two_losses_per_micro_step(model_or_engine, step, micro, device="cpu"):
+    out = []
+    for k in (micro, micro + 10):
+        x, y = batch(step, k, B, S, V)
+        o = model_or_engine(x.to(device))
+        out.append(torch.nn.functional.cross_entropy(o.flatten(0, 1).float(), y.to(device).flatten()))
+    return out
+
+
+def _memory_two_backwards(steps, gas, clip):
+    from aio.optim import CPUAdamW
+
+    m = gpt()
+    opt = CPUAdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
+    for step in range(steps):
+        for micro in range(gas):
+            for loss in _two_losses_per_micro_step(m, step, micro):  # each forward, then its backward
+                (loss / gas if gas > 1 else loss).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+TWO_BW = [("cpu", 1, "nvme"), ("cpu", 2, "nvme"), ("cpu", 2, "cpu"), ("cuda", 1, "nvme"), ("cuda", 2, "cpu")]
+
+
+@pytest.mark.parametrize("device,gas,gradients", TWO_BW, ids=[f"{d}-gas{g}-{w}" for d, g, w in TWO_BW])
+def test_two_backwards_before_a_step_sum_their_gradients(tmp_path, device, gas, gradients):
+    """backward(), another forward and backward(), then step(): the gradients
+    are summed, as torch sums them into .grad (the second used to overwrite
+    the first); clipped by the norm of the sum (on the GPU, not the norms
+    taken on the device for the first backward alone)."""
+    want = _memory_two_backwards(2, gas, clip=0.05)
+    cfg = cfg_for(tmp_path, gas=gas, clip=0.05, aio_zero={"gradients": gradients})
+    with CudaSim(scheduler="lazy") if device == "cuda" else _nothing():
+        with aio.zero.initialize(gpt(), cfg, device=device) as engine:
+            for step in range(2):
+                for micro in range(gas):
+                    for _ in range(2):
+                        loss = _two_losses_per_micro_step(engine, step, micro, device)[_]
+                        engine.backward(loss)
+                    engine.step()
+            got = engine.state_dict()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_frozen_layer_in_the_middle_trains_as_in_memory(tmp_path, device):
+    """LoRA-style partial fine-tuning: a frozen Linear that the gradient
+    passes through (it used to reach backward with its weight never fetched
+    again), its parameters released when its backward is done, not held to
+    the end of backward."""
+    from aio.optim import CPUAdamW
+
+    def frozen(m):
+        for p in m.blocks[1].fc.parameters():
+            p.requires_grad_(False)
+        return m
+
+    m = frozen(gpt())
+    opt = CPUAdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
+    want = []
+    for step in range(3):
+        loss = loss_of_device(m, step, "cpu")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    with CudaSim(scheduler="lazy") if device == "cuda" else _nothing():
+        with aio.zero.initialize(frozen(gpt()), cfg_for(tmp_path, gas=1, clip=0), device=device) as engine:
+            held_at_end = []
+            end = engine.fetcher.end_backward
+
+            def recording_end():
+                held_at_end.append([p for p in engine.fetcher.bw_held.values() if not p.requires_grad])
+                end()
+
+            engine.fetcher.end_backward = recording_end
+            got = []
+            for step in range(3):
+                loss = loss_of_device(engine, step, device)
+                engine.backward(loss)
+                engine.step()
+                got.append(loss.item())
+    assert got == want
+    assert held_at_end and all(h == [] for h in held_at_end)
+
+
+def loss_of_device(model_or_engine, step, device):
+    x, y = batch(step, 0, B, S, V)
+    o = model_or_engine(x.to(device))
+    return torch.nn.functional.cross_entropy(o.flatten(0, 1).float(), y.to(device).flatten())
+
+
+def test_out_of_device_memory_mid_upload_lets_a_retry_train(tmp_path, monkeypatch):
+    """An out-of-memory error while parameters go up (HF's
+    find_executable_batch_size then retries smaller) used to leave them
+    counted as in use with placeholder data: every later forward failed."""
+    want = train_in_memory(2, gas=1, clip=0)
+    with CudaSim(scheduler="lazy"):
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=1, clip=0), device="cuda") as engine:
+            uploads = engine.store.uploads
+            real, calls = uploads.upload, []
+
+            def failing(params, hosts):
+                calls.append(len(params))
+                if len(calls) == 3:
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+                return real(params, hosts)
+
+            monkeypatch.setattr(uploads, "upload", failing)
+            with pytest.raises(torch.OutOfMemoryError):
+                device_loss(engine, 0, 0)
+            monkeypatch.setattr(uploads, "upload", real)
+            got = train_on_device(engine, 2, gas=1)  # the retry: a forward again, nothing else
+    assert got == want
+
+
+def test_init_device_and_initialize_device_must_agree(tmp_path):
+    cfg = cfg_for(tmp_path, gas=1)
+    with aio.zero.Init(cfg):
+        model = gpt()
+    with pytest.raises(ValueError, match="pass the same device"):
+        aio.zero.initialize(model, cfg, device="cuda")
