@@ -387,3 +387,39 @@ def test_init_device_and_initialize_device_must_agree(tmp_path):
         model = gpt()
     with pytest.raises(ValueError, match="pass the same device"):
         aio.zero.initialize(model, cfg, device="cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_activation_checkpointing_reentrant_trains_as_in_memory(tmp_path, device):
+    """torch.utils.checkpoint in its reentrant mode (HF's gradient_checkpointing
+    default) on every block: the blocks' forwards run again in backward,
+    their parameters fetched again; the same bits as in memory."""
+    import torch.utils.checkpoint as tc
+
+    from aio.optim import CPUAdamW
+
+    def checkpointed(m):
+        for blk in m.blocks:
+            blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=True))(blk.forward)
+        return m
+
+    m = checkpointed(gpt())
+    opt = CPUAdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
+    want = []
+    for step in range(3):
+        loss = loss_of_device(m, step, "cpu")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    with CudaSim(scheduler="lazy") if device == "cuda" else _nothing():
+        with aio.zero.initialize(checkpointed(gpt()), cfg_for(tmp_path, gas=1, clip=0), device=device) as engine:
+            got = [_step(engine, step, device) for step in range(3)]
+    assert got == want
+
+
+def _step(engine, step, device):
+    loss = loss_of_device(engine, step, device)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
