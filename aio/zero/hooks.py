@@ -162,6 +162,7 @@ class Fetcher:
 
         if self.phase != "fw":
             self._begin("fw")
+        _refuse_non_reentrant_checkpoint()
         self.fetch(module, "fw")
         params = self.mparams[self.index[id(module)]]
         if torch.is_grad_enabled() and not all(p.requires_grad for p in params):
@@ -197,6 +198,24 @@ class Fetcher:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def _refuse_non_reentrant_checkpoint() -> None:
+    """A ValueError inside torch.utils.checkpoint's non-reentrant mode (whose
+    saved-tensor hooks are then the innermost): its recomputation in backward
+    keeps references to parameters whose buffers aio.zero hands on, and
+    fails (a PoolExhaustedError, a CheckpointError) or worse. The reentrant
+    mode works. Checked through torch's hook stack where torch has it."""
+    import torch
+
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if hooks and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
+        raise ValueError(
+            "activation checkpointing with use_reentrant=False does not work with aio.zero yet; "
+            "pass use_reentrant=True (transformers: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': True}))"
+        )
 
 
 def _wrap(output: Any, fn: Any, fetcher: Fetcher, module: Any) -> tuple[Any, bool]:

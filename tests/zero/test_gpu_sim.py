@@ -412,8 +412,9 @@ def test_activation_checkpointing_reentrant_trains_as_in_memory(tmp_path, device
         opt.step()
         opt.zero_grad(set_to_none=True)
         want.append(loss.item())
+    cfg = cfg_for(tmp_path, gas=1, clip=0)
     with CudaSim(scheduler="lazy") if device == "cuda" else _nothing():
-        with aio.zero.initialize(checkpointed(gpt()), cfg_for(tmp_path, gas=1, clip=0), device=device) as engine:
+        with aio.zero.initialize(checkpointed(gpt()), cfg, device=device) as engine:
             got = [_step(engine, step, device) for step in range(3)]
     assert got == want
 
@@ -423,3 +424,17 @@ def _step(engine, step, device):
     engine.backward(loss)
     engine.step()
     return loss.item()
+
+
+def test_non_reentrant_activation_checkpointing_is_refused_clearly(tmp_path):
+    """use_reentrant=False (transformers' default since 5.x) failed deep in
+    backward (PoolExhaustedError, CheckpointError): a ValueError naming the
+    fix comes from the first checkpointed forward instead."""
+    import torch.utils.checkpoint as tc
+
+    m = gpt()
+    for blk in m.blocks:
+        blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False))(blk.forward)
+    with aio.zero.initialize(m, cfg_for(tmp_path, gas=1, clip=0)) as engine:
+        with pytest.raises(ValueError, match="use_reentrant=True"):
+            loss_of_device(engine, 0, "cpu")
