@@ -142,6 +142,19 @@ class Fetcher:
         self.soon = set(window)
         self.store.prefetch(window, limit=self.reserve)
 
+    def _hold_for_recompute(self, module: Any) -> None:
+        """Non-reentrant activation checkpointing runs `module`'s forward again
+        inside backward, and the tensors it saves (a weight, views of it) are
+        used by backward nodes still to run: its parameters are held like
+        backward's own (released as their gradients land, frozen ones when the
+        gradient reaches the module's inputs), not dropped after this forward.
+        No pass bookkeeping: backward's trace and prefetch go on."""
+        params = [p for p in self.mparams[self.index[id(module)]] if p.aio_id not in self.bw_held]
+        for p in params:
+            self.bw_held[p.aio_id] = p
+        self.store.acquire(params)
+        self.counters["recompute_fetches"] = self.counters.get("recompute_fetches", 0) + 1
+
     def release_frozen(self, module: Any) -> None:
         """`module`'s backward is done: release its parameters that take no
         gradient (frozen ones get no gradient hook to release them)."""
@@ -160,9 +173,18 @@ class Fetcher:
     def _pre_forward(self, module: Any, args: Any) -> Any:
         import torch
 
+        in_checkpoint = _in_non_reentrant_checkpoint()
+        if self.phase == "bw" and in_checkpoint:
+            self._hold_for_recompute(module)
+            return None
+        if in_checkpoint and self.store.device.type != "cpu":
+            raise ValueError(
+                "activation checkpointing with use_reentrant=False is supported on CPU models only "
+                "so far (not yet verified on a GPU); pass use_reentrant=True (transformers: "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True}))"
+            )
         if self.phase != "fw":
             self._begin("fw")
-        _refuse_non_reentrant_checkpoint()
         self.fetch(module, "fw")
         params = self.mparams[self.index[id(module)]]
         if torch.is_grad_enabled() and not all(p.requires_grad for p in params):
@@ -177,6 +199,8 @@ class Fetcher:
     def _post_forward(self, module: Any, args: Any, output: Any) -> Any:
         import torch
 
+        if self.phase == "bw" and _in_non_reentrant_checkpoint():
+            return output  # its parameters stay held: see _hold_for_recompute
         params = self.mparams[self.index[id(module)]]
         new_output = output
         if torch.is_grad_enabled():
@@ -200,22 +224,16 @@ class Fetcher:
         self.handles.clear()
 
 
-def _refuse_non_reentrant_checkpoint() -> None:
-    """A ValueError inside torch.utils.checkpoint's non-reentrant mode (whose
-    saved-tensor hooks are then the innermost): its recomputation in backward
-    keeps references to parameters whose buffers aio.zero hands on, and
-    fails (a PoolExhaustedError, a CheckpointError) or worse. The reentrant
-    mode works. Checked through torch's hook stack where torch has it."""
+def _in_non_reentrant_checkpoint() -> bool:
+    """Whether a forward runs inside torch.utils.checkpoint's non-reentrant
+    mode (its saved-tensor hooks are then the innermost): the checkpointed
+    forward itself, or, in backward, its recomputation. Known through torch's
+    hook stack where torch has it."""
     import torch
 
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else None
-    if hooks and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
-        raise ValueError(
-            "activation checkpointing with use_reentrant=False does not work with aio.zero yet; "
-            "pass use_reentrant=True (transformers: gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': True}))"
-        )
+    top: Any = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks: Any = top(False) if top is not None else None
+    return bool(hooks) and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
 def _wrap(output: Any, fn: Any, fetcher: Fetcher, module: Any) -> tuple[Any, bool]:

@@ -426,15 +426,46 @@ def _step(engine, step, device):
     return loss.item()
 
 
-def test_non_reentrant_activation_checkpointing_is_refused_clearly(tmp_path):
-    """use_reentrant=False (transformers' default since 5.x) failed deep in
-    backward (PoolExhaustedError, CheckpointError): a ValueError naming the
-    fix comes from the first checkpointed forward instead."""
+def test_non_reentrant_activation_checkpointing_trains_as_in_memory_on_the_cpu(tmp_path):
+    """use_reentrant=False (transformers 5's default): the recomputation in
+    backward holds the block's parameters until their gradients land (it
+    failed with a PoolExhaustedError or worse); the same bits as in memory.
+    A block's partitions must fit the parameter buffers at once."""
+    import torch.utils.checkpoint as tc
+
+    from aio.optim import CPUAdamW
+
+    def checkpointed(m):
+        for blk in m.blocks:
+            blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False))(blk.forward)
+        return m
+
+    m = checkpointed(gpt())
+    opt = CPUAdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
+    want = []
+    for step in range(3):
+        loss = loss_of_device(m, step, "cpu")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    cfg = cfg_for(tmp_path, gas=1, clip=0)
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 16  # a block's 12 partitions, and room
+    with aio.zero.initialize(checkpointed(gpt()), cfg) as engine:
+        got = [_step(engine, step, "cpu") for step in range(3)]
+        assert engine.fetcher.counters["recompute_fetches"] > 0
+    assert got == want
+
+
+def test_non_reentrant_activation_checkpointing_is_refused_on_a_gpu(tmp_path):
+    """Not verified on a GPU yet (the simulator cannot run its recomputation):
+    a ValueError naming the fix at the first checkpointed forward."""
     import torch.utils.checkpoint as tc
 
     m = gpt()
     for blk in m.blocks:
         blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False))(blk.forward)
-    with aio.zero.initialize(m, cfg_for(tmp_path, gas=1, clip=0)) as engine:
-        with pytest.raises(ValueError, match="use_reentrant=True"):
-            loss_of_device(engine, 0, "cpu")
+    with CudaSim(scheduler="lazy"):
+        with aio.zero.initialize(m, cfg_for(tmp_path, gas=1, clip=0), device="cuda") as engine:
+            with pytest.raises(ValueError, match="use_reentrant=True"):
+                loss_of_device(engine, 0, "cuda")
