@@ -394,7 +394,10 @@ class OffloadTrainer:
         if scale.norm is not None:
             self.last_grad_norm = scale.norm
         if scale.skip:
+            # Counted as a step, as DeepSpeed counts it (global_stepN tags of
+            # checkpoints saved around it stay distinct); skipped_steps says which.
             self.skipped_steps += 1
+            self.global_steps += 1
         else:
             self._step_through_torch_optimizer(scale.grad_scale)
         self.grads.end_window()
