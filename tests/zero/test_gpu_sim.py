@@ -309,52 +309,72 @@ def _nothing():
     return contextlib.nullcontext()
 
 
+def loss_of_device(model_or_engine, step, device):
+    x, y = batch(step, 0, B, S, V)
+    o = model_or_engine(x.to(device))
+    return torch.nn.functional.cross_entropy(o.flatten(0, 1).float(), y.to(device).flatten())
+
+
+def _memory_losses(model, steps):
+    """Losses of `steps` plain in-memory steps (aio's AdamW, no clipping) of
+    `model`'s trainable parameters, one micro-step each."""
+    from aio.optim import CPUAdamW
+
+    opt = CPUAdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
+    out = []
+    for step in range(steps):
+        loss = loss_of_device(model, step, "cpu")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out
+
+
+def _engine_losses(model, cfg, device, steps, on_engine=None):
+    """Losses of the same steps through aio.zero on `device` (the simulator's
+    for "cuda"); `on_engine(engine)` first."""
+    with CudaSim(scheduler="lazy") if device == "cuda" else _nothing():
+        with aio.zero.initialize(model, cfg, device=device) as engine:
+            if on_engine is not None:
+                on_engine(engine)
+            return [_step(engine, step, device) for step in range(steps)]
+
+
+def _step(engine, step, device):
+    loss = loss_of_device(engine, step, device)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_frozen_layer_in_the_middle_trains_as_in_memory(tmp_path, device):
     """LoRA-style partial fine-tuning: a frozen Linear that the gradient
     passes through (it used to reach backward with its weight never fetched
     again), its parameters released when its backward is done, not held to
     the end of backward."""
-    from aio.optim import CPUAdamW
 
     def frozen(m):
         for p in m.blocks[1].fc.parameters():
             p.requires_grad_(False)
         return m
 
-    m = frozen(gpt())
-    opt = CPUAdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
-    want = []
-    for step in range(3):
-        loss = loss_of_device(m, step, "cpu")
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
-    with CudaSim(scheduler="lazy") if device == "cuda" else _nothing():
-        with aio.zero.initialize(frozen(gpt()), cfg_for(tmp_path, gas=1, clip=0), device=device) as engine:
-            held_at_end = []
-            end = engine.fetcher.end_backward
+    held_at_end = []
 
-            def recording_end():
-                held_at_end.append([p for p in engine.fetcher.bw_held.values() if not p.requires_grad])
-                end()
+    def record(engine):
+        end = engine.fetcher.end_backward
 
-            engine.fetcher.end_backward = recording_end
-            got = []
-            for step in range(3):
-                loss = loss_of_device(engine, step, device)
-                engine.backward(loss)
-                engine.step()
-                got.append(loss.item())
+        def recording_end():
+            held_at_end.append([p for p in engine.fetcher.bw_held.values() if not p.requires_grad])
+            end()
+
+        engine.fetcher.end_backward = recording_end
+
+    want = _memory_losses(frozen(gpt()), 3)
+    got = _engine_losses(frozen(gpt()), cfg_for(tmp_path, gas=1, clip=0), device, 3, record)
     assert got == want
     assert held_at_end and all(h == [] for h in held_at_end)
-
-
-def loss_of_device(model_or_engine, step, device):
-    x, y = batch(step, 0, B, S, V)
-    o = model_or_engine(x.to(device))
-    return torch.nn.functional.cross_entropy(o.flatten(0, 1).float(), y.to(device).flatten())
 
 
 def test_out_of_device_memory_mid_upload_lets_a_retry_train(tmp_path, monkeypatch):
@@ -389,41 +409,22 @@ def test_init_device_and_initialize_device_must_agree(tmp_path):
         aio.zero.initialize(model, cfg, device="cuda")
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_activation_checkpointing_reentrant_trains_as_in_memory(tmp_path, device):
-    """torch.utils.checkpoint in its reentrant mode (HF's gradient_checkpointing
-    default) on every block: the blocks' forwards run again in backward,
-    their parameters fetched again; the same bits as in memory."""
+def _checkpointed(m, reentrant):
+    """`m` with every block under torch.utils.checkpoint."""
     import torch.utils.checkpoint as tc
 
-    from aio.optim import CPUAdamW
-
-    def checkpointed(m):
-        for blk in m.blocks:
-            blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=True))(blk.forward)
-        return m
-
-    m = checkpointed(gpt())
-    opt = CPUAdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
-    want = []
-    for step in range(3):
-        loss = loss_of_device(m, step, "cpu")
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
-    cfg = cfg_for(tmp_path, gas=1, clip=0)
-    with CudaSim(scheduler="lazy") if device == "cuda" else _nothing():
-        with aio.zero.initialize(checkpointed(gpt()), cfg, device=device) as engine:
-            got = [_step(engine, step, device) for step in range(3)]
-    assert got == want
+    for blk in m.blocks:
+        blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=reentrant))(blk.forward)
+    return m
 
 
-def _step(engine, step, device):
-    loss = loss_of_device(engine, step, device)
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_activation_checkpointing_reentrant_trains_as_in_memory(tmp_path, device):
+    """torch.utils.checkpoint in its reentrant mode on every block: the
+    blocks' forwards run again in backward, their parameters fetched again;
+    the same bits as in memory."""
+    want = _memory_losses(_checkpointed(gpt(), True), 3)
+    assert _engine_losses(_checkpointed(gpt(), True), cfg_for(tmp_path, gas=1, clip=0), device, 3) == want
 
 
 def test_non_reentrant_activation_checkpointing_trains_as_in_memory_on_the_cpu(tmp_path):
@@ -431,40 +432,18 @@ def test_non_reentrant_activation_checkpointing_trains_as_in_memory_on_the_cpu(t
     backward holds the block's parameters until their gradients land (it
     failed with a PoolExhaustedError or worse); the same bits as in memory.
     A block's partitions must fit the parameter buffers at once."""
-    import torch.utils.checkpoint as tc
-
-    from aio.optim import CPUAdamW
-
-    def checkpointed(m):
-        for blk in m.blocks:
-            blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False))(blk.forward)
-        return m
-
-    m = checkpointed(gpt())
-    opt = CPUAdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
-    want = []
-    for step in range(3):
-        loss = loss_of_device(m, step, "cpu")
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = _memory_losses(_checkpointed(gpt(), False), 3)
     cfg = cfg_for(tmp_path, gas=1, clip=0)
     cfg["zero_optimization"]["offload_param"]["buffer_count"] = 16  # a block's 12 partitions, and room
-    with aio.zero.initialize(checkpointed(gpt()), cfg) as engine:
-        got = [_step(engine, step, "cpu") for step in range(3)]
-        assert engine.fetcher.counters["recompute_fetches"] > 0
-    assert got == want
+    seen = []
+    got = _engine_losses(_checkpointed(gpt(), False), cfg, "cpu", 3, lambda e: seen.append(e.fetcher))
+    assert got == want and seen[0].counters["recompute_fetches"] > 0
 
 
 def test_non_reentrant_activation_checkpointing_is_refused_on_a_gpu(tmp_path):
     """Not verified on a GPU yet (the simulator cannot run its recomputation):
     a ValueError naming the fix at the first checkpointed forward."""
-    import torch.utils.checkpoint as tc
-
-    m = gpt()
-    for blk in m.blocks:
-        blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False))(blk.forward)
+    m = _checkpointed(gpt(), False)
     with CudaSim(scheduler="lazy"):
         with aio.zero.initialize(m, cfg_for(tmp_path, gas=1, clip=0), device="cuda") as engine:
             with pytest.raises(ValueError, match="use_reentrant=True"):

@@ -23,7 +23,7 @@ def test_fp16_dynamic_loss_scale_skips_overflowing_steps(tmp_path):
     with aio.zero.initialize(gpt(), cfg) as engine:
         losses = train_engine(engine, 16, gas=1)
         st = engine.stats()
-    assert 0 < st["skipped_steps"] < 16 and st["global_steps"] == 16  # skipped ones counted, as DeepSpeed does
+    assert 0 < st["skipped_steps"] < 16 and st["global_steps"] == 16  # skipped ones count, as in DeepSpeed
     assert st["loss_scale"] == 2 ** (24 - st["skipped_steps"])
     # Skipped steps leave the weights alone: the same batch gives the same loss.
     untouched = train_in_memory(1, gas=1, clip=0)
