@@ -481,6 +481,13 @@ class ParamStore:
         """Materialise `params` for use outside forward/backward; with
         `modify`, whatever the block writes into them is stored on exit."""
         params = [p for p in params if getattr(p, "_aio_store", None) is self]
+        need = len(self.on_drive_part_ids(params)) if self.swapper is not None else 0
+        if need > self.swapper_buffer_count():
+            raise ValueError(
+                f"gathered() of {len(params)} parameters needs {need} parameter swap buffers at once "
+                f"and there are {self.swapper_buffer_count()}; gather fewer at a time (e.g. one module's), "
+                "or read the whole model with trainer.state_dict(), one parameter at a time"
+            )
         self.acquire(params)
         try:
             yield
@@ -491,6 +498,10 @@ class ParamStore:
             self.put_back(params)
         else:
             self.drop(params)
+
+    def swapper_buffer_count(self) -> int:
+        """The parameter swapper's buffers (0 without a drive)."""
+        return self.swapper.pool.count if self.swapper is not None else 0
 
     def put_back(self, params: list[Any]) -> None:
         """Undo acquire() after the caller changed the values: store them first."""

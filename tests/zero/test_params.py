@@ -225,3 +225,20 @@ def test_a_failed_adoption_write_is_raised_by_init_with_its_place(tmp_path):
     cause = ei.value.__cause__
     assert isinstance(cause, OSError) and cause.errno == errno.EIO and "param" in str(cause.filename)
     init.store.close()
+
+
+def test_gathering_more_parameters_than_buffers_says_what_to_do(tmp_path):
+    """gathered() of the whole model (its default) needs a buffer per drive
+    partition at once: past the buffers it is a ValueError pointing at
+    gathering fewer or state_dict(), before anything is read."""
+    from .common import cfg_for, gpt
+
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path)) as engine:  # 6 parameter buffers
+        with pytest.raises(ValueError, match="gather fewer"):
+            with engine.gathered():
+                pass
+        assert engine.store.swapper.pool.available() == engine.store.swapper_buffer_count()
+        params = list(engine.module.parameters())[:3]
+        with engine.gathered(params):
+            assert all(p.numel() > 0 for p in params)
+        assert len(engine.state_dict()) > len(params)
