@@ -274,7 +274,7 @@ class ParamSwapper:
             p.tensor.copy_(src)  # keep the buffered copy coherent; write from it
             src = p.tensor
         # The future holds `src` alive until the write lands.
-        p.future = self.space.write(src.contiguous(), p.offset)
+        p.future = self._start_write(p, src.contiguous())
         p.state = State.WRITING
         p.releasing = False
         self.counters["writes"] += 1
@@ -385,7 +385,7 @@ class ParamSwapper:
                     f"partition {part_id!r} is {p.state.value}, not available; nothing to swap out"
                 )
             p.alias = None  # modified: its own extent holds it from here on
-            p.future = self.space.write(p.tensor, p.offset)
+            p.future = self._start_write(p, p.tensor)
             p.state = State.WRITING
             p.releasing = True
             self.counters["writes"] += 1
@@ -393,6 +393,16 @@ class ParamSwapper:
         if not async_op:
             for part_id in part_ids:
                 self._settle(self._part(part_id))
+
+    def _start_write(self, p: _Partition, src: Any) -> IOFuture:
+        """Start writing `src` to p's extent. If starting it fails part-way (a
+        striped write with some pieces out, or Ctrl-C between them), the
+        extent may hold a mix of old and new bytes: p is invalid from then on."""
+        try:
+            return self.space.write(src, p.offset)
+        except BaseException:
+            p.state, p.written = State.INVALID, False
+            raise
 
     def _drop_buffer(self, p: _Partition) -> None:
         if p.lease is not None:
@@ -407,8 +417,11 @@ class ParamSwapper:
         fut = p.future
         if fut is None:
             return
-        p.future = None
+        # Cleared only once waited for: a Ctrl-C in the wait leaves it for the
+        # next settle, which then applies its outcome (a failed write must
+        # not be read back, its buffer must go back).
         exc = fut.exception()
+        p.future = None
         is_write = p.state == State.WRITING
         releasing, p.releasing = p.releasing, False
         if is_write:

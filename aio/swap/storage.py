@@ -358,6 +358,8 @@ def load_plain(path: str, safe: tuple[Any, ...] = ()) -> Any:
             f"refusing to load {path}: it holds something other than tensors and plain data "
             f"(a tampered or foreign file?): {_first_line(e)}"
         ) from None
+    except (RuntimeError, EOFError) as e:  # torch's zip reader on a cut or corrupt file
+        raise ValueError(f"cannot load {path}: not a whole torch file: {_first_line(e)}") from None
 
 
 def save_plain(obj: Any, path: str, what: str) -> None:

@@ -308,3 +308,83 @@ def test_alias_refused_where_it_cannot_hold(tmp_path):
         assert not s.alias("small", owner, base)
         assert not s.alias("full", owner, base + 4)
         assert s.alias("full", owner, base + 4096)
+
+
+# -- found by a review of the swap storage layer (each failed before its fix) ---------------
+
+
+def test_a_striped_write_cut_part_way_is_never_read_back(tmp_path):
+    """Some pieces of a write over two drives went out, then submitting the
+    next failed (or Ctrl-C landed between them): the extent holds old and new
+    bytes, so the partition is invalid, not read back as valid."""
+    from aio.swap.drives import STRIPE_BYTES
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    kw = {"dtype": torch.float32, "buffer_size": 8 << 20, "max_in_cpu": 0, "pin_memory": False}
+    kw["buffer_count"] = 2
+    with ParamSwapper([str(d) for d in dirs], **kw) as s:
+        n = STRIPE_BYTES  # 4 stripes of fp32 over the two drives
+        s.register(0, n)
+        s.write(0, torch.zeros(n))
+        d1 = s.space.drives[1]
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        d1.writer.async_pwrite = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            s.write(0, torch.ones(n))
+        del d1.writer.async_pwrite
+        with pytest.raises(SwapStateError, match="invalid"):
+            s.swap_in([0])
+        s.write(0, torch.full((n,), 2.0))  # written whole again: readable
+        assert torch.equal(s.swap_in([0])[0], torch.full((n,), 2.0))
+
+
+class _InterruptedWait:
+    """A finished I/O's future whose first wait is cut by Ctrl-C."""
+
+    def __init__(self, fut, outcome):
+        self.fut, self.outcome, self.waits = fut, outcome, 0
+
+    def exception(self, timeout=None):
+        self.waits += 1
+        self.fut.exception()
+        if self.waits == 1:
+            raise KeyboardInterrupt
+        return self.outcome
+
+    def done(self):
+        return True
+
+
+@pytest.mark.parametrize("releasing", [False, True])
+def test_ctrl_c_while_waiting_for_a_write_keeps_its_outcome(tmp_path, releasing):
+    """Ctrl-C inside the wait for a write: the next wait still applies the
+    write's outcome (a failed write used to be forgotten and its old bytes
+    read back as valid, and swap_out's buffer was never given back)."""
+    kw = {"dtype": torch.float32, "buffer_size": 1 << 20, "max_in_cpu": 0, "pin_memory": False}
+    kw["buffer_count"] = 1
+    with ParamSwapper(str(tmp_path), **kw) as s:
+        n = 65536
+        s.register(0, n)
+        s.write(0, torch.zeros(n))
+        if releasing:
+            s.swap_in([0])
+            s.swap_out([0], async_op=True)
+        else:
+            s.write(0, torch.ones(n), async_op=True)
+        p = s.parts[0]
+        p.future = _InterruptedWait(p.future, None if releasing else OSError(errno.EIO, "EIO"))
+        with pytest.raises(KeyboardInterrupt):
+            s.wait([0])
+        if releasing:
+            s.wait([0])
+            assert s.pool.available() == 1 and torch.equal(s.swap_in([0])[0], torch.zeros(n))
+        else:
+            with pytest.raises(SwapStateError, match="failed"):
+                s.wait([0])
+            with pytest.raises(SwapStateError):
+                s.swap_in([0])

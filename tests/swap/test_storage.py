@@ -86,3 +86,16 @@ def test_removed_at_interpreter_exit(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not os.path.exists(r.stdout.strip())
     assert not (tmp_path / root_name()).exists()
+
+
+def test_load_plain_of_a_cut_file_is_a_value_error_naming_it(tmp_path):
+    import torch
+
+    from aio.swap.storage import load_plain, save_plain
+
+    path = str(tmp_path / "x.pt")
+    save_plain({"a": torch.ones(10)}, path, "x")
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="x.pt"):
+        load_plain(path)
