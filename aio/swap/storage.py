@@ -506,6 +506,11 @@ class SwapStorage:
             raise
         self.files: dict[str, SwapFile] = {}
         self.closed = False
+        # A storage dropped without close() (a swapper garbage-collected)
+        # still removes its folder: when collected, or at exit at the latest.
+        self._finalizer = weakref.finalize(
+            self, _close_storage, self.files, self._root_fd, self._dir_fd, name, self.root, self._pid
+        )
         _live.add(self)
 
     def _write_marker(self, owner: dict[str, Any]) -> None:
@@ -534,16 +539,23 @@ class SwapStorage:
         if self.closed:
             return
         self.closed = True
-        for f in self.files.values():
-            f.close()
-        try:
-            if os.getpid() == self._pid:
-                _remove_folder(self._root_fd, self._name)
-                with contextlib.suppress(OSError):
-                    os.rmdir(self.root)  # only succeeds when no other job of ours uses it
-        finally:
-            os.close(self._dir_fd)
-            os.close(self._root_fd)
+        self._finalizer()
+
+
+def _close_storage(
+    files: dict[str, SwapFile], root_fd: int, dir_fd: int, name: str, root: str, pid: int
+) -> None:
+    """SwapStorage.close(), from what it holds (also its finalizer's)."""
+    for f in files.values():
+        f.close()
+    try:
+        if os.getpid() == pid:
+            _remove_folder(root_fd, name)
+            with contextlib.suppress(OSError):
+                os.rmdir(root)  # only succeeds when no other job of ours uses it
+    finally:
+        os.close(dir_fd)
+        os.close(root_fd)
 
 
 @atexit.register

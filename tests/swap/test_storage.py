@@ -99,3 +99,29 @@ def test_load_plain_of_a_cut_file_is_a_value_error_naming_it(tmp_path):
         f.truncate(100)
     with pytest.raises(ValueError, match="x.pt"):
         load_plain(path)
+
+
+def test_a_storage_dropped_without_close_removes_its_folder(tmp_path):
+    """A swapper garbage-collected without close() used to leave its folder
+    and preallocated files on the drive after a clean exit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import gc, os
+        from aio.swap.storage import SwapStorage
+        s = SwapStorage({str(tmp_path)!r}, "param")
+        s.file("x").allocate(1 << 20)
+        folder = s.dir
+        del s
+        gc.collect()
+        print("gone at collection:", not os.path.exists(folder))
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "gone at collection: True" in r.stdout, r.stdout + r.stderr
+    assert [f for _, _, fs in os.walk(tmp_path) for f in fs] == []
