@@ -440,6 +440,9 @@ class SwapFile:
                 os.posix_fallocate(self._fd, off, end - off)
                 self.size = end
             except OSError as e:
+                # Out of space part-way: give back whatever it did reserve.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, off)
                 raise OSError(
                     e.errno, f"cannot reserve {nbytes} bytes of swap space: {e.strerror}", self.real_path
                 ) from None

@@ -125,3 +125,29 @@ def test_a_storage_dropped_without_close_removes_its_folder(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "gone at collection: True" in r.stdout, r.stdout + r.stderr
     assert [f for _, _, fs in os.walk(tmp_path) for f in fs] == []
+
+
+def test_a_reservation_out_of_space_part_way_gives_the_space_back(tmp_path, monkeypatch):
+    """posix_fallocate can fail with ENOSPC after growing the file: the
+    OSError names the file, and the file is back at its size before."""
+    import errno
+
+    from aio.swap.storage import SwapStorage
+
+    s = SwapStorage(str(tmp_path), "param")
+    try:
+        f = s.file("x")
+        f.allocate(1 << 20)
+        real = os.posix_fallocate
+
+        def partly(fd, off, length):
+            real(fd, off, length // 2)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", partly)
+        with pytest.raises(OSError) as ei:
+            f.allocate(1 << 20)
+        assert ei.value.errno == errno.ENOSPC and ei.value.filename == f.real_path
+        assert os.path.getsize(f.real_path) == 1 << 20 and f.size == 1 << 20
+    finally:
+        s.close()
