@@ -359,6 +359,10 @@ void bind_functions(py::module_& m) {
       "set_uring_setup_fault",
       [](py::object e) { aio::set_uring_setup_fault(int_arg<int>(e, "errno", 0)); },
       py::arg("errno"));
+  m.def(
+      "set_kaio_setup_fault",
+      [](py::object e) { aio::set_kaio_setup_fault(int_arg<int>(e, "errno", 0)); },
+      py::arg("errno"));
   m.def("page_size", &aio::page_size);
 }
 

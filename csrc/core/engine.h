@@ -108,6 +108,10 @@ void sync_transfer(File& file, Op op, bool direct, char* buf, uint64_t len, int6
 // where seccomp or kernel.io_uring_disabled refuses io_uring.
 void set_uring_setup_fault(int err);
 
+// Test hook: io_setup fails with this errno (0 = off), as it does where the
+// system-wide AIO limit is exhausted (EAGAIN) or native AIO is blocked.
+void set_kaio_setup_fault(int err);
+
 // Upper bound on back-to-back EINTR/EAGAIN retries of a single I/O.
 constexpr int kMaxRetries = 1000;
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -24,7 +25,17 @@ namespace aio {
 
 namespace {
 
-long sys_io_setup(unsigned nr, aio_context_t* ctx) { return syscall(SYS_io_setup, nr, ctx); }
+std::atomic<int> g_setup_fault{0};
+
+// io_setup, or the test hook's refusal: a test that exhausted the real
+// system-wide limit (fs.aio-max-nr) made every other process's io_setup
+// fail meanwhile (CI: a test run beside it failed with EAGAIN).
+long sys_io_setup(unsigned nr, aio_context_t* ctx) {
+  const int fault = g_setup_fault.load();
+  if (fault == 0) return syscall(SYS_io_setup, nr, ctx);
+  errno = fault;
+  return -1;
+}
 long sys_io_destroy(aio_context_t ctx) { return syscall(SYS_io_destroy, ctx); }
 long sys_io_submit(aio_context_t ctx, long n, struct iocb** cbs) {
   return syscall(SYS_io_submit, ctx, n, cbs);
@@ -166,5 +177,7 @@ const bool registered = register_engine(
     "kernel_aio", [](const EngineContext& ctx) { return std::make_unique<KaioEngine>(ctx); });
 
 }  // namespace
+
+void set_kaio_setup_fault(int err) { g_setup_fault.store(err); }
 
 }  // namespace aio
