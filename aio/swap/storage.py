@@ -19,7 +19,6 @@ host starts and finds the marker's process gone.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import json
@@ -42,8 +41,6 @@ COMPLETE = "complete"  # written last into a checkpoint folder: the checkpoint i
 ALIGN = 4096
 _MARKER_MAX = 4096
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-_live: weakref.WeakSet[SwapStorage] = weakref.WeakSet()
 
 
 def _job_id() -> str:
@@ -509,12 +506,11 @@ class SwapStorage:
             raise
         self.files: dict[str, SwapFile] = {}
         self.closed = False
-        # A storage dropped without close() (a swapper garbage-collected)
-        # still removes its folder: when collected, or at exit at the latest.
+        # Also without close() (a swapper garbage-collected, or still open at
+        # exit): the folder goes when this is collected, or at exit.
         self._finalizer = weakref.finalize(
             self, _close_storage, self.files, self._root_fd, self._dir_fd, name, self.root, self._pid
         )
-        _live.add(self)
 
     def _write_marker(self, owner: dict[str, Any]) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -559,9 +555,3 @@ def _close_storage(
     finally:
         os.close(dir_fd)
         os.close(root_fd)
-
-
-@atexit.register
-def _cleanup_at_exit() -> None:
-    for s in list(_live):
-        s.close()

@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain, write_json_durably
@@ -136,15 +137,18 @@ def _optimizer_name(trainer: OffloadTrainer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _buffers(trainer: OffloadTrainer) -> dict[str, Any]:
-    """The module's persistent buffers (BatchNorm's running statistics...), as
-    its state_dict() holds them, on the CPU."""
-    out = {}
+def _persistent_buffers(trainer: OffloadTrainer) -> Iterator[tuple[str, Any]]:
+    """(state_dict key, buffer) of the module's persistent buffers."""
     for mod_name, mod in trainer.module.named_modules():
         for name, b in mod.named_buffers(recurse=False):
             if b is not None and name not in mod._non_persistent_buffers_set:
-                out[f"{mod_name}.{name}" if mod_name else name] = b.detach().cpu().clone()
-    return out
+                yield (f"{mod_name}.{name}" if mod_name else name), b
+
+
+def _buffers(trainer: OffloadTrainer) -> dict[str, Any]:
+    """The module's persistent buffers (BatchNorm's running statistics...), as
+    its state_dict() holds them, on the CPU."""
+    return {k: b.detach().cpu().clone() for k, b in _persistent_buffers(trainer)}
 
 
 def _verify_buffers(trainer: OffloadTrainer, path: str) -> dict[str, Any] | None:
@@ -171,11 +175,8 @@ def _apply_buffers(trainer: OffloadTrainer, saved: dict[str, Any] | None) -> Non
     import torch
 
     with torch.no_grad():
-        for mod_name, mod in trainer.module.named_modules():
-            for name, b in mod.named_buffers(recurse=False):
-                key = f"{mod_name}.{name}" if mod_name else name
-                if key in saved:
-                    b.copy_(saved[key])
+        for key, b in _persistent_buffers(trainer):
+            b.copy_(saved[key])
 
 
 def _schedule_state(trainer: OffloadTrainer) -> dict[str, Any]:
