@@ -177,12 +177,6 @@ class Fetcher:
         if self.phase == "bw" and in_checkpoint:
             self._hold_for_recompute(module)
             return None
-        if in_checkpoint and self.store.device.type != "cpu":
-            raise ValueError(
-                "activation checkpointing with use_reentrant=False is supported on CPU models only "
-                "so far (not yet verified on a GPU); pass use_reentrant=True (transformers: "
-                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True}))"
-            )
         if self.phase != "fw":
             self._begin("fw")
         self.fetch(module, "fw")

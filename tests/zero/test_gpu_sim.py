@@ -409,12 +409,15 @@ def test_init_device_and_initialize_device_must_agree(tmp_path):
         aio.zero.initialize(model, cfg, device="cuda")
 
 
-def _checkpointed(m, reentrant):
+def _checkpointed(m, reentrant, **kwargs):
     """`m` with every block under torch.utils.checkpoint."""
     import torch.utils.checkpoint as tc
 
+    def wrap(f):
+        return lambda x: tc.checkpoint(f, x, use_reentrant=reentrant, **kwargs)
+
     for blk in m.blocks:
-        blk.forward = (lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=reentrant))(blk.forward)
+        blk.forward = wrap(blk.forward)
     return m
 
 
@@ -427,24 +430,48 @@ def test_activation_checkpointing_reentrant_trains_as_in_memory(tmp_path, device
     assert _engine_losses(_checkpointed(gpt(), True), cfg_for(tmp_path, gas=1, clip=0), device, 3) == want
 
 
+def _non_reentrant_cfg(tmp_path):
+    cfg = cfg_for(tmp_path, gas=1, clip=0)
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 16  # a block's 12 partitions, and room
+    return cfg
+
+
 def test_non_reentrant_activation_checkpointing_trains_as_in_memory_on_the_cpu(tmp_path):
     """use_reentrant=False (transformers 5's default): the recomputation in
     backward holds the block's parameters until their gradients land (it
     failed with a PoolExhaustedError or worse); the same bits as in memory.
     A block's partitions must fit the parameter buffers at once."""
     want = _memory_losses(_checkpointed(gpt(), False), 3)
-    cfg = cfg_for(tmp_path, gas=1, clip=0)
-    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 16  # a block's 12 partitions, and room
     seen = []
+    cfg = _non_reentrant_cfg(tmp_path)
     got = _engine_losses(_checkpointed(gpt(), False), cfg, "cpu", 3, lambda e: seen.append(e.fetcher))
     assert got == want and seen[0].counters["recompute_fetches"] > 0
 
 
-def test_non_reentrant_activation_checkpointing_is_refused_on_a_gpu(tmp_path):
-    """Not verified on a GPU yet (the simulator cannot run its recomputation):
-    a ValueError naming the fix at the first checkpointed forward."""
-    m = _checkpointed(gpt(), False)
-    with CudaSim(scheduler="lazy"):
-        with aio.zero.initialize(m, cfg_for(tmp_path, gas=1, clip=0), device="cuda") as engine:
-            with pytest.raises(ValueError, match="use_reentrant=True"):
-                loss_of_device(engine, 0, "cuda")
+@pytest.mark.parametrize("mode,seed", STRICT, ids=[f"{m}-{s}" for m, s in STRICT])
+def test_non_reentrant_activation_checkpointing_on_the_simulated_gpu_equals_memory(tmp_path, mode, seed):
+    """The same on a GPU model, in the strictest schedules. torch's
+    recomputation check compares devices, which the simulator cannot fake
+    for tensors made in backward: it is off here (determinism_check="none")
+    and on in the real-GPU test below."""
+    want = _memory_losses(_checkpointed(gpt(), False), 3)
+    model = _checkpointed(gpt(), False, determinism_check="none")
+    with CudaSim(scheduler=mode, seed=seed):
+        with aio.zero.initialize(model, _non_reentrant_cfg(tmp_path), device="cuda") as engine:
+            got = [_step(engine, step, "cuda") for step in range(3)]
+            assert engine.fetcher.counters["recompute_fetches"] > 0
+    assert got == want
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here or in CI)")
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_on_a_gpu_equals_no_checkpointing(tmp_path, reentrant):
+    """On a real GPU (torch's recomputation check on): the same losses, bit
+    for bit, as the same training on the GPU without checkpointing."""
+
+    def losses(model, drive):
+        with aio.zero.initialize(model, _non_reentrant_cfg(drive), device="cuda") as engine:
+            return [_step(engine, step, "cuda") for step in range(4)]
+
+    assert losses(_checkpointed(gpt(), reentrant), tmp_path / "b") == losses(gpt(), tmp_path / "a")

@@ -198,3 +198,29 @@ def test_from_pretrained_under_init_holds_memory_tensor_by_tensor(tmp_path):
     held = (got["buffer_count"] + 2) * got["buffer_bytes"]
     assert got["param_bytes"] > 2 * held, got  # the bound can tell: a full copy would not fit
     assert init <= mem + held, (init / 2**20, (mem + held) / 2**20, r.stdout)
+
+
+def enable_checkpointing(model, kwargs=None, offload=False):
+    """HF's activation checkpointing as users turn it on (None: the library's
+    default mode); transformers before 5.2x names it gradient_checkpointing_enable."""
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs=kwargs, offload=offload)
+    else:
+        if offload:
+            pytest.skip("this transformers has no activation offloading")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["default", "reentrant", "non-reentrant"])
+def test_activation_checkpointing_trains_as_in_memory(tmp_path, reentrant):
+    """The decoder layers run again in backward (in the non-reentrant mode,
+    the library's default, holding their parameters until their gradients
+    land); the same bits as the same model trained in memory without it."""
+    want = _train(_build("llama"), "llama")
+    model = enable_checkpointing(_build("llama"), None if reentrant is None else {"use_reentrant": reentrant})
+    with aio.zero.initialize(model, _zero_config(tmp_path)) as engine:
+        assert _train(model, "llama", engine) == want
+        assert (engine.fetcher.counters.get("recompute_fetches", 0) > 0) is (reentrant is not True)

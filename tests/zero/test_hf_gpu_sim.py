@@ -9,7 +9,7 @@ import torch
 import aio.zero
 
 from .cuda_sim import CudaSim
-from .test_hf import _batch, _build, _train, _zero_config
+from .test_hf import _batch, _build, _train, _zero_config, enable_checkpointing
 
 pytest.importorskip("transformers", reason="transformers is in the test extras")
 
@@ -58,3 +58,36 @@ def test_hf_model_on_the_simulated_gpu_equals_memory(tmp_path, name, scheduler):
             assert torch.equal(init.store.read(p).view(q.shape), q.data), n
         with aio.zero.initialize(model, cfg, device="cuda") as engine:
             assert _train_on_device(engine, name) == want
+
+
+def test_hf_activation_checkpointing_on_the_simulated_gpu_equals_memory(tmp_path):
+    """Non-reentrant activation checkpointing (the library's default) on a
+    GPU model: the recomputed layers' parameters held until their gradients
+    land, in the strictest schedule. torch's recomputation check compares
+    devices, which the simulator cannot fake for tensors made in backward:
+    it is off here and on in the real-GPU test below."""
+    want = _train(_build_no_dropout("llama"), "llama")
+    kwargs = {"use_reentrant": False, "determinism_check": "none"}
+    with CudaSim(scheduler="lazy"):
+        model = enable_checkpointing(_build_no_dropout("llama"), kwargs)
+        with aio.zero.initialize(model, _zero_config(tmp_path), device="cuda") as e:
+            assert _train_on_device(e, "llama") == want
+            assert e.fetcher.counters["recompute_fetches"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here or in CI)")
+@pytest.mark.parametrize("offload", [False, True], ids=["in-device-memory", "offload"])
+def test_hf_activation_checkpointing_on_a_gpu_equals_no_checkpointing(tmp_path, offload):
+    """On a real GPU, HF's default activation checkpointing (and its
+    activations kept in pinned host memory, offload=True) through aio.zero:
+    the same losses, bit for bit, as the same training without it."""
+
+    def losses(model, drive):
+        drive.mkdir()
+        with aio.zero.initialize(model.to("cuda"), _zero_config(drive)) as engine:
+            return _train_on_device(engine, "llama", steps=4)
+
+    want = losses(_build_no_dropout("llama"), tmp_path / "a")
+    model = enable_checkpointing(_build_no_dropout("llama"), offload=offload)
+    assert losses(model, tmp_path / "b") == want
