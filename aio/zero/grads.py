@@ -54,6 +54,18 @@ def add_into(dst: Any, src: Any, copy: bool = False) -> None:
         dst[start:stop].add_(src[start:stop])
 
 
+def _zero_except(buf: Any, written: list[tuple[int, int]]) -> None:
+    """Zero the elements of flat `buf` outside the `written` [start, stop) ranges
+    (a fresh buffer's parameters that got no gradient, and parts not yet landed)."""
+    at = 0
+    for lo, hi in sorted(written):
+        if lo > at:
+            buf[at:lo].zero_()
+        at = max(at, hi)
+    if at < buf.numel():
+        buf[at:].zero_()
+
+
 class _Arriving(NamedTuple):
     """Elements [start, stop) of a parameter's gradient on their way to the host."""
 
@@ -96,7 +108,10 @@ class GradientAccumulator:
         # stream); None: chosen by the first gradient's device.
         self._copies: HostCopies | DeviceCopies | None = copies
         self._arriving: collections.deque[_Arriving] = collections.deque()
-        self._fresh: set[int] = set()  # sub-groups opened zeroed in this micro-step
+        # Sub-groups opened afresh in this micro-step -> the element ranges
+        # written since (first gradients are copied in, not added); the rest
+        # is zeroed at close, so no buffer is zeroed whole first.
+        self._fresh: dict[int, list[tuple[int, int]]] = {}
         self._seen: set[int] = set()  # parameters (aio_id) with a gradient in this backward
         # Backwards finished in this micro-step: a second one before step()
         # adds to the first's gradients, as torch sums into .grad.
@@ -175,8 +190,11 @@ class GradientAccumulator:
             a.ticket.wait()
             s = self.layout.places[a.param.aio_id]
             buf = self._buffer(s.group).tensor
-            copy = a.first and s.group in self._fresh
-            add_into(buf[s.offset + a.start : s.offset + a.stop], a.host, copy)
+            lo, hi = s.offset + a.start, s.offset + a.stop
+            written = self._fresh.get(s.group) if a.first else None
+            add_into(buf[lo:hi], a.host, copy=written is not None)
+            if written is not None:
+                written.append((lo, hi))
         finally:
             self._recycle()
         if a.stop < s.numel:
@@ -217,7 +235,7 @@ class GradientAccumulator:
         resume = not (self.at_window_start() and gi not in self._flushed and not again)
         self._touched.add(gi)
         if not resume:
-            self._fresh.add(gi)
+            self._fresh[gi] = []
         numel = self.layout.group_numel[gi]
         while (buf := self.opt.try_open_gradient(gi, numel, resume)) is None:
             if self._pending:
@@ -235,7 +253,9 @@ class GradientAccumulator:
         return buf
 
     def _close(self, gi: int) -> None:
-        self._fresh.discard(gi)
+        written = self._fresh.pop(gi, None)
+        if written is not None:
+            _zero_except(self._open[gi].tensor, written)
         pending = self.opt.close_gradient(gi, self._open.pop(gi))
         if pending is not None:
             self._pending.append(pending)

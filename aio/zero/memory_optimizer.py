@@ -58,11 +58,9 @@ class MemoryOptimizer:
         return self.open_gradient(index, numel, resume)
 
     def open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer:
-        """The sub-group's own gradient tensor, accumulated into in place."""
-        buf = self.grads[index]
-        if not resume:
-            buf.zero_()
-        return GradientBuffer(buf)
+        """The sub-group's own gradient tensor, accumulated into in place (its
+        contents unspecified unless `resume`: the caller writes every element)."""
+        return GradientBuffer(self.grads[index])
 
     def close_gradient(self, index: int, buf: GradientBuffer) -> PendingWrite | None:
         """Nothing to store: the gradient already is where step() reads it; always None."""

@@ -94,8 +94,9 @@ class ZeroOptimizer(Protocol):
         ...
 
     def try_open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer | None:
-        """The sub-group's gradient buffer (zeroed, or holding the gradient
-        accumulated so far when `resume`), or None when no buffer is free now."""
+        """The sub-group's gradient buffer, holding the gradient accumulated so
+        far when `resume`, else with unspecified contents (the caller writes
+        every element before closing it); None when no buffer is free now."""
         ...
 
     def open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer:

@@ -44,7 +44,8 @@ class SwappedOptimizer(OptimizerSwapper):
     def open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer:
         """Sub-group `index`'s gradient buffer, holding the gradient accumulated so
         far when `resume` (read back from the drive with ``gradients: nvme``),
-        else zeroed; waits for a free pinned buffer with ``gradients: nvme``."""
+        else unspecified (the caller writes every element); waits for a free
+        pinned buffer with ``gradients: nvme``."""
         if self.gradients_on_drive:
             return self._fill(index, numel, resume, self.acquire_buffer())
         import torch
@@ -54,8 +55,6 @@ class SwappedOptimizer(OptimizerSwapper):
         if held is None or held.numel() != numel:
             held = torch.zeros(numel, dtype=torch.float32)
             self.hold_gradient(index, held)  # validates numel against the sub-group
-        elif not resume:
-            held.zero_()
         return GradientBuffer(held)
 
     def _fill(self, index: int, numel: int, resume: bool, lease: Lease) -> GradientBuffer:
@@ -65,8 +64,6 @@ class SwappedOptimizer(OptimizerSwapper):
             buf = lease.tensor(torch.float32, numel)
             if resume:
                 self.read_gradient(index, buf)
-            else:
-                buf.zero_()
         except BaseException:
             lease.release()
             raise

@@ -260,3 +260,63 @@ def test_landing_a_large_bf16_gradient_faults_no_fresh_pages():
     # One 32 MiB temporary per landing is 8192 faults; 4 landings 32768.
     assert faults < 2000, f"{faults} minor faults in 4 landings"
     assert torch.equal(dst, torch.full_like(dst, 5.0))
+
+
+@pytest.mark.parametrize("opt_device", ["cpu", "nvme"])
+@pytest.mark.parametrize("device", [False, True])
+def test_a_fresh_buffer_is_written_whole_without_being_zeroed_first(
+    tmp_path, monkeypatch, opt_device, device
+):
+    """A sub-group's buffer opened afresh is not zeroed whole (one pass over
+    every gradient byte per window, on backward's path): the first gradients
+    are copied in and only what got none is zeroed, at close. Buffers come
+    back poisoned (NaN) here; a parameter without a gradient, one flushed
+    part-way and the accumulated sums must still be exact."""
+    from aio.config import load_train_config
+    from aio.zero import memory_optimizer, swapped_optimizer
+    from aio.zero.grads import GradientAccumulator
+    from aio.zero.optimizer import make_optimizer
+    from aio.zero.placement import SubGroupLayout
+
+    def poisoning(real):
+        def opened(self, index, numel, resume):
+            buf = real(self, index, numel, resume)
+            if buf is not None and not resume:
+                buf.tensor.fill_(float("nan"))
+            return buf
+
+        return opened
+
+    for cls in (memory_optimizer.MemoryOptimizer, swapped_optimizer.SwappedOptimizer):
+        for name in ("open_gradient", "try_open_gradient"):
+            monkeypatch.setattr(cls, name, poisoning(getattr(cls, name)))
+    blk = {"device": opt_device}
+    if opt_device == "nvme":
+        blk.update(nvme_path=str(tmp_path), buffer_count=3)  # SGD's 2 and one for gradients
+    cfg = load_train_config(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": blk}, "aio_zero": {"gradients": opt_device}}
+    )
+    opt = make_optimizer(cfg, torch.optim.SGD, {"lr": 1.0})
+    a, unused, b, c = _P(0, 3), _P(1, 2), _P(2, 2), _P(3, 4)
+    layout = SubGroupLayout([[a, unused, b], [c]])
+    try:
+        for gi, n in enumerate(layout.group_numel):
+            opt.register_subgroup(gi, n)
+            opt.initialize(gi, torch.zeros(n))
+        acc = GradientAccumulator(opt, layout, gas=2, record_norms=True)
+        if device:
+            acc._copies = _fake_device()[1]
+        for micro in range(2):
+            acc.add(a, torch.full((3,), 1.0 + micro))
+            acc.add(c, torch.full((4,), 10.0 + micro))
+            acc.add(b, torch.full((2,), 100.0 + micro).bfloat16())
+            acc.finish_backward()
+            if micro == 0:
+                acc.end_micro_step()
+        acc.settle_writes()
+        got = {}
+        opt.step(after=lambda i, m: got.setdefault(i, m.clone()))
+        assert got[0].tolist() == [-3.0] * 3 + [0.0] * 2 + [-201.0] * 2
+        assert got[1].tolist() == [-21.0] * 4
+    finally:
+        opt.close()
