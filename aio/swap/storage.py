@@ -253,6 +253,12 @@ def checkpoint_dir(directory: str) -> Iterator[str]:
     itself survives a power cut. A crash or error never leaves a
     half-written checkpoint under the final name, and loaders refuse a
     folder without the marker. `directory` must not exist or be empty."""
+    # Checked before any work: the rename at the end replaces an empty
+    # folder only, never a symbolic link (or a file) at that name.
+    if os.path.islink(directory):
+        raise FileExistsError(17, "checkpoint directory is a symbolic link; pass the real folder", directory)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise FileExistsError(17, "checkpoint directory exists and is not a folder", directory)
     if os.path.exists(directory) and os.listdir(directory):
         raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
     parent = os.path.dirname(os.path.abspath(directory))
@@ -485,22 +491,28 @@ class SwapStorage:
         name = f"{job}-rank{r}-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         for _attempt in range(8):
             self.root, self._root_fd = _open_private_root(nvme_path)
-            self.reclaimed = _reclaim_dead(self._root_fd, me)
             try:
+                self.reclaimed = _reclaim_dead(self._root_fd, me)
                 os.mkdir(name, 0o700, dir_fd=self._root_fd)  # exclusive: never share a folder
                 break
             except FileNotFoundError:
                 # Another job of ours removed the (empty) user folder just now: redo.
                 os.close(self._root_fd)
+            except BaseException:
+                os.close(self._root_fd)
+                raise
         else:
             raise FileNotFoundError(2, "swap folder keeps disappearing", os.path.join(nvme_path, root_name()))
         self.dir = os.path.join(self.root, name)
         self._name = name
         self._pid = os.getpid()
+        self._dir_fd = -1
         try:
             self._dir_fd = os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
             self._write_marker({**me, "job": job, "rank": r, "kind": kind})
         except BaseException:
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
             _remove_folder(self._root_fd, name)
             os.close(self._root_fd)
             raise

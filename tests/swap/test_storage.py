@@ -151,3 +151,33 @@ def test_a_reservation_out_of_space_part_way_gives_the_space_back(tmp_path, monk
         assert os.path.getsize(f.real_path) == 1 << 20 and f.size == 1 << 20
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("fail", ["mkdir", "marker"])
+def test_a_failed_creation_leaks_no_descriptor(tmp_path, monkeypatch, fail):
+    """The folder's creation failing for another reason than a vanished user
+    folder (out of space, quota), or its marker failing to write, closes the
+    descriptors it opened: a retrying job must not run out of them."""
+    import errno
+
+    from aio.swap import storage
+
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    SwapStorage(str(tmp_path), "param").close()  # the user folder exists from here on
+    real_mkdir = os.mkdir
+    if fail == "mkdir":
+        monkeypatch.setattr(
+            os, "mkdir", lambda name, *a, **k: no_space() if "dir_fd" in k else real_mkdir(name, *a, **k)
+        )
+    else:
+        monkeypatch.setattr(storage.SwapStorage, "_write_marker", no_space)
+    before = open_fds()
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space"):
+            SwapStorage(str(tmp_path), "param")
+    assert open_fds() == before

@@ -208,3 +208,24 @@ def test_forked_child_does_not_remove_parents_folder(tmp_path):
     assert os.path.isdir(s.dir)
     s.close()
     assert not os.path.exists(s.dir)
+
+
+@pytest.mark.parametrize("kind", ["symlink to an empty folder", "file"])
+def test_a_checkpoint_onto_a_symlink_or_a_file_is_refused_before_any_work(tmp_path, kind):
+    """The final rename replaces an empty folder only: a symbolic link (even to
+    an empty folder) or a file at the checkpoint's name is refused before
+    anything is written, naming it; what it points to is untouched."""
+    from aio.swap.storage import checkpoint_dir
+
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    dest = tmp_path / "ckpt"
+    if kind == "file":
+        dest.write_text("x")
+    else:
+        dest.symlink_to(target)
+    with pytest.raises(FileExistsError, match="symbolic link|not a folder") as err:
+        with checkpoint_dir(str(dest)):
+            pytest.fail("the body ran: the refusal came late")
+    assert err.value.filename == str(dest)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere"] and not os.listdir(target)
