@@ -163,24 +163,40 @@ def wait_sliced(wait_for: Any, until: float | None) -> bool:
 
 # -- memory with I/O in flight ------------------------------------------------
 _inflight_lock = threading.Lock()
-# token -> (start, end, request, pid of the process that submitted it)
-_inflight: dict[int, tuple[int, int, Any, int]] = {}
+# token -> (start, end, request, pid of the process that submitted it, what
+# owns the memory). The registry, not the future, keeps the memory alive:
+# a future dropped before it settles (Ctrl-C in sync_pread, a caller that
+# never waits) must not free memory a worker still reads or writes.
+_inflight: dict[int, tuple[int, int, Any, int, Any]] = {}
 _tokens = itertools.count(1)
 
 
-def track_inflight(ptr: int, nbytes: int, req: Any) -> int:
-    """Record that `req` uses [ptr, ptr + nbytes); returns a token for untrack."""
+def track_inflight(ptr: int, nbytes: int, keepalive: Any) -> int:
+    """Record, before its request is submitted, that [ptr, ptr + nbytes) will
+    have I/O in flight, and hold `keepalive` (what owns that memory) until
+    untrack_inflight(); attach the request with attach_request(). Returns
+    the token both take. An entry whose request never got attached (the
+    submit interrupted right after it returned) keeps its memory for good:
+    a leak, never a write into freed memory."""
     with _inflight_lock:
         if len(_inflight) >= 256:  # futures nobody collects: forget finished ones
-            for tok in [k for k, v in _inflight.items() if v[2].done()]:
+            for tok in [k for k, v in _inflight.items() if v[2] is not None and v[2].done()]:
                 del _inflight[tok]
         tok = next(_tokens)
-        _inflight[tok] = (ptr, ptr + nbytes, req, os.getpid())
+        _inflight[tok] = (ptr, ptr + nbytes, None, os.getpid(), keepalive)
     return tok
 
 
+def attach_request(token: int, req: Any) -> None:
+    """The request now using a range registered by track_inflight()."""
+    with _inflight_lock:
+        start, end, _, pid, keep = _inflight[token]
+        _inflight[token] = (start, end, req, pid, keep)
+
+
 def untrack_inflight(token: int) -> None:
-    """Forget a range registered by track_inflight() (its I/O is done)."""
+    """Forget a range registered by track_inflight() (its I/O is done, or its
+    submit failed) and let go of its memory."""
     with _inflight_lock:
         _inflight.pop(token, None)
 
@@ -192,6 +208,10 @@ def wait_range_idle(start: int, nbytes: int) -> None:
         # A parent's requests never finish in a forked child (no workers
         # there) and touch only the parent's copy of the memory: skip them.
         me = os.getpid()
-        busy = [v[2] for v in _inflight.values() if v[0] < end and start < v[1] and v[3] == me]
+        busy = [
+            req
+            for lo, hi, req, pid, _ in _inflight.values()
+            if lo < end and start < hi and pid == me and req is not None
+        ]
     for req in busy:
         wait_sliced(req.wait, None)

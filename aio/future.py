@@ -9,8 +9,8 @@ from typing import Any
 
 from ._buffers import (
     ResolvedBuffer,
+    attach_request,
     deadline,
-    track_inflight,
     untrack_inflight,
     wait_sliced,
 )
@@ -42,7 +42,13 @@ class AioFuture:
         "__weakref__",
     )
 
-    def __init__(self, req: Any, buf: ResolvedBuffer, finalize: Callable[[], None] | None) -> None:
+    def __init__(
+        self, req: Any, buf: ResolvedBuffer, finalize: Callable[[], None] | None, token: int
+    ) -> None:
+        """`token`: buf's entry in the in-flight registry (track_inflight(), made
+        before `req` was submitted); the future attaches `req` to it and
+        untracks it once settled."""
+        attach_request(token, req)
         self._req = req
         self._buf: ResolvedBuffer | None = buf
         self._finalize = finalize
@@ -51,7 +57,7 @@ class AioFuture:
         self._observed = False  # the caller has seen the outcome via result()/exception()
         self._lock = threading.Lock()  # one settle; every caller sees its outcome
         self._pid = os.getpid()
-        self._token = track_inflight(buf.ptr, buf.nbytes, req)
+        self._token = token
         self._tid = threading.get_ident()  # the submitting thread (see AsyncIOHandle.wait)
         self._told: set[int] = set()  # threads a wait() has raised this error to
 

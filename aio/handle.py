@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _C, pinned
 from ._args import PathArg, check_bool, check_int, check_path
-from ._buffers import MAX_OFFSET, resolve
+from ._buffers import MAX_OFFSET, resolve, track_inflight, untrack_inflight
 from ._errors import HandleStateError
 from .future import AioFuture, collectable, first_untold_error, wait_all
 
@@ -162,9 +162,6 @@ class AsyncIOHandle:
             raise OverflowError(
                 f"file_offset + buffer size must be <= 2**63-1, got {file_offset} + {buf.nbytes}"
             )
-        req = c.submit(op, buf.ptr, buf.nbytes, spath, fd, file_offset)
-        for note in c.take_notices():
-            warnings.warn(note, RuntimeWarning, stacklevel=3)
         finalize = None
         if buf.cuda_tensor is not None and op == _READ:
             host, dev = buf.keepalive, buf.cuda_tensor
@@ -172,7 +169,20 @@ class AsyncIOHandle:
             def finalize() -> None:
                 dev.view(-1).copy_(host)
 
-        return AioFuture(req, buf, finalize)
+        token = track_inflight(buf.ptr, buf.nbytes, buf.keepalive)
+        try:
+            req = c.submit(op, buf.ptr, buf.nbytes, spath, fd, file_offset)
+        except BaseException:
+            untrack_inflight(token)
+            raise
+        fut = AioFuture(req, buf, finalize, token)
+        self._warn_notices(c)
+        return fut
+
+    @staticmethod
+    def _warn_notices(c: Any) -> None:
+        for note in c.take_notices():
+            warnings.warn(note, RuntimeWarning, stacklevel=4)
 
     def _track(self, fut: AioFuture) -> AioFuture:
         with self._lock:
@@ -235,10 +245,15 @@ class AsyncIOHandle:
         piece = buf.nbytes // n
         if int(offs.max()) + piece > MAX_OFFSET:
             raise OverflowError(f"file_offsets: an offset + piece size ({piece}) exceeds 2**63-1")
-        group = c.submit_pieces(op, buf.ptr, piece, offs.ctypes.data, n, spath, fd)
-        for note in c.take_notices():
-            warnings.warn(note, RuntimeWarning, stacklevel=3)
-        return AioFuture(group, buf, None)
+        token = track_inflight(buf.ptr, buf.nbytes, buf.keepalive)
+        try:
+            group = c.submit_pieces(op, buf.ptr, piece, offs.ctypes.data, n, spath, fd)
+        except BaseException:
+            untrack_inflight(token)
+            raise
+        fut = AioFuture(group, buf, None, token)
+        self._warn_notices(c)
+        return fut
 
     def pread(
         self,
@@ -381,18 +396,27 @@ class AsyncIOHandle:
             self._c.drain()
 
     def close(self) -> None:
-        """Wait for in-flight I/O, then stop the workers. Idempotent."""
+        """Wait for in-flight I/O, then stop the workers. Idempotent.
+
+        Like a file's close() after a failed flush, it raises the first error
+        of an async request that nobody has seen (no result(), exception() or
+        wait() reported it) once the handle is closed: a failed write is never
+        lost silently."""
         if self._closed:
             return
+        first = None
         if os.getpid() == self._pid:
             # Interruptible: Ctrl-C here leaves the handle open and intact.
             with self._lock:
                 futs = list(self._pending)
             wait_all(futs)
+            first = first_untold_error(futs)
         self._drain()
         self._closed = True
         if os.getpid() == self._pid:
             self._c = None
+        if first is not None:
+            raise first
 
     def __enter__(self) -> AsyncIOHandle:
         return self

@@ -188,6 +188,32 @@ def test_closed_handle(fpath):
         h2.async_pread(bytearray(3), fpath)
 
 
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_close_raises_an_async_error_nobody_saw(fpath, how):
+    """An async write that failed and was never waited for: close() (or the
+    with block's end) raises it once the handle is closed, as a file's
+    close() raises a failed flush; one already seen is not raised again."""
+    buf = np.ones(1 << 20, np.uint8)
+    with pytest.raises(OSError, match="write failed") as err:
+        if how == "with":
+            with aio.AsyncIOHandle() as h:
+                h._c.inject_fault("error", errno.EIO, "write", 1, 1)
+                h.async_pwrite(buf, fpath)
+        else:
+            h = aio.AsyncIOHandle()
+            h._c.inject_fault("error", errno.EIO, "write", 1, 1)
+            h.async_pwrite(buf, fpath)
+            h.close()
+    assert err.value.errno == errno.EIO
+    with pytest.raises(ValueError, match="closed"):
+        h.wait()
+    h2 = aio.AsyncIOHandle()
+    h2._c.inject_fault("error", errno.EIO, "write", 1, 1)
+    fut = h2.async_pwrite(buf, fpath)
+    assert isinstance(fut.exception(), OSError)
+    h2.close()  # seen through the future: not raised again
+
+
 def test_wait_with_nothing_pending_is_zero():
     assert handle().wait() == 0
 

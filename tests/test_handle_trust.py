@@ -173,6 +173,41 @@ def test_ctrl_c_interrupts_waits_and_future_stays_pending(tmp_path, how, engine)
     assert r.stdout.startswith("ok")
 
 
+@pytest.mark.parametrize("op", ["sync_pread", "sync_pwrite"])
+def test_ctrl_c_in_a_sync_call_keeps_the_buffer_until_its_io_is_done(tmp_path, op):
+    """sync_pread/sync_pwrite interrupted: its future (never handed out) goes
+    with the exception, and the caller drops the buffer; the memory stays
+    owned until the worker is done with it (it was freed at once, and a
+    read then wrote into whatever took the memory: a segfault or worse)."""
+    run_script(
+        tmp_path,
+        body=f"""
+        valid = 0
+        for attempt in range(5):
+            blk = blockers()
+            buf = np.empty(1 << 20, np.uint8)
+            ref = weakref.ref(buf)
+            stop = interrupt_when_waiting()
+            try:
+                h.{op}(buf, SRC if {op!r} == "sync_pread" else os.path.join(DIR, "out.bin"))
+                raise SystemExit("not interrupted")
+            except KeyboardInterrupt:
+                pass
+            stop.set()
+            del buf
+            gc.collect()
+            if not blk[-1].done():
+                valid += 1
+                assert ref() is not None, "buffer freed with its I/O in flight"
+            h.wait()
+            if valid:
+                break
+        assert valid > 0, "the interrupt never arrived while I/O was in flight"
+        print("ok")
+        """,
+    )
+
+
 def test_ctrl_c_interrupts_pool_acquire(tmp_path):
     run_script(
         tmp_path,

@@ -129,11 +129,14 @@ class _Drive:
     bytes_written: int = 0
 
     def close(self) -> None:
+        """Close both handles and remove the folder, whatever fails; the first error is raised."""
         try:
             self.reader.close()
-            self.writer.close()
         finally:
-            self.storage.close()
+            try:
+                self.writer.close()
+            finally:
+                self.storage.close()
 
 
 @dataclass
