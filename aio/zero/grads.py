@@ -101,7 +101,11 @@ class GradientAccumulator:
         self._open: dict[int, GradientBuffer] = {}  # sub-groups being filled this micro-step
         self._arrived: dict[int, int] = {}
         self._touched: set[int] = set()  # sub-groups with a gradient in this micro-step
-        self._flushed: set[int] = set()  # sub-groups written part-way through this micro-step
+        # Sub-groups stored at least once in this window (a micro-step, a
+        # part-way flush, an earlier backward): opened again, they are read
+        # back and added to; any other is opened afresh. Not the micro-step's
+        # place in the window: a micro-step without backward stores nothing.
+        self._stored: set[int] = set()
         self._pending: list[PendingWrite] = []  # gradient writes in flight
         self._norms: dict[int, Any] = {}  # place order -> grad norm (accumulation boundary)
         # The compute device's copies (the parameter store's, sharing its side
@@ -123,16 +127,18 @@ class GradientAccumulator:
         """Whether the current micro-step ends the accumulation window."""
         return (self.micro_steps + 1) % self.gas == 0
 
-    def at_window_start(self) -> bool:
-        """Whether the current micro-step is the first of its accumulation window
-        (sub-group buffers then start from zero instead of the stored gradient)."""
-        return self.micro_steps % self.gas == 0
-
     @property
     def has_open(self) -> bool:
         """Whether a sub-group's gradient buffer is still open (not yet stored), or a
         gradient still on its way, in this micro-step."""
         return bool(self._open) or bool(self._arriving)
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether gradients arrived since the last finish_backward() (a
+        backward run by autograd directly, loss.backward(), is finished by
+        the step)."""
+        return bool(self._seen) or self.has_open
 
     @property
     def touched(self) -> bool:
@@ -199,9 +205,14 @@ class GradientAccumulator:
             self._recycle()
         if a.stop < s.numel:
             return
-        if self.record_norms and self.is_boundary() and s.order not in self._normed:
+        # A second gradient of a parameter in one backward (a module shared
+        # by reentrant-checkpointed segments): its norm is the sum's, and it
+        # does not count as another parameter arriving.
+        if self.record_norms and self.is_boundary() and (s.order not in self._normed or not a.first):
             self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
             self._normed.add(s.order)
+        if not a.first:
+            return
         self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
         if self._arrived[s.group] == len(self.layout.groups[s.group]):
             self._close(s.group)
@@ -229,10 +240,7 @@ class GradientAccumulator:
     def _buffer(self, gi: int) -> GradientBuffer:
         if gi in self._open:
             return self._open[gi]
-        # Resumed: mid-window, written part-way, or holding an earlier backward's
-        # gradient of this micro-step.
-        again = self._passes > 0 and gi in self._touched
-        resume = not (self.at_window_start() and gi not in self._flushed and not again)
+        resume = gi in self._stored
         self._touched.add(gi)
         if not resume:
             self._fresh[gi] = []
@@ -245,7 +253,6 @@ class GradientAccumulator:
                 # out; its next gradient reads it back and adds to it.
                 oldest = next(iter(self._open))
                 self._close(oldest)
-                self._flushed.add(oldest)
             else:
                 buf = self.opt.open_gradient(gi, numel, resume)
                 break
@@ -256,24 +263,23 @@ class GradientAccumulator:
         written = self._fresh.pop(gi, None)
         if written is not None:
             _zero_except(self._open[gi].tensor, written)
+        self._stored.add(gi)
         pending = self.opt.close_gradient(gi, self._open.pop(gi))
         if pending is not None:
             self._pending.append(pending)
 
     def finish_backward(self) -> None:
         """Add the gradients still on their way, then store every open
-        sub-group; at a window's first micro-step, also the sub-groups that got
-        no gradient (they still hold the last window's)."""
+        sub-group, and zeros for those not stored in this window yet (they
+        still hold the last window's)."""
         self._land(keep=0)
         for gi in list(self._open):
             self._close(gi)
-        if self.at_window_start():
-            for gi in range(len(self.layout.groups)):
-                if gi not in self._touched:
-                    self._buffer(gi)
-                    self._close(gi)
+        for gi in range(len(self.layout.groups)):
+            if gi not in self._stored:
+                self._buffer(gi)
+                self._close(gi)
         self._arrived.clear()
-        self._flushed.clear()
         self._seen.clear()
         self._normed.clear()
         self._passes += 1
@@ -302,6 +308,7 @@ class GradientAccumulator:
     def end_window(self) -> None:
         """The window's optimizer step is over (or skipped)."""
         self._norms.clear()
+        self._stored.clear()
         self.end_micro_step()
 
     def reset(self) -> None:
@@ -316,7 +323,7 @@ class GradientAccumulator:
         self._pending.clear()
         self.opt.discard_gradients()
         self._arrived.clear()
-        self._flushed.clear()
+        self._stored.clear()
         self._touched.clear()
         self._norms.clear()
         self._fresh.clear()

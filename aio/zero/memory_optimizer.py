@@ -67,7 +67,7 @@ class MemoryOptimizer:
         return None  # already where step() reads it
 
     def discard_gradients(self) -> None:
-        """Nothing in flight: the next window zeroes the buffers."""
+        """Nothing in flight: the next window writes every buffer afresh."""
 
     def master_extent(self, index: int) -> None:
         """None: the master weights are in memory, on no drive."""

@@ -378,7 +378,7 @@ class OffloadTrainer:
         self._check_open()
         if self.fetcher is not None:
             self.fetcher.end_backward()
-        if self.grads.has_open:
+        if self.grads.in_backward:  # loss.backward() ran without engine.backward()
             self._finish_backward()
         if not self.grads.is_boundary():
             self.grads.end_micro_step()

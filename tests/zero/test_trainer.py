@@ -446,3 +446,122 @@ def test_gradients_auto_go_to_the_drive_past_the_budget(tmp_path, reference):
     assert st["gradients"]["where"] == "nvme" and "exceed the budget" in st["gradients"]["reason"]
     assert got == reference
     assert st["optimizer"]["cached_subgroups"] == 0  # gradients went through the drive
+
+
+@pytest.mark.parametrize("opt", ["cpu", "nvme"])
+def test_plain_loss_backward_then_step_equals_memory(tmp_path, opt):
+    """loss.backward() instead of engine.backward() (Lightning's manual loops,
+    HF's own): the gradients reach the hooks and step() finishes the
+    backward. It did so only while a buffer was still open, so the next
+    window added to stale bookkeeping and stepped zero gradients."""
+    want = train_in_memory(4, gas=1, clip=0.5)
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path, param="cpu", opt=opt, gas=1, clip=0.5)) as engine:
+        got = []
+        for step in range(4):
+            loss = loss_of(engine, step, 0)
+            loss.backward()
+            engine.step()
+            got.append(loss.item())
+    assert got == want
+
+
+@pytest.mark.parametrize("gradients", ["cpu", "nvme"])
+def test_a_micro_step_without_backward_leaves_no_stale_gradient(tmp_path, gradients):
+    """A loop skipping a bad batch still calls step() to keep the count: the
+    window's gradient is then its other micro-batches' alone (it started
+    from the last window's, the first micro-step's place in the window
+    deciding what was fresh)."""
+    skip = {(1, 0)}
+    model = gpt()
+    opt = CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    want = []
+    for s in range(3):
+        for k in range(2):
+            if (s, k) not in skip:
+                loss = loss_of(model, s, k)
+                (loss / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    got = []
+    cfg = cfg_for(tmp_path, param="cpu", opt="nvme", gas=2, clip=0, aio_zero={"gradients": gradients})
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        for s in range(3):
+            for k in range(2):
+                if (s, k) not in skip:
+                    loss = loss_of(engine, s, k)
+                    engine.backward(loss)
+                engine.step()
+            got.append(loss.item())
+    assert got == want
+
+
+class _SharedInCheckpoints(torch.nn.Module):
+    """One Linear used by two reentrant-checkpointed segments: its gradient
+    hook fires twice in one backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.out = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.shared, self.inp(x), use_reentrant=True)
+        return self.out(checkpoint(self.shared, torch.tanh(h), use_reentrant=True))
+
+
+@pytest.mark.parametrize("where,gas", [("cpu", 1), ("cpu", 2), ("nvme", 1)])
+def test_a_parameter_with_two_gradients_in_one_backward_equals_memory(tmp_path, where, gas):
+    """Its second gradient is added to the first (its sub-group closed early
+    on the first, counting hook calls as parameters, and was wiped when the
+    second reopened it afresh); the norm is the sum's."""
+
+    def data(step, micro):
+        return torch.randn(4, 16, generator=torch.Generator().manual_seed(step * 10 + micro))
+
+    torch.manual_seed(0)
+    model = _SharedInCheckpoints()
+    ref = copy.deepcopy(model)
+    opt = CPUAdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    want = []
+    for s in range(3):
+        for k in range(gas):
+            loss = ref(data(s, k)).square().mean()
+            (loss / gas).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    drive = {
+        "device": "nvme",
+        "nvme_path": str(tmp_path),
+        "buffer_count": 8,
+        "buffer_size": 1000,
+        "max_in_cpu": 0,
+    }
+    z = {
+        "stage": 3,
+        "sub_group_size": 100_000,
+        "stage3_param_persistence_threshold": 0,
+        "offload_param": drive if where == "nvme" else {"device": "cpu"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5}
+        if where == "nvme"
+        else {"device": "cpu"},
+    }
+    cfg = {
+        "zero_optimization": z,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.05,
+        "aio_zero": {"gradients": where},
+    }
+    got = []
+    with aio.zero.initialize(model, cfg) as engine:
+        for s in range(3):
+            for k in range(gas):
+                loss = engine(data(s, k)).square().mean()
+                engine.backward(loss)
+                engine.step()
+            got.append(loss.item())
+    assert got == want
