@@ -315,13 +315,7 @@ class AsyncIOHandle:
             mine = b.keepalive.numpy().view(np.uint8).reshape(-1)
         else:
             mine = np.ctypeslib.as_array((ctypes.c_uint8 * b.nbytes).from_address(b.ptr))
-        if isinstance(path, int):
-            ref = os.pread(path, b.nbytes, offset)
-        else:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                ref = f.read(b.nbytes)
-        if len(ref) != b.nbytes or not np.array_equal(mine, np.frombuffer(ref, dtype=np.uint8)):
+        if not _matches_file(mine, path, offset):
             import errno
 
             raise OSError(
@@ -463,3 +457,30 @@ def _drain_all_at_exit() -> None:
             h._drain()
         except Exception:
             pass
+
+
+_VERIFY_CHUNK = 64 << 20
+
+
+def _matches_file(mine: Any, path: PathArg, offset: int) -> bool:
+    """Whether the file holds the bytes of `mine` (a flat uint8 array) at
+    `offset`, read back in chunks with buffered I/O (one pread returns at most
+    2 GiB on Linux, and a copy of a whole large buffer would double it)."""
+    import numpy as np
+
+    chunk = bytearray(min(_VERIFY_CHUNK, max(1, mine.size)))
+    fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < mine.size:
+            want = memoryview(chunk)[: min(len(chunk), mine.size - done)]
+            got = os.preadv(fd, [want], offset + done)
+            if got == 0:
+                return False  # the file ends first
+            if not np.array_equal(mine[done : done + got], np.frombuffer(want[:got], dtype=np.uint8)):
+                return False
+            done += got
+        return True
+    finally:
+        if not isinstance(path, int):
+            os.close(fd)

@@ -242,6 +242,31 @@ def test_validate_detects_mismatch(fpath, monkeypatch):
     assert ei.value.errno == errno.EIO and "validation" in str(ei.value)
 
 
+@pytest.mark.parametrize("by", ["path", "fd"])
+def test_validate_reads_back_past_one_short_read(fpath, monkeypatch, by):
+    """One pread returns at most 2 GiB on Linux (less on a pipe-like file):
+    validation by descriptor took one call's bytes for the whole file and
+    failed a correct read of a buffer past that. Here every call is capped."""
+    data = np.arange(1 << 16, dtype=np.uint8)
+    with open(fpath, "wb") as f:
+        f.write(data.tobytes())
+    real_pread, real_preadv = os.pread, os.preadv
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: real_pread(fd, min(n, 1000), off))
+    monkeypatch.setattr(
+        os, "preadv", lambda fd, bufs, off: real_preadv(fd, [memoryview(bufs[0])[:1000]], off)
+    )
+    h = handle()
+    out = np.empty_like(data)
+    fd = os.open(fpath, os.O_RDONLY)
+    try:
+        assert h.pread(out, fd if by == "fd" else fpath, validate=True) == data.size
+        out[-1] ^= 0xFF  # a difference in the last short read is still found
+        with pytest.raises(OSError, match="validation"):
+            h.verify(out, fd if by == "fd" else fpath)
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def aio_limit_exhausted():
     """io_setup fails with EAGAIN, as when fs.aio-max-nr is used up. Through

@@ -939,11 +939,15 @@ class _StepIO:
 
     def _start_write(self, i: int, leases: list[Lease]) -> _Write:
         sw, g = self.sw, self.sw.groups[i]
-        futs = []
-        for name, lease in zip(sw._saved_parts(), leases, strict=True):
-            off, n = sw._part_io(g, name)
-            futs.append(sw.space.write(lease.buffer()[:n], off))
-            sw.count_io("written", name, n)
+        futs: list[IOFuture] = []
+        try:
+            for name, lease in zip(sw._saved_parts(), leases, strict=True):
+                off, n = sw._part_io(g, name)
+                futs.append(sw.space.write(lease.buffer()[:n], off))
+                sw.count_io("written", name, n)
+        except BaseException:
+            _settle_started(futs)  # no buffer goes back with a write still in it
+            raise
         return (i, leases, futs)
 
     def _finish_write(self, entry: _Write) -> None:
@@ -1065,13 +1069,15 @@ class _StepIO:
         """Write the master weights of every carried sub-group not yet on the
         drive, and wait; the sub-groups stay dirty (their states are not written)."""
         sw = self.sw
-        _wait_all(
-            [
-                sw._start_part_write(sw.groups[i], "param", leases["param"])
-                for i, (leases, _futs, dirty) in self.reads.items()
-                if dirty
-            ]
-        )
+        futs: list[IOFuture] = []
+        try:
+            for i, (leases, _futs, dirty) in self.reads.items():
+                if dirty:
+                    futs.append(sw._start_part_write(sw.groups[i], "param", leases["param"]))
+        except BaseException:
+            _settle_started(futs)
+            raise
+        _wait_all(futs)
 
     def write_back(self) -> None:
         """Write every carried sub-group not yet on the drive, and wait (the
@@ -1115,6 +1121,13 @@ def _land_initial(entry: tuple[_SubGroup, Lease, IOFuture]) -> None:
         g.valid = True
     finally:
         lease.release()
+
+
+def _settle_started(futs: list[IOFuture]) -> None:
+    """Starting a batch of I/O failed part-way: wait for those started (their
+    outcome is not the error to report), so their buffers can go back."""
+    for fut in futs:
+        fut.exception()
 
 
 def _wait_all(futs: list[IOFuture]) -> None:

@@ -612,3 +612,51 @@ def test_flush_writes_kept_masters_only_and_a_failure_poisons(tmp_path):
     with pytest.raises(SwapStateError, match="master weights failed"):
         sw.step()
     sw.close()
+
+
+@pytest.mark.parametrize("where", ["step", "flush"])
+def test_a_write_batch_failing_to_start_part_way_settles_the_started_ones(tmp_path, where):
+    """Ctrl-C (or a submit error) between a sub-group's part writes: the
+    writes already started are waited for before their buffers go back (they
+    were in no list, so the buffers went back with a write still in them,
+    and that write could land over a checkpoint imported afterwards)."""
+    # Room to keep both sub-groups' three tensors in buffers after the step.
+    sw = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-2}, buffer_count=8)
+    try:
+        for i in range(2):
+            sw.register_subgroup(i, 1024)
+            sw.initialize(i, torch.randn(1024))
+            if where == "flush":
+                sw.hold_gradient(i, torch.ones(1024))  # write-back: the step keeps both dirty
+            else:
+                sw.write_gradient(i, torch.ones(1024), async_op=False)
+        if where == "flush":
+            sw.step()
+        real, started = sw.space.write, []
+
+        class Slow:
+            """A started write the drive has not done yet."""
+
+            def __init__(self, fut):
+                self.fut, self.settled = fut, False
+
+            def done(self):
+                return self.settled
+
+            def exception(self, timeout=None):
+                self.settled = True
+                return self.fut.exception()
+
+        def write(buf, off):
+            if started:
+                raise KeyboardInterrupt
+            started.append(Slow(real(buf, off)))
+            return started[0]
+
+        sw.space.write = write
+        with pytest.raises(KeyboardInterrupt):
+            sw.step() if where == "step" else sw.flush()
+        assert started and started[0].settled
+    finally:
+        sw.space.write = real
+        sw.close()
