@@ -66,6 +66,18 @@ def run_cli(prog: str, body: Callable[[], int], on_interrupt: str = "") -> int:
             text = e.one_line() if hasattr(e, "one_line") else " ".join(str(e).split())
             print(f"{prog}: error: {text}", file=sys.stderr)
             return 2
+        except RuntimeError as e:
+            if not _names_a_setting(e):
+                raise  # a bug: its traceback is what a report needs
+            print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+
+
+def _names_a_setting(e: RuntimeError) -> bool:
+    """Whether `e` is a swap pool too small for the run (PoolExhaustedError):
+    its message names the config key to raise, which is all a user needs."""
+    pool = sys.modules.get("aio.swap.pool")
+    return pool is not None and isinstance(e, pool.PoolExhaustedError)
 
 
 def _describe_os_error(e: OSError) -> str:

@@ -375,3 +375,23 @@ def test_interrupt_inside_exec_of_a_string_still_exits_130(tmp_path):
     )
     assert p.returncode == 130, (p.stdout, p.stderr)
     assert "t: interrupted" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_swap_pool_too_small_is_one_line_naming_the_key_and_other_runtime_errors_are_not(capsys):
+    """PoolExhaustedError (buffer_count too small for the model) is the
+    user's setting: one line, exit 2 (it was a traceback). Any other
+    RuntimeError is a bug and keeps its traceback."""
+    from aio.swap.pool import PoolExhaustedError
+
+    def too_small():
+        raise PoolExhaustedError("2 more buffers needed; raise zero_optimization.offload_param.buffer_count")
+
+    assert _cli.run_cli("t", too_small) == 2
+    err = capsys.readouterr().err
+    assert err == "t: error: 2 more buffers needed; raise zero_optimization.offload_param.buffer_count\n"
+
+    def bug():
+        raise RuntimeError("internal")
+
+    with pytest.raises(RuntimeError, match="internal"):
+        _cli.run_cli("t", bug)

@@ -136,13 +136,22 @@ def _warn_if_nothing_on_drive(store: ParamStore, params: list[Any], cfg: TrainCo
     if p is None:  # cannot be: the store swaps only with an offload_param block
         return
     total = sum(q.aio_numel for q in params)
+    # The advice names the setting that kept them: parameters under the
+    # persistence threshold never page, whatever max_in_cpu says.
+    small = sum(q.aio_numel for q in params if q.aio_numel < cfg.persistence_threshold)
+    if small == total:
+        fix = (
+            f"every parameter has fewer than stage3_param_persistence_threshold={cfg.persistence_threshold} "
+            "elements; set zero_optimization.stage3_param_persistence_threshold lower (0: page them all)"
+        )
+    else:
+        fix = (
+            f"max_in_cpu={p.max_in_cpu} elements keep the {total - small} of the parameters above "
+            "stage3_param_persistence_threshold; set zero_optimization.offload_param.max_in_cpu lower "
+            "(0: everything on the drive)"
+        )
     logger.warning(
-        "offload_param.device is nvme but every parameter stays in CPU memory: max_in_cpu=%d "
-        "elements and stage3_param_persistence_threshold=%d keep all %d of this model's; set "
-        "zero_optimization.offload_param.max_in_cpu lower (0: everything on the drive)",
-        p.max_in_cpu,
-        cfg.persistence_threshold,
-        total,
+        "offload_param.device is nvme but all %d parameter elements stay in CPU memory: %s", total, fix
     )
 
 
