@@ -499,8 +499,8 @@ def train_in_memory(args: argparse.Namespace, out: Any, config: Any = None) -> d
     with the square root ``aio_zero.adam_sqrt`` names, torch's AdamW with
     ``optimizer.params.torch_adam`` or for bf16 parameters), ``--lr`` with
     ``--warmup-steps`` of warm-up (:func:`warmup_lr`), weight decay 0.01,
-    ``--clip`` and ``--gas``; these come from the flags even with
-    ``--config``. Returns ``losses`` and ``step_s`` (seconds) per optimizer
+    ``--clip`` and ``--gas`` (with ``--config``, its values: see
+    :func:`adopt_config`). Returns ``losses`` and ``step_s`` (seconds) per optimizer
     step; prints nothing (`out` is unused)."""
     from .config import load_train_config
     from .zero.trainer import stepping_optimizer
@@ -536,6 +536,37 @@ def train_in_memory(args: argparse.Namespace, out: Any, config: Any = None) -> d
 
 # The share of available memory the in-memory baseline may fill before it is skipped.
 BASELINE_MEMORY_SHARE = 0.8
+
+
+# What a --config file sets for the offloaded run: these flags would only have
+# changed the header, the estimate and the in-memory baseline.
+_CONFIG_SETS = ("--lr", "--gas", "--clip", "--dtype", "--offload", "--sub-group-size")
+
+
+def _given(argv: list[str] | None, flags: tuple[str, ...]) -> list[str]:
+    """Which of `flags` the command line gives (``--flag v`` or ``--flag=v``)."""
+    words = sys.argv[1:] if argv is None else argv
+    return [f for f in flags if any(w == f or w.startswith(f + "=") for w in words)]
+
+
+def adopt_config(args: argparse.Namespace, cfg: dict[str, Any]) -> str | None:
+    """With ``--config``: take the run's lr, gradient accumulation, clipping and
+    dtype from the config (read as aio.zero reads it), so the header and the
+    in-memory baseline train as the offloaded run does. Returns why the
+    baseline cannot match it (another optimizer, fp16), or None."""
+    from .config import load_train_config
+
+    tc = load_train_config(cfg)
+    args.gas, args.clip = tc.gradient_accumulation_steps, tc.gradient_clipping
+    hyper = tc.optimizer_params
+    args.lr = float(hyper.get("lr", args.lr))
+    if tc.dtype == "fp16":
+        return "the config trains in fp16 (the baseline trains in fp32 or bf16)"
+    args.dtype = tc.dtype
+    other = {k: v for k, v in hyper.items() if k not in ("lr", "weight_decay")}
+    if tc.optimizer_type not in (None, "AdamW") or hyper.get("weight_decay", 0.01) != 0.01 or other:
+        return "the config's optimizer is not the baseline's (AdamW, weight decay 0.01)"
+    return None
 
 
 def baseline_skip_reason(args: argparse.Namespace, available: int | None = None) -> str | None:
@@ -696,6 +727,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--gradients and --optimizer-states do not apply with --config: set its aio_zero keys")
     if args.config and args.nvme_path:
         ap.error("--nvme-path does not apply with --config: the config's offload blocks name their nvme_path")
+    if args.config and (given := _given(argv, _CONFIG_SETS)):
+        ap.error(
+            f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --config: the config "
+            "file sets that (optimizer.params.lr, gradient_accumulation_steps, gradient_clipping, bf16, "
+            "the offload blocks, zero_optimization.sub_group_size)"
+        )
     for path in args.nvme_path or []:
         if not os.path.isdir(path):
             ap.error(f"--nvme-path {path} is not a directory")
@@ -719,6 +756,7 @@ def _train(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
         cfg = make_config(args, nvme)
+        mismatch = adopt_config(args, cfg) if args.config else None
         drives = nvme if isinstance(nvme, str) else " ".join(nvme)
         offload = "(from --config)" if args.config else args.offload
         print(
@@ -726,7 +764,7 @@ def _train(args: argparse.Namespace) -> int:
             f"({f'warm-up {args.warmup_steps} steps' if args.warmup_steps > 1 else 'no warm-up'})",
             file=out,
         )
-        skip = baseline_skip_reason(args) if args.baseline else None
+        skip = (mismatch or baseline_skip_reason(args)) if args.baseline else None
         if skip:
             print(f"in-memory baseline: skipped: {skip}", file=out)
             args.baseline = False

@@ -207,6 +207,45 @@ def test_optimizer_state_four_times_peak_rss_trains(tmp_path):
     assert off["stats"]["optimizer"]["steps"] == 2
 
 
+def test_a_config_run_s_baseline_trains_as_the_config_says(tmp_path):
+    """With --config the header and the in-memory baseline take the config's
+    lr, accumulation and clipping (they took the flags' defaults: two
+    optimizer steps per reported step against one accumulated, 'same
+    optimizer' printed over a 0.01 loss difference); the flags that would
+    only change those are refused; another optimizer skips the baseline."""
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    blk = {"device": "nvme", "nvme_path": str(drive)}
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {**blk, "max_in_cpu": 0, "buffer_count": 8, "buffer_size": 1 << 16},
+            "offload_optimizer": {**blk, "buffer_count": 4},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+    }
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    tiny = ["--steps", "2", "--layers", "1", "--width", "32", "--heads", "2", "--vocab", "64"]
+    stdout, res = run_train(["--config", str(path), *tiny], tmp_path)
+    assert "lr=0.002" in stdout and res["identical"], stdout
+    assert (res["args"]["gas"], res["args"]["clip"]) == (2, 0.5)
+    r = subprocess.run(
+        [sys.executable, "-m", "aio.train", "--config", str(path), "--gas", "2", "--clip=1", *tiny],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--gas, --clip do not apply with --config" in r.stderr, r.stderr
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}
+    path.write_text(json.dumps(cfg))
+    stdout, res = run_train(["--config", str(path), *tiny], tmp_path)
+    assert "in-memory baseline: skipped: the config's optimizer is not the baseline's" in stdout
+
+
 def test_gradients_flag_at_the_builtin_config_keeps_rss_a_quarter_of_the_state(tmp_path):
     """``--gradients nvme`` at aio-train's built-in config (issue 26's check): a
     306.6M model whose fp32 optimizer state is 3.43 GiB peaks at a quarter of
