@@ -1020,7 +1020,12 @@ def _print_block(a: argparse.Namespace, drive: Drive, best: Setting, log: Any) -
     snippet: dict[str, Any] = {"aio": best.aio_block()}
     if len(drive.dirs) > 1:
         nvme = {"device": "nvme", "nvme_path": list(drive.dirs)}
-        snippet["zero_optimization"] = {"offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
+        # stage 3: offload blocks are refused without it (a snippet that fails validation otherwise)
+        snippet["zero_optimization"] = {
+            "stage": 3,
+            "offload_param": dict(nvme),
+            "offload_optimizer": dict(nvme),
+        }
         log(
             "\nnote: aio.zero takes nvme_path as a list of directories (one per drive); "
             "DeepSpeed takes one string only: under DeepSpeed keep one of these directories"

@@ -332,6 +332,9 @@ def test_two_dirs_given_settings_emit_config(tmp_path, capsys):
     assert block["aio"]["block_size"] == 1 << 20 and block["aio"]["queue_depth"] == 8
     assert block["zero_optimization"]["offload_param"]["nvme_path"] == [d1, d2]
     assert "set of 2, together" in cap.err and "same device" in cap.err
+    from aio.config import load_train_config
+
+    load_train_config(block)  # the snippet passes our own validation (it lacked stage 3)
 
 
 def test_set_trial_gives_each_drive_its_own_handle(tmp_path, monkeypatch):
