@@ -165,11 +165,11 @@ class ParamSwapper:
         self._check_open()
         if part_id in self.parts:
             raise ValueError(f"partition {part_id!r} is already registered")
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
-            raise ValueError(f"partition {part_id!r}: numel must be a positive int, got {numel!r}")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"partition {part_id!r}: numel must be a non-negative int, got {numel!r}")
         dtype = dtype or self.dtype
         nbytes = numel * _itemsize(dtype)
-        small = nbytes < self.min_swap_bytes
+        small = nbytes < self.min_swap_bytes or numel == 0  # an empty tensor: nothing to page
         if not small and not self._cpu_full and self.resident_numel + numel > self.max_in_cpu:
             self._cpu_full = True
         if small or not self._cpu_full:

@@ -225,7 +225,7 @@ def place_gradients_for(
     from ..config import estimate_memory
     from ..config.gradients import place_gradients
 
-    numels = [p.aio_numel for _n, p in named]
+    numels = [p.aio_numel for _n, p in named if p.aio_numel]  # empty parameters hold nothing
     trainable = sum(layout.group_numel)
     if not numels or not trainable:
         return place_gradients(cfg, 0, 0)

@@ -126,8 +126,9 @@ def test_oversize_partition_refused_at_registration(tmp_path):
     with make(tmp_path, buffer_size=1000) as s:
         with pytest.raises(ValueError, match=r"buffer_size to at least 1001"):
             s.register("big", 1001)
-        with pytest.raises(ValueError, match="positive"):
-            s.register("zero", 0)
+        with pytest.raises(ValueError, match="non-negative"):
+            s.register("negative", -1)
+        assert s.register("empty", 0) == State.RESIDENT  # nothing to page
         s.register("ok", 1000)
         with pytest.raises(ValueError, match="already registered"):
             s.register("ok", 10)

@@ -573,3 +573,27 @@ def test_a_parameter_with_two_gradients_in_one_backward_equals_memory(tmp_path, 
                 engine.step()
             got.append(loss.item())
     assert got == want
+
+
+class _WithEmpty(torch.nn.Module):
+    """A GPT with an empty parameter its forward uses (a zero-rank adapter,
+    a vocabulary padding of none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = gpt()
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.gpt(x) + self.empty.sum()
+
+
+@pytest.mark.parametrize("param,opt", [("nvme", "nvme"), ("cpu", "cpu")])
+def test_an_empty_parameter_trains_as_in_memory(tmp_path, param, opt):
+    """A parameter of no elements stays in memory, nothing to page (aio.zero
+    refused the model: 'numel must be a positive int', naming no parameter)."""
+    want = train_in_memory(2, gas=1, clip=0.5, model=_WithEmpty())
+    with aio.zero.initialize(
+        _WithEmpty(), cfg_for(tmp_path, param=param, opt=opt, gas=1, clip=0.5)
+    ) as engine:
+        assert train_engine(engine, 2, gas=1) == want
