@@ -101,19 +101,69 @@ def _translate(err: ValidationError) -> list[tuple[str, str]]:
     return problems
 
 
+# A DeepSpeed config is a few KiB; anything past this is not one (and reading
+# a device such as /dev/zero would never end).
+MAX_CONFIG_BYTES = 4 << 20
+
+
 def read_config_file(path: str) -> str:
-    """The text of a config file; a missing, unreadable or binary file is a ConfigError."""
+    """The text of a config file; a missing, unreadable or binary file, or one
+    that is not a regular file (a device, a FIFO) or is larger than
+    :data:`MAX_CONFIG_BYTES`, is a ConfigError naming `path`."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; no effect on regular files.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError([("", f"config file not found: {path}")]) from None
     except IsADirectoryError:
         raise ConfigError([("", f"{path} is a directory, not a config file")]) from None
     except OSError as e:
         raise ConfigError([("", f"cannot read config file {path}: {e.strerror}")]) from None
+    try:
+        _check_regular(os.fstat(fd), path)
+        raw = _read_at_most(fd, MAX_CONFIG_BYTES + 1)  # the file can grow after fstat
+    except OSError as e:
+        raise ConfigError([("", f"cannot read config file {path}: {e.strerror}")]) from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([("", _too_large(path))])
+    try:
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError([("", f"{path} is not UTF-8 text (byte {e.start}); expected JSON")]) from None
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes of `fd`, to its end."""
+    chunks: list[bytes] = []
+    left = limit
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _check_regular(st: os.stat_result, path: str) -> None:
+    """A ConfigError unless `st` is a regular file of at most MAX_CONFIG_BYTES."""
+    import stat
+
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError([("", f"{path} is a directory, not a config file")])
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+        )
+        raise ConfigError([("", f"{path} is {kind}, not a config file (expected a regular JSON file)")])
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError([("", _too_large(path))])
+
+
+def _too_large(path: str) -> str:
+    return f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a few KiB of JSON"
 
 
 def _read_json(text: str, where: str) -> Any:

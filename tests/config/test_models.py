@@ -409,3 +409,27 @@ def test_nvme_path_takes_one_directory_or_a_list():
         with pytest.raises(ConfigError, match=why) as ei:
             load_config(cfg)
         assert "zero_optimization.offload_param.nvme_path" in str(ei.value)
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory", "large"])
+def test_config_file_must_be_a_small_regular_file(tmp_path, kind):
+    """A device (/dev/zero read forever), a FIFO (open waited for a writer), a
+    folder or a huge file is refused by name before it is read."""
+    import os
+
+    from aio.config.load import MAX_CONFIG_BYTES
+
+    if kind == "device":
+        path, text = "/dev/zero", "is a device"
+    elif kind == "fifo":
+        path, text = str(tmp_path / "c.json"), "is a FIFO"
+        os.mkfifo(path)
+    elif kind == "directory":
+        path, text = str(tmp_path), "is a directory"
+    else:
+        path, text = str(tmp_path / "c.json"), f"larger than {MAX_CONFIG_BYTES >> 20} MiB"
+        with open(path, "wb") as f:
+            f.truncate(MAX_CONFIG_BYTES + 1)
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    assert text in str(ei.value) and path in str(ei.value), str(ei.value)
