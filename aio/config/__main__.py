@@ -30,18 +30,19 @@ def _finite(text: str) -> float:
     return v
 
 
-def _numels(text: str) -> list[int]:
-    """``1048576x8,1024`` -> eight 1048576s and a 1024 (parameter sizes in model order)."""
-    out: list[int] = []
+def _numels(text: str) -> list[tuple[int, int]]:
+    """``1048576x8,1024`` -> [(1048576, 8), (1024, 1)]: parameter sizes in model
+    order, as (size, count) runs (a count of 3e8 costs no more than 1)."""
+    out: list[tuple[int, int]] = []
     for item in text.split(","):
         size, _, count = item.strip().partition("x")
         try:
             n, k = int(float(size)), int(count) if count else 1
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected sizes like 1048576x8,1024, got {item!r}") from None
         if n <= 0 or k <= 0 or float(size) != n:
             raise argparse.ArgumentTypeError(f"sizes and counts must be positive whole numbers: {item!r}")
-        out += [n] * k
+        out.append((n, k))
     return out
 
 
@@ -242,7 +243,7 @@ def _run(a: argparse.Namespace) -> int:
         dtype,
         a.optimizer_states,
         largest_subgroup_numel=a.largest_subgroup,
-        param_numels=a.param_numels,
+        param_numel_runs=a.param_numels,
         state_bytes=_state_bytes(a.config),
         activation_bytes=a.activations,
     )

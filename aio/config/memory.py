@@ -26,7 +26,9 @@ alone, the largest sub-group is taken as ``largest_subgroup`` or else
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -261,34 +263,58 @@ def _persistence_threshold(z: Any) -> int:
     return n
 
 
+# (size, count): `count` consecutive parameters of `size` elements, in model
+# order. A model's sizes as runs cost O(distinct runs), not O(tensors).
+NumelRuns = list[tuple[int, int]]
+
+
+def numel_runs(param_numels: Iterable[int]) -> NumelRuns:
+    """`param_numels` (model order) as runs of equal consecutive sizes."""
+    return [(n, len(list(same))) for n, same in itertools.groupby(param_numels)]
+
+
 def largest_subgroup(param_numels: list[int], sub_group_size: int) -> int:
     """Elements of the largest optimizer sub-group aio.zero packs `param_numels`
     (model order) into: a sub-group is closed when the next parameter would
     take it past `sub_group_size`."""
+    return _largest_subgroup_runs(numel_runs(param_numels), sub_group_size)
+
+
+def _largest_subgroup_runs(runs: NumelRuns, sub_group_size: int) -> int:
+    """:func:`largest_subgroup` of parameters given as runs, one step per run."""
     best = cur = 0
-    for n in param_numels:
-        if cur and cur + n > sub_group_size:
-            cur = 0
-        cur += n
+    for n, k in runs:
+        if cur:  # the open sub-group takes what still fits, then closes
+            t = min(k, max(0, (sub_group_size - cur) // n))
+            cur, k = cur + t * n, k - t
+            best = max(best, cur)
+            if not k:
+                continue
+        per = max(1, sub_group_size // n)  # a parameter larger than a sub-group is one alone
+        full, rest = divmod(k, per)
+        if full:
+            best = max(best, per * n)
+        cur = rest * n if rest else per * n
         best = max(best, cur)
     return best
 
 
-def _param_residency(numels: list[int], threshold: int, max_in_cpu: int, b: int) -> tuple[int, int, int]:
+def _param_residency(runs: NumelRuns, threshold: int, max_in_cpu: int, b: int) -> tuple[int, int, int]:
     """(bytes locked for CPU-resident parameters if pinned, elements resident,
     parameters on the drive) under ParamSwapper's rules."""
     page = _page()
     locked = resident = on_drive = 0
     full = False
-    for n in numels:
-        small = n < threshold
-        if not small and not full and resident + n > max_in_cpu:
+    for n, k in runs:
+        if n < threshold:  # small: always resident, and not counted against max_in_cpu
+            locked += k * _round(n * b, page)
+            continue
+        t = 0 if full else min(k, max(0, (max_in_cpu - resident) // n))
+        locked += t * _round(n * b, page)
+        resident += t * n
+        if t < k:  # the first that does not fit sends it and all later ones to the drive
             full = True
-        if small or not full:
-            locked += _round(n * b, page)
-            resident += 0 if small else n
-        else:
-            on_drive += 1
+            on_drive += k - t
     return locked, resident, on_drive
 
 
@@ -300,6 +326,7 @@ def estimate_memory(
     *,
     largest_subgroup_numel: int | float | None = None,
     param_numels: list[int] | None = None,
+    param_numel_runs: NumelRuns | None = None,
     state_bytes: int = 4,
     activation_bytes: int | None = None,
 ) -> MemoryEstimate:
@@ -313,6 +340,8 @@ def estimate_memory(
     (default: from `param_numels`, else ``min(sub_group_size, num_params)``).
     ``param_numels``: every parameter's element count in model order, for an
     exact figure (what ``trainer.pinned_bytes()`` reports after a step).
+    ``param_numel_runs``: the same as ``(size, count)`` runs in model order
+    (``aio-config estimate --param-numels 1048576x8``), instead of it.
     ``state_bytes``: bytes of each state on the drive (2 with
     ``aio_zero.optimizer_states: bf16``; the buffers stay float32).
     ``activation_bytes``: what the model's forward saves for backward at
@@ -320,11 +349,11 @@ def estimate_memory(
     and said so; :func:`aio.train.gpt_activation_bytes` for aio-train's GPT).
     """
     cfg = load_config(config)
-    numels = None if param_numels is None else [_positive_int("param_numels[]", n) for n in param_numels]
+    numels = _checked_runs(param_numels, param_numel_runs)
     if num_params is None:
         if numels is None:
-            raise ValueError("give num_params or param_numels")
-        num_params = sum(numels)
+            raise ValueError("give num_params or param_numels (or param_numel_runs)")
+        num_params = sum(n * k for n, k in numels)
     n = _positive_int("num_params", num_params)
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
@@ -335,7 +364,7 @@ def estimate_memory(
     if largest_subgroup_numel is not None:
         sub = _positive_int("largest_subgroup_numel", largest_subgroup_numel)
     elif numels is not None:
-        sub = largest_subgroup(numels, z.sub_group_size)
+        sub = _largest_subgroup_runs(numels, z.sub_group_size)
     else:
         sub = min(z.sub_group_size, n)
     if state_bytes not in (2, 4):
@@ -343,6 +372,17 @@ def estimate_memory(
     _estimate_optimizer(est, z, sub, optimizer_states, state_bytes)
     _estimate_working(est, sub, numels, activation_bytes)
     return est
+
+
+def _checked_runs(numels: list[int] | None, runs: NumelRuns | None) -> NumelRuns | None:
+    """`numels` or `runs` (at most one) as runs of positive sizes and counts."""
+    if numels is not None and runs is not None:
+        raise ValueError("give param_numels or param_numel_runs, not both")
+    if numels is not None:
+        runs = numel_runs(_positive_int("param_numels[]", n) for n in numels)
+    if runs is None:
+        return None
+    return [(_positive_int("param_numels[]", n), _positive_int("param_numel_runs count", k)) for n, k in runs]
 
 
 # The resident memory of a process training with aio.zero besides its buffers
@@ -354,7 +394,7 @@ RUNTIME_BYTES = 350 << 20
 
 
 def _estimate_working(
-    est: MemoryEstimate, sub: int, numels: list[int] | None, activations: int | None
+    est: MemoryEstimate, sub: int, numels: NumelRuns | None, activations: int | None
 ) -> None:
     """The transient part of the peak. At any moment aio.zero holds about
     three fp32 copies of its largest sub-group outside the pools: the
@@ -362,7 +402,7 @@ def _estimate_working(
     made from them; in backward a parameter's gradient and its accumulation
     (a parameter is never larger than its sub-group)."""
     est.working["runtime (python, torch, aio)"] = RUNTIME_BYTES
-    largest = max(numels) if numels else sub
+    largest = max(n for n, _ in numels) if numels else sub
     est.working["largest tensors in use (3 x fp32)"] = 4 * (sub + 2 * min(largest, sub))
     if activations is not None:
         if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
@@ -381,7 +421,7 @@ def _spread(est: MemoryEstimate, dirs: list[str], nbytes: int) -> None:
         est.nvme[path] = est.nvme.get(path, 0) + share
 
 
-def _estimate_params(est: MemoryEstimate, z: Any, numels: list[int] | None) -> None:
+def _estimate_params(est: MemoryEstimate, z: Any, numels: NumelRuns | None) -> None:
     p, n, b = z.offload_param, est.num_params, est.dtype_bytes
     if p is not None and p.device == "nvme":
         bucket = est.pinned if p.pin_memory else est.cpu

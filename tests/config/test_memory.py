@@ -316,3 +316,72 @@ def test_cli_estimate_counts_bf16_states_at_two_bytes(tmp_path, capsys, gradient
         sizes[states] = (out["nvme"]["/o"], out["pinned_bytes"])
     assert sizes["fp32"][0] == 10**9 * (12 + slot) and sizes["bf16"][0] == 10**9 * (8 + slot)
     assert sizes["fp32"][1] == sizes["bf16"][1]  # the buffers hold float32 either way
+
+
+def _residency_per_tensor(numels, threshold, max_in_cpu, b, page):
+    """ParamSwapper's rule one parameter at a time (the reference the runs must match)."""
+    locked = resident = on_drive = 0
+    full = False
+    for n in numels:
+        small = n < threshold
+        if not small and not full and resident + n > max_in_cpu:
+            full = True
+        if small or not full:
+            locked += -(-n * b // page) * page
+            resident += 0 if small else n
+        else:
+            on_drive += 1
+    return locked, resident, on_drive
+
+
+def _largest_per_tensor(numels, sub_group_size):
+    best = cur = 0
+    for n in numels:
+        if cur and cur + n > sub_group_size:
+            cur = 0
+        cur += n
+        best = max(best, cur)
+    return best
+
+
+def test_runs_of_sizes_match_one_tensor_at_a_time():
+    """--param-numels keeps (size, count) runs: the sub-group packing and the
+    CPU residency computed per run equal the per-tensor rules."""
+    import random
+
+    from aio.config.memory import (
+        _largest_subgroup_runs,
+        _page,
+        _param_residency,
+        numel_runs,
+    )
+
+    rng = random.Random(7)
+    for _ in range(300):
+        sizes = [rng.choice([1, 3, 100, 1000, 4096, 5000]) for _ in range(rng.randint(1, 6))]
+        numels = [rng.choice(sizes) for _ in range(rng.randint(1, 60))]
+        runs = numel_runs(numels)
+        assert sum(k for _, k in runs) == len(numels)
+        for sub in (1, 50, 1000, 4096, 9000, 10**6):
+            assert _largest_subgroup_runs(runs, sub) == _largest_per_tensor(numels, sub), (numels, sub)
+        for threshold, max_in_cpu in ((0, 0), (200, 5000), (1, 10**9), (5000, 20000)):
+            want = _residency_per_tensor(numels, threshold, max_in_cpu, 4, _page())
+            assert _param_residency(runs, threshold, max_in_cpu, 4) == want, (numels, threshold, max_in_cpu)
+
+
+def test_cli_param_numels_with_a_huge_count_is_quick(tmp_path):
+    """`--param-numels 1024x300000000` built a list of 3e8 entries (minutes and
+    gigabytes): the runs are kept as they are given."""
+    import subprocess
+    import sys
+
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(CFG))
+    cmd = [sys.executable, "-m", "aio.config", "estimate", str(p), "--param-numels", "1024x300000000,7"]
+    r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["num_params"] == 1024 * 300_000_000 + 7
+    same = estimate_memory(CFG, None, "fp32", param_numel_runs=[(1024, 300_000_000), (7, 1)])
+    assert json.loads(r.stdout)["pinned_bytes"] == same.pinned_bytes
+    with pytest.raises(SystemExit):
+        config_main(["estimate", str(p), "--param-numels", "1e400x2"])  # was an OverflowError traceback
