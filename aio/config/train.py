@@ -13,6 +13,7 @@ keys are ignored with one notice. Numbers follow the strict rules of
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections.abc import Mapping
@@ -138,9 +139,8 @@ class OptimizerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _torch_accepts(self) -> OptimizerConfig:
-        flag = self.params.get("torch_adam", False)
-        if not isinstance(flag, bool):
-            raise ValueError(f"params.torch_adam: expected true or false, got {flag!r}")
+        for k in sorted(_DS_ONLY_PARAMS & set(self.params)):  # all DeepSpeed's flags are booleans
+            _check_param_type(k, self.params[k], False)
         _check_torch_optimizer(self.torch_name, self.torch_params)
         return self
 
@@ -159,10 +159,52 @@ def _check_torch_optimizer(name: str, params: dict[str, Any]) -> None:
         raise ValueError(
             f"params.{bad[0]}: not a parameter of torch.optim.{name}; accepted: {', '.join(accepted)}"
         )
+    defaults = inspect.signature(cls.__init__).parameters
+    for k, v in params.items():
+        _check_param_type(k, v, defaults[k].default)
     try:
         cls([torch.nn.Parameter(torch.zeros(1))], **params)
     except (ValueError, TypeError) as e:
         raise ValueError(f"params: torch.optim.{name} refuses them: {e}") from None
+
+
+def _json_text(v: Any) -> str:
+    """`v` as the config wrote it (JSON: true, null, lists)."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+def _check_param_type(key: str, v: Any, default: Any) -> None:
+    """`v` is of the kind torch's `default` for `key` is (a ValueError naming
+    ``params.<key>`` otherwise): a boolean flag takes true or false (null
+    too where the default is None: torch then chooses), a number a finite
+    JSON number (not a boolean or a string), a tuple such as ``betas`` a list
+    of as many finite numbers. torch itself takes ``lr=True`` as 1.0, ``"yes"``
+    as a true flag and fails deep inside on a short ``betas``."""
+    if isinstance(default, bool) or default is None:
+        if not isinstance(v, bool) and not (default is None and v is None):
+            want = "true, false or null" if default is None else "true or false"
+            raise ValueError(f"params.{key}: expected {want}, got {_json_text(v)}")
+    elif isinstance(default, (int, float)):
+        _check_param_number(f"params.{key}", v)
+    elif isinstance(default, tuple):
+        n = len(default)
+        if not isinstance(v, (list, tuple)) or len(v) != n:
+            raise ValueError(f"params.{key}: expected a list of {n} numbers, got {_json_text(v)}")
+        for i, x in enumerate(v):
+            _check_param_number(f"params.{key}", x, f"item {i}: ")
+
+
+def _check_param_number(where: str, v: Any, item: str = "") -> None:
+    """A ValueError naming `where` unless `v` is a finite JSON number."""
+    if v is None or isinstance(v, (list, tuple, Mapping)):
+        raise ValueError(f"{where}: {item}expected a number, got {_json_text(v)}")
+    try:
+        strict_float(v)
+    except ValueError as e:
+        raise ValueError(f"{where}: {item}{e}") from None
 
 
 def discover_state_spec(optimizer_cls: Any, **hyper: Any) -> list[tuple[str, Any]]:

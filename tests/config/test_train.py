@@ -123,3 +123,42 @@ def test_auto_in_training_keys_names_the_hf_source():
     assert "give true or false" in problems["bf16.enabled"]
     assert "from max_grad_norm" in problems["gradient_clipping"]
     assert "hidden_size" in problems["zero_optimization.stage3_prefetch_bucket_size"]
+
+
+@pytest.mark.parametrize(
+    "key,value,text",
+    [
+        ("betas", [0.9], "a list of 2 numbers"),  # IndexError deep in torch
+        ("betas", [], "a list of 2 numbers"),
+        ("betas", {"a": 1}, "a list of 2 numbers"),  # KeyError
+        ("betas", [0.9, 0.99, 0.5], "a list of 2 numbers"),  # accepted, then unpacking failed in aio-train
+        ("betas", [0.9, None], "item 1: expected a number, got null"),
+        ("betas", [0.9, True], "item 1: expected a number, got the boolean true"),
+        ("lr", True, "got the boolean true"),  # torch took it as 1.0
+        ("lr", "1e-3", "got the string"),
+        ("lr", None, "expected a number, got null"),
+        ("maximize", 1, "expected true or false, got 1"),  # silently accepted
+        ("amsgrad", "yes", 'expected true or false, got "yes"'),
+        ("foreach", 5, "expected true, false or null"),
+        ("adam_w_mode", 1, "expected true or false"),
+        ("bias_correction", "no", "expected true or false"),
+        ("torch_adam", 1, "expected true or false"),
+    ],
+)
+def test_optimizer_params_types_name_the_key(key, value, text):
+    params = {"lr": 1e-3, key: value}
+    with pytest.raises(ConfigError) as ei:
+        load_train_config({"optimizer": {"type": "AdamW", "params": params}})
+    problems = dict(ei.value.problems)
+    assert f"optimizer.params.{key}" in problems, ei.value.problems
+    assert text in problems[f"optimizer.params.{key}"], ei.value.problems
+
+
+def test_optimizer_params_of_the_right_types_load():
+    params = {"lr": 1, "betas": [0.9, 0.95], "weight_decay": 0, "amsgrad": True, "foreach": None}
+    c = load_train_config({"optimizer": {"type": "AdamW", "params": {**params, "adam_w_mode": False}}})
+    assert c.optimizer_params == {**params, "betas": (0.9, 0.95)}
+    c = load_train_config(
+        {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}}}
+    )
+    assert c.optimizer_params["nesterov"] is True
