@@ -185,6 +185,10 @@ Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v, "tru
 Ratio = Annotated[float, BeforeValidator(strict_float), Field(ge=0.0, le=1.0)]
 
 
+# The largest block_size the I/O core (csrc/core) takes: 1 TiB.
+MAX_BLOCK_SIZE = 1 << 40
+
+
 class _Block(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
@@ -192,7 +196,12 @@ class _Block(BaseModel):
 class AioConfig(_Block):
     """The top-level ``aio`` block: how the swappers' I/O is submitted."""
 
-    block_size: Int = Field(1048576, gt=0, description="bytes per submitted I/O")
+    block_size: Int = Field(
+        1048576,
+        gt=0,
+        le=MAX_BLOCK_SIZE,
+        description="bytes per submitted I/O (at most 1 TiB, the I/O core's limit)",
+    )
     queue_depth: Int = Field(8, gt=0, le=65536, description="I/Os in flight per worker thread")
     intra_op_parallelism: Int = Field(
         1,

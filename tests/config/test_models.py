@@ -102,6 +102,9 @@ def test_handle_kwargs_build_a_handle():
 BAD = [
     ({"aio": {"block_size": 0}}, "aio.block_size", "greater than 0"),
     ({"aio": {"block_size": 1000}}, "aio.block_size", "multiple of 4096"),
+    # the I/O core's limit (1 TiB): validate passed it and aio-train refused it without a key
+    ({"aio": {"block_size": 4096000000000000000}}, "aio.block_size", "less than or equal to 1099511627776"),
+    ({"aio": {"block_size": (1 << 40) + 4096}}, "aio.block_size", "less than or equal to 1099511627776"),
     ({"aio": {"queue_depth": -2}}, "aio.queue_depth", "greater than 0"),
     ({"aio": {"queue_depth": "auto"}}, "aio.queue_depth", "'auto' is not filled in by anyone"),
     ({"aio": {"blocksize": 4096}}, "aio.blocksize", "did you mean 'block_size'"),
@@ -433,3 +436,11 @@ def test_config_file_must_be_a_small_regular_file(tmp_path, kind):
     with pytest.raises(ConfigError) as ei:
         load_config(path)
     assert text in str(ei.value) and path in str(ei.value), str(ei.value)
+
+
+def test_block_size_up_to_the_core_limit_builds_a_handle():
+    """What validate accepts, the handle takes: 1 TiB is the largest block_size."""
+    import aio
+
+    c = load_config({"aio": {"block_size": 1 << 40}})
+    assert aio.AsyncIOHandle(**c.aio.handle_kwargs()).get_block_size() == 1 << 40
