@@ -50,7 +50,12 @@ def build_parser() -> CliParser:
         "aio and the drive (a VM host's page cache) serve a small sample: a size past them (e.g. 16G) "
         "gives the drive's sustained rates",
     )
-    ap.add_argument("--block-size", type=parse_size, default=1 << 20)
+    ap.add_argument(
+        "--block-size",
+        type=parse_size,
+        default=1 << 20,
+        help="bytes per submitted I/O: a multiple of 4096 up to 1G (default 1M)",
+    )
     ap.add_argument("--queue-depth", type=int_in(1, 65536), default=8)
     ap.add_argument("--threads", type=int_in(1, 1024), default=1)
     ap.add_argument(
@@ -69,8 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """aio-check: write then read a scratch file on the drive and report GB/s; exit status."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.block_size > 1 << 30:
-        ap.error(f"--block-size {args.block_size} is larger than 1 GiB")
+    if args.block_size % 4096 or args.block_size > 1 << 30:
+        # aio-sweep's and the config's rule (aio.block_size): direct I/O moves whole blocks
+        ap.error(f"--block-size: {args.block_size} is not a positive multiple of 4096 up to 1G")
     if args.gpu:
         from .gpucheck import gpu_main
 

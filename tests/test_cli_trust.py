@@ -140,6 +140,11 @@ def _bad_invocations(tmp):
         (c, ["--size", "1000T", "--dir", tmp]),
         (c, ["--block-size", "0"]),
         (c, ["--block-size", "4T"]),
+        (
+            c,
+            ["--block-size", "1000", "--size", "1M", "--dir", tmp],
+        ),  # ran: the config and aio-sweep refuse it
+        (c, ["--block-size", "6K", "--size", "1M", "--dir", tmp]),
         (c, ["--queue-depth", "0"]),
         (c, ["--queue-depth", "many"]),
         (c, ["--threads", "0"]),
