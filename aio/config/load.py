@@ -10,16 +10,15 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar, Union
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 
 from .models import (
     AioConfig,
     OffloadConfig,
-    OffloadOptimizerConfig,
-    OffloadParamConfig,
     UnresolvedAuto,
     auto_message,
 )
@@ -27,12 +26,6 @@ from .models import (
 M = TypeVar("M", bound=BaseModel)
 
 ConfigSource = Union[Mapping[str, Any], str, "os.PathLike[str]", OffloadConfig]
-
-_BLOCK_FIELDS: dict[str, type[BaseModel]] = {
-    "aio": AioConfig,
-    "offload_param": OffloadParamConfig,
-    "offload_optimizer": OffloadOptimizerConfig,
-}
 
 
 class ConfigError(ValueError):
@@ -51,19 +44,34 @@ class ConfigError(ValueError):
         return " ".join(f"invalid aio/DeepSpeed config{where}: {items}".split())
 
 
-def _known_keys(loc: tuple[Any, ...]) -> list[str]:
-    """Field names (and aliases) accepted by the block at `loc`."""
-    last = next((str(x) for x in reversed(loc) if str(x) in _BLOCK_FIELDS), None)
-    if last is None:
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field's annotation holds (``X``, ``X | None``,
+    ``Annotated[X | None, ...]``), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names (and input aliases) of the block at `loc` inside `model`."""
+    block: type[BaseModel] | None = model
+    for part in loc:
+        field = block.model_fields.get(str(part)) if block is not None else None
+        block = _model_in(field.annotation) if field is not None else None
+    if block is None:
         return []
-    model = _BLOCK_FIELDS[last]
-    keys = list(model.model_fields)
-    if model is AioConfig:
-        keys.append("thread_count")
+    keys = list(block.model_fields)
+    for field in block.model_fields.values():
+        if isinstance(field.validation_alias, AliasChoices):
+            keys += [c for c in field.validation_alias.choices if isinstance(c, str) and c not in keys]
     return keys
 
 
-def _translate(err: ValidationError) -> list[tuple[str, str]]:
+def _translate(err: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     for e in err.errors():
         loc = tuple(e["loc"])
@@ -71,10 +79,10 @@ def _translate(err: ValidationError) -> list[tuple[str, str]]:
         msg = str(e["msg"]).removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             key = str(loc[-1])
-            known = _known_keys(loc[:-1])
+            known = _known_keys(model, loc[:-1])
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            msg = f"unknown key{hint}. Accepted: {', '.join(sorted(known))}"
+            hint = f"; did you mean '{close[0]}'?" if close else "."
+            msg = f"unknown key{hint} Accepted: {', '.join(sorted(known))}"
         elif e["type"] == "literal_error":
             msg = f"{msg} (got {e.get('input')!r})"
         elif e["type"] in (
@@ -232,7 +240,7 @@ def validate(model: type[M], data: Mapping[str, Any], where: str = "") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_translate(e), where) from None
+        raise ConfigError(_translate(e, model), where) from None
 
 
 def load_config(source: ConfigSource) -> OffloadConfig:

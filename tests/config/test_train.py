@@ -162,3 +162,28 @@ def test_optimizer_params_of_the_right_types_load():
         {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}}}
     )
     assert c.optimizer_params["nesterov"] is True
+
+
+@pytest.mark.parametrize(
+    "cfg,path,line",
+    [
+        (
+            {"aio": {"blok_size": 4096}},
+            "aio.blok_size",
+            "unknown key; did you mean 'block_size'? Accepted: block_size, engine, ",  # docs/config.md's
+        ),
+        ({"aio": {"zzz": 1}}, "aio.zzz", "unknown key. Accepted: block_size, "),
+        (
+            {"aio_zero": {"modules_ahed": 1}},  # "Accepted:" was followed by nothing
+            "aio_zero.modules_ahed",
+            "unknown key; did you mean 'modules_ahead'? Accepted: adam_sqrt, gradients, ",
+        ),
+        ({"aio_zero": {"zzz": 1}}, "aio_zero.zzz", "unknown key. Accepted: adam_sqrt, gradients, "),
+    ],
+)
+def test_unknown_key_lists_the_accepted_keys(cfg, path, line):
+    with pytest.raises(ConfigError) as ei:
+        load_train_config(cfg)
+    problems = dict(ei.value.problems)
+    assert problems[path].startswith(line), problems
+    assert "?." not in str(ei.value)
