@@ -241,6 +241,10 @@ class TrainZeroConfig(ZeroConfig):
         return self
 
 
+# More module fetches ahead than a model has modules: no limit in effect.
+MAX_MODULES_AHEAD = 65536
+
+
 class AioZeroConfig(BaseModel):
     """The top-level ``aio_zero`` block: choices of aio.zero's own, with no
     DeepSpeed key to carry them (DeepSpeed ignores the block)."""
@@ -308,15 +312,16 @@ class AioZeroConfig(BaseModel):
         ),
     )
 
-    modules_ahead: int = Field(
+    modules_ahead: Int = Field(
         2,
         ge=1,
+        le=MAX_MODULES_AHEAD,
         description=(
             "on a GPU: how many modules' parameters the host may upload ahead of the module "
             "the GPU is running (FSDP's limit_all_gathers): before fetching module i the host "
             "waits until the GPU has finished everything queued before module i - modules_ahead "
             "was fetched, so device memory holds about modules_ahead + 1 modules' parameters "
-            "however far the host runs ahead"
+            "however far the host runs ahead (1 to 65536; a whole JSON number)"
         ),
     )
 

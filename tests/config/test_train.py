@@ -187,3 +187,27 @@ def test_unknown_key_lists_the_accepted_keys(cfg, path, line):
     problems = dict(ei.value.problems)
     assert problems[path].startswith(line), problems
     assert "?." not in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "value,text",
+    [
+        ("2", "got the string '2'"),  # a plain int field took "2" and true (as 1)
+        (True, "got the boolean true"),
+        (2.5, "whole number"),
+        (0, "greater than or equal to 1"),
+        (10**30, "out of range"),
+        (65537, "less than or equal to 65536"),
+    ],
+)
+def test_modules_ahead_is_a_strict_bounded_int(value, text):
+    with pytest.raises(ConfigError) as ei:
+        load_train_config({"aio_zero": {"modules_ahead": value}})
+    problems = dict(ei.value.problems)
+    assert text in problems["aio_zero.modules_ahead"], problems
+
+
+def test_modules_ahead_takes_whole_numbers():
+    assert load_train_config({"aio_zero": {"modules_ahead": 65536}}).aio_zero.modules_ahead == 65536
+    got = load_train_config({"aio_zero": {"modules_ahead": 3.0}}).aio_zero.modules_ahead
+    assert got == 3 and isinstance(got, int)
