@@ -325,3 +325,110 @@ def test_overlapping_requests_on_one_worker_do_not_deadlock(fpath):
     # The last write (i = 29, at offset 2 pages) is what the file holds there.
     got = np.fromfile(fpath, np.uint8)
     assert (got[2 * 4096 : 7 * 4096] == 29).all()
+
+
+# The file a request opened is the file it finishes ---------------------------------
+# A request's unaligned tail goes through a buffered descriptor opened after its
+# aligned middle (block_size 4096, queue_depth 1: thousands of I/Os before it),
+# so a name or descriptor number changed right after submit() is changed while
+# the request runs.
+
+RUNNING = 16 * MiB  # at 4 KiB a time, far longer than the changes below take
+
+
+def _running_write(engine, src, path="", fd=-1):
+    h = _handle(engine, block_size=4096, queue_depth=1)
+    return h, h.submit(WRITE, src.ctypes.data, src.nbytes, path, fd, 0)
+
+
+def _finish(req, nbytes):
+    assert not req.done(), "the request ended before the change: make RUNNING bigger"
+    assert req.wait(60.0)
+    assert req.result() == nbytes
+
+
+@pytest.mark.parametrize("change", ["replace", "unlink"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_write_edges_reach_the_opened_file_when_its_name_changes(engine, change, tmp_path):
+    path = str(tmp_path / "f")
+    src = aligned_empty(RUNNING + 100)
+    src[:] = 0x5A
+    h, req = _running_write(engine, src, path=path)
+    keep = os.open(path, os.O_RDONLY)  # the file the request opened, whatever its name
+    try:
+        if change == "replace":  # an atomic replace by another tool
+            os.rename(path, str(tmp_path / "moved"))
+            with open(path, "wb") as f:
+                f.write(b"NEWFILE")
+        else:
+            os.unlink(path)
+        _finish(req, src.nbytes)
+        got = np.frombuffer(os.pread(keep, src.nbytes + 1, 0), np.uint8)
+    finally:
+        os.close(keep)
+    assert got.size == src.nbytes and (got == 0x5A).all()
+    if change == "replace":
+        with open(path, "rb") as f:
+            assert f.read() == b"NEWFILE"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_read_edges_come_from_the_opened_file_when_its_name_changes(engine, tmp_path):
+    path = str(tmp_path / "f")
+    np.full(RUNNING + 100, 0x5A, np.uint8).tofile(path)
+    out = aligned_empty(RUNNING + 100)
+    h = _handle(engine, block_size=4096, queue_depth=1)
+    req = h.submit(READ, out.ctypes.data, out.nbytes, path, -1, 0)
+    os.rename(path, str(tmp_path / "moved"))
+    np.full(RUNNING + 100, 0xA5, np.uint8).tofile(path)
+    _finish(req, out.nbytes)
+    assert (out == 0x5A).all()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_caller_may_close_its_descriptor_while_the_request_runs(engine, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    src = aligned_empty(RUNNING + 100)  # the tail reopens the descriptor, late
+    src[:] = 0x41
+    fd = os.open(a, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    h, req = _running_write(engine, src, fd=fd)
+    os.close(fd)  # e.g. leaving a `with open(...)` block before waiting
+    other = os.open(b, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        assert other == fd, "the number was not reused: the test proves nothing"
+        _finish(req, src.nbytes)
+    finally:
+        os.close(other)
+    assert os.path.getsize(b) == 0
+    got = np.fromfile(a, np.uint8)
+    assert got.size == src.nbytes and (got == 0x41).all()
+
+
+DUP_FAILS_SCRIPT = """
+import errno, os, resource, sys
+import numpy as np
+from aio import _C
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+h = _C.Handle(1 << 20, 4, False, True, 1, "posix")
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+buf = np.zeros(4096, np.uint8)
+h.submit(1, buf.ctypes.data, buf.nbytes, "", fd, 0).wait()  # the engine's own descriptors
+filler = []
+try:
+    while True:
+        filler.append(os.dup(fd))
+except OSError as e:
+    assert e.errno == errno.EMFILE, e
+try:
+    h.submit(1, buf.ctypes.data, buf.nbytes, "", fd, 0)
+    print("submitted")
+except OSError as e:
+    print(type(e).__name__, e.errno == errno.EMFILE, "fd %d" % fd in str(e))
+"""
+
+
+def test_descriptor_that_cannot_be_duplicated_is_an_oserror(tmp_path):
+    r = _run(DUP_FAILS_SCRIPT, str(tmp_path / "f"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["OSError", "True", "True"], r.stdout

@@ -40,15 +40,38 @@ static void refuse_directory(int fd, Op op, const std::string& path) {
   throw Error(EISDIR, open_name(op), path, 0, 0);
 }
 
-void File::open_buffered_fallback(const std::string& reason) {
-  const int fd = open_retry(path_.c_str(), open_flags_, 0644);
-  if (fd < 0) throw Error(errno, open_name(op_), path_, 0, 0);
-  refuse_directory(fd, op_, path_);
+void File::use_buffered(int fd, const std::string& reason) {
   buffered_fd_ = fd;
   owns_buffered_ = true;
   fell_back_ = true;
   fallback_reason_ = reason;
   align_ = Alignment{1, 1, false, "buffered"};
+}
+
+void File::open_buffered_fallback(const std::string& reason) {
+  const int fd = open_retry(path_.c_str(), open_flags_, 0644);
+  if (fd < 0) throw Error(errno, open_name(op_), path_, 0, 0);
+  refuse_directory(fd, op_, path_);
+  use_buffered(fd, reason);
+}
+
+// A second, buffered descriptor on the file `fd` is open on, reached through
+// /proc/self/fd (the open file's inode), never by the name again: the name
+// may have been renamed, replaced or unlinked since `fd` was opened, and the
+// unaligned edges of a request must land in the same file as its middle.
+int File::reopen_buffered(int fd, bool interruptible) {
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  const int b = open_retry(self.c_str(), open_flags_ & ~O_CREAT, 0, interruptible);
+  if (b < 0) throw Error(errno, "open (buffered)", path_, 0, 0);
+  // Without procfs mounted there, that name could be anything.
+  struct stat st;
+  if (ino_ != 0 && (fstat(b, &st) != 0 || static_cast<uint64_t>(st.st_dev) != dev_ ||
+                    static_cast<uint64_t>(st.st_ino) != ino_)) {
+    ::close(b);
+    throw Error(ESTALE, "open (buffered)", path_, 0, 0,
+                "reopening through " + self + " did not give the same file");
+  }
+  return b;
 }
 
 std::shared_ptr<File> File::open(const std::string& path, Op op, FaultInjector* faults) {
@@ -80,12 +103,12 @@ std::shared_ptr<File> File::open(const std::string& path, Op op, FaultInjector* 
     f->note_identity(fd);
     if (!f->align_.direct_supported) {
       // The descriptor is valid but direct I/O on it is not: swap it for a
-      // buffered one (e.g. ext4 data=journal).
+      // buffered one on the same file (e.g. ext4 data=journal).
+      const int b = f->reopen_buffered(fd, true);
       ::close(fd);
       f->direct_fd_ = -1;
       f->owns_direct_ = false;
-      f->open_buffered_fallback(
-          "the filesystem reports no direct-I/O support for this file (statx)");
+      f->use_buffered(b, "the filesystem reports no direct-I/O support for this file (statx)");
     }
     return f;
   }
@@ -105,38 +128,43 @@ void File::note_identity(int fd) {
 }
 
 std::shared_ptr<File> File::adopt(int fd, Op op) {
+  const std::string name = "fd " + std::to_string(fd);
   int fl = fcntl(fd, F_GETFL);
-  if (fl < 0) throw Error(errno, "fcntl(F_GETFL)", "fd " + std::to_string(fd), 0, 0);
+  if (fl < 0) throw Error(errno, "fcntl(F_GETFL)", name, 0, 0);
   int acc = fl & O_ACCMODE;
   if ((op == Op::Read && acc == O_WRONLY) || (op == Op::Write && acc == O_RDONLY))
-    throw Error(EBADF, op == Op::Read ? "read" : "write", "fd " + std::to_string(fd), 0, 0,
+    throw Error(EBADF, op == Op::Read ? "read" : "write", name, 0, 0,
                 "descriptor not open for this operation");
   std::shared_ptr<File> f(new File());
-  f->path_ = "fd " + std::to_string(fd);
+  f->path_ = name;
   f->op_ = op;
-  f->adopted_fd_ = fd;
-  f->open_flags_ = (fl & O_ACCMODE) | O_CLOEXEC;
+  f->open_flags_ = acc | O_CLOEXEC;
+  // Our own descriptor on the caller's open file: the caller may close its
+  // number while chunks are in flight, and the number may then be reused
+  // for another file. The duplicate lives (and is closed) with the File.
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) throw Error(errno, "fcntl(F_DUPFD_CLOEXEC)", name, 0, 0);
   if (fl & O_DIRECT) {
-    f->direct_fd_ = fd;
-    f->align_ = probe_alignment(fd);
+    f->direct_fd_ = own;
+    f->owns_direct_ = true;
+    f->align_ = probe_alignment(own);
   } else {
     // The caller chose buffered I/O; honour it.
-    f->buffered_fd_ = fd;
+    f->buffered_fd_ = own;
+    f->owns_buffered_ = true;
     f->align_ = Alignment{1, 1, false, "buffered"};
   }
-  f->note_identity(fd);
+  f->note_identity(own);
   return f;
 }
 
 int File::buffered_fd() {
   std::lock_guard<std::mutex> g(mu_);
   if (buffered_fd_ >= 0) return buffered_fd_;
-  std::string p = adopted_fd_ >= 0 ? "/proc/self/fd/" + std::to_string(adopted_fd_) : path_;
-  int fd = open_retry(p.c_str(), open_flags_ & ~O_CREAT, 0, false);
-  if (fd < 0) throw Error(errno, "open (buffered)", path_, 0, 0);
-  buffered_fd_ = fd;
+  // On a worker: never interrupted (the caller's signal hooks are not ours to run).
+  buffered_fd_ = reopen_buffered(direct_fd_, false);
   owns_buffered_ = true;
-  return fd;
+  return buffered_fd_;
 }
 
 int64_t File::size() const {

@@ -1,6 +1,7 @@
 // An open file as the engines see it: an O_DIRECT descriptor for the aligned
-// middle of requests, and a buffered descriptor (opened on first need) for
-// unaligned edges, resumed short transfers and filesystems without O_DIRECT.
+// middle of requests, and a buffered descriptor (opened on first need, from
+// the first one, never by name again) for unaligned edges, resumed short
+// transfers and filesystems without O_DIRECT.
 #pragma once
 
 #include <cstdint>
@@ -19,8 +20,9 @@ class File {
   // filesystem rejects O_DIRECT the file is opened buffered and fell_back()
   // says so with the reason.
   static std::shared_ptr<File> open(const std::string& path, Op op, FaultInjector* faults);
-  // Uses a descriptor the caller owns (never closed here). Direct I/O is used
-  // only if the caller opened it with O_DIRECT.
+  // Uses a duplicate of a descriptor the caller owns (the caller's own is
+  // never closed here, and may be closed while I/O is in flight). Direct I/O
+  // is used only if the caller opened it with O_DIRECT.
   static std::shared_ptr<File> adopt(int fd, Op op);
 
   ~File();
@@ -28,7 +30,8 @@ class File {
   File& operator=(const File&) = delete;
 
   int direct_fd() const { return direct_fd_; }
-  // Buffered descriptor on the same file; opened on first use.
+  // Buffered descriptor on the same file (the same inode, whatever has
+  // happened to the name since); opened on first use.
   int buffered_fd();
   const Alignment& alignment() const { return align_; }
   bool fell_back() const { return fell_back_; }
@@ -43,7 +46,9 @@ class File {
 
  private:
   File() = default;
+  void use_buffered(int fd, const std::string& reason);
   void open_buffered_fallback(const std::string& reason);
+  int reopen_buffered(int fd, bool interruptible);
   void note_identity(int fd);
   std::string path_;
   Op op_ = Op::Read;
@@ -51,7 +56,6 @@ class File {
   int buffered_fd_ = -1;
   bool owns_direct_ = false;
   bool owns_buffered_ = false;
-  int adopted_fd_ = -1;
   int open_flags_ = 0;
   Alignment align_;
   bool fell_back_ = false;
