@@ -61,7 +61,11 @@ void File::open_buffered_fallback(const std::string& reason) {
 // unaligned edges of a request must land in the same file as its middle.
 int File::reopen_buffered(int fd, bool interruptible) {
   const std::string self = "/proc/self/fd/" + std::to_string(fd);
-  const int b = open_retry(self.c_str(), open_flags_ & ~O_CREAT, 0, interruptible);
+  int b = open_retry(self.c_str(), open_flags_ & ~O_CREAT, 0, interruptible);
+  // No procfs mounted (a bare chroot): the name again, for a file we opened
+  // by name, and the identity check below refuses another file there.
+  if (b < 0 && errno == ENOENT && by_name_)
+    b = open_retry(path_.c_str(), open_flags_ & ~O_CREAT, 0, interruptible);
   if (b < 0) throw Error(errno, "open (buffered)", path_, 0, 0);
   // Without procfs mounted there, that name could be anything.
   struct stat st;
@@ -81,6 +85,7 @@ std::shared_ptr<File> File::open(const std::string& path, Op op, FaultInjector* 
                 "the path contains a NUL byte");
   std::shared_ptr<File> f(new File());
   f->path_ = path;
+  f->by_name_ = true;
   f->op_ = op;
   f->open_flags_ = base_flags(op);
 

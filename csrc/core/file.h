@@ -51,6 +51,7 @@ class File {
   int reopen_buffered(int fd, bool interruptible);
   void note_identity(int fd);
   std::string path_;
+  bool by_name_ = false;  // opened by path_ (not adopted): the name may be looked up again
   Op op_ = Op::Read;
   int direct_fd_ = -1;
   int buffered_fd_ = -1;

@@ -568,15 +568,18 @@ def test_initialize_many_fills_buffers_and_a_failed_write_stays_invalid(tmp_path
         sw.initialize_many(iter(fills))
         assert filled == [(i, torch.float32, n) for i, n in enumerate(SIZES)]
         assert all(torch.equal(sw.read_master(i), t) for i, t in enumerate(init))
-        sw.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 2, 1)  # sub-group 1's
+        # The second write I/O to complete fails: which sub-group's depends on
+        # completion order (several are in flight), so the test finds it.
+        sw.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", 2, 1)
         with pytest.raises(OSError) as ei:
             sw.initialize_many(iter(fills))
         sw.space.drives[0].writer._c.clear_fault()
         assert ei.value.errno == errno.EIO and sw.pool.available() == 4  # every write ended, buffers back
-        assert [sw.groups[i].valid for i in range(len(SIZES))] == [True, False, True, True, True]
+        bad = [i for i in range(len(SIZES)) if not sw.groups[i].valid]
+        assert len(bad) == 1  # that one only, the others valid
         with pytest.raises(SwapStateError, match="initialize"):
             sw.step()
-        sw.initialize(1, init[1])
+        sw.initialize(bad[0], init[bad[0]])
         for i, t in enumerate(init):
             sw.write_gradient(i, torch.ones(t.numel()), async_op=False)
         sw.step()
