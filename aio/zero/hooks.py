@@ -42,13 +42,14 @@ class Fetcher:
         # Buffers kept free for the module being fetched (prefetch never takes them).
         self.reserve = max([len(d) for d in self.mdrive] + [1])
         self.traces: dict[str, list[int] | None] = {"fw": None, "bw": None}
+        self._registration_order = list(range(len(self.mods)))
         self.recording: list[int] = []
         self.phase: str | None = None
         self.pos = 0
         self.on_trace = True
         self.soon: set[int] = set()
         self.bw_held: dict[int, Any] = {}
-        self.counters = {"fetches": 0, "trace_misses": 0, "relearned": 0}
+        self.counters = {"fetches": 0, "trace_misses": 0, "relearned": 0, "guess_misses": 0}
         self.handles: list[Any] = []
         for m in self.mods:
             self.handles.append(m.register_forward_pre_hook(self._pre_forward))
@@ -98,13 +99,13 @@ class Fetcher:
             self._begin(phase)
         i = self.index[id(module)]
         self.recording.append(i)
-        trace = self.traces[phase]
-        if trace is not None and self.on_trace:
+        trace = self._expected(phase)
+        if self.on_trace:
             if self.pos < len(trace) and trace[self.pos] == i:
                 self.pos += 1
             else:
                 self.on_trace = False
-                self.counters["trace_misses"] += 1
+                self.counters["trace_misses" if self.traces[phase] is not None else "guess_misses"] += 1
         params = self.mparams[i]
         if phase == "bw":
             params = [p for p in params if p.aio_id not in self.bw_held]
@@ -115,12 +116,26 @@ class Fetcher:
         self.counters["fetches"] += 1
         self._prefetch()
 
+    def _expected(self, phase: str) -> list[int]:
+        """The module order `phase` is expected to take: its recorded trace, else
+        (the first pass) a guess, so the first step prefetches too (it ran
+        about 2x slower than the next without): forward in the modules'
+        registration order, backward in the reverse of the forward's trace.
+        A guess that misses stops the pass's prefetching, as a trace does."""
+        trace = self.traces[phase]
+        if trace is not None:
+            return trace
+        if phase == "fw":
+            return self._registration_order
+        fw = self.traces["fw"]
+        return fw[::-1] if fw is not None else []
+
     def _upcoming(self) -> Iterator[int]:
         """Module indices expected next: the rest of this pass, then the next
         pass (lazily: the caller stops after a bucket's worth)."""
         if not self.on_trace or self.phase is None:
             return iter(())
-        trace = self.traces[self.phase] or []
+        trace = self._expected(self.phase)
         nxt = self.traces["bw" if self.phase == "fw" else "fw"] or []
         return itertools.chain((trace[i] for i in range(self.pos, len(trace))), nxt)
 
