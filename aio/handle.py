@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _C, pinned
 from ._args import PathArg, check_bool, check_int, check_path
-from ._buffers import MAX_OFFSET, resolve, track_inflight, untrack_inflight
+from ._buffers import MAX_OFFSET, ResolvedBuffer, resolve, track_inflight, untrack_inflight
 from ._errors import HandleStateError
 from .future import AioFuture, collectable, first_untold_error, wait_all
 
@@ -169,20 +169,26 @@ class AsyncIOHandle:
             def finalize() -> None:
                 dev.view(-1).copy_(host)
 
+        return self._started(
+            c, buf, finalize, lambda: c.submit(op, buf.ptr, buf.nbytes, spath, fd, file_offset)
+        )
+
+    @staticmethod
+    def _started(c: Any, buf: ResolvedBuffer, finalize: Any, submit: Any) -> AioFuture:
+        """``submit()`` the core's request for `buf` and wrap it in a future. The
+        in-flight registry owns the memory from before the submit (see
+        track_inflight), so no interruption in between can free it under a
+        worker; a submit that fails gives it back."""
         token = track_inflight(buf.ptr, buf.nbytes, buf.keepalive)
         try:
-            req = c.submit(op, buf.ptr, buf.nbytes, spath, fd, file_offset)
+            req = submit()
         except BaseException:
             untrack_inflight(token)
             raise
         fut = AioFuture(req, buf, finalize, token)
-        self._warn_notices(c)
-        return fut
-
-    @staticmethod
-    def _warn_notices(c: Any) -> None:
         for note in c.take_notices():
             warnings.warn(note, RuntimeWarning, stacklevel=4)
+        return fut
 
     def _track(self, fut: AioFuture) -> AioFuture:
         with self._lock:
@@ -245,15 +251,9 @@ class AsyncIOHandle:
         piece = buf.nbytes // n
         if int(offs.max()) + piece > MAX_OFFSET:
             raise OverflowError(f"file_offsets: an offset + piece size ({piece}) exceeds 2**63-1")
-        token = track_inflight(buf.ptr, buf.nbytes, buf.keepalive)
-        try:
-            group = c.submit_pieces(op, buf.ptr, piece, offs.ctypes.data, n, spath, fd)
-        except BaseException:
-            untrack_inflight(token)
-            raise
-        fut = AioFuture(group, buf, None, token)
-        self._warn_notices(c)
-        return fut
+        return self._started(
+            c, buf, None, lambda: c.submit_pieces(op, buf.ptr, piece, offs.ctypes.data, n, spath, fd)
+        )
 
     def pread(
         self,
