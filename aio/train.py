@@ -733,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
             "file sets that (optimizer.params.lr, gradient_accumulation_steps, gradient_clipping, bf16, "
             "the offload blocks, zero_optimization.sub_group_size)"
         )
+    if not args.floor and _given(argv, ("--floor-mib",)):
+        ap.error("--floor-mib sets the sample size of --floor's measurement: add --floor")
     for path in args.nvme_path or []:
         if not os.path.isdir(path):
             ap.error(f"--nvme-path {path} is not a directory")

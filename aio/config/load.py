@@ -174,9 +174,29 @@ def _too_large(path: str) -> str:
     return f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a few KiB of JSON"
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict; a key given twice is refused (json keeps the last
+    silently, so an edit that adds a block again would lose the first)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _read_json(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise ConfigError(
+            [("", f"key {e.args[0]!r} is given twice in one object (DeepSpeed refuses that too); keep one")],
+            where,
+        ) from None
     except json.JSONDecodeError as e:
         raise ConfigError(
             [("", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")], where

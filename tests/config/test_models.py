@@ -438,6 +438,18 @@ def test_config_file_must_be_a_small_regular_file(tmp_path, kind):
     assert text in str(ei.value) and path in str(ei.value), str(ei.value)
 
 
+@pytest.mark.parametrize("where", ["file", "text"])
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, where):
+    """JSON keeps the last of two equal keys silently (an edit that pastes an
+    offload block again loses the first); DeepSpeed refuses it, so do we."""
+    text = '{"aio": {"block_size": 1048576}, "zero_optimization": {"stage": 3, "stage": 0}}'
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="'stage' is given twice") as ei:
+        load_config(str(path) if where == "file" else text)
+    assert where == "text" or str(path) in str(ei.value)
+
+
 def test_block_size_up_to_the_core_limit_builds_a_handle():
     """What validate accepts, the handle takes: 1 TiB is the largest block_size."""
     import aio

@@ -240,6 +240,13 @@ def test_a_config_run_s_baseline_trains_as_the_config_says(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "--gas, --clip do not apply with --config" in r.stderr, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "aio.train", "--floor-mib", "64", *tiny],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "add --floor" in r.stderr, r.stderr  # it was ignored silently
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}
     path.write_text(json.dumps(cfg))
     stdout, res = run_train(["--config", str(path), *tiny], tmp_path)
