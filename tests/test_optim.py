@@ -904,12 +904,19 @@ def _task_count() -> int:
 
 
 def _settled_task_count() -> int:
-    """The thread count once threads of earlier tests have finished leaving."""
-    last = _task_count()
-    for _ in range(100):
+    """The thread count once threads of earlier tests have finished leaving:
+    objects they dropped collected first (a handle's finalizer stops its
+    workers), then the same count over 0.25 s (one equal pair of samples was
+    not enough: CI saw a thread leave after it, 5 counted for 4 + 2)."""
+    import gc
+
+    gc.collect()
+    last, same = _task_count(), 0
+    for _ in range(200):
         time.sleep(0.05)
         now = _task_count()
-        if now == last:
+        same = same + 1 if now == last else 0
+        if same == 5:
             return now
         last = now
     return last
