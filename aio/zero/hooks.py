@@ -49,7 +49,13 @@ class Fetcher:
         self.on_trace = True
         self.soon: set[int] = set()
         self.bw_held: dict[int, Any] = {}
-        self.counters = {"fetches": 0, "trace_misses": 0, "relearned": 0, "guess_misses": 0}
+        self.counters = {
+            "fetches": 0,
+            "trace_misses": 0,
+            "relearned": 0,
+            "guess_misses": 0,
+            "recompute_fetches": 0,
+        }
         self.handles: list[Any] = []
         for m in self.mods:
             self.handles.append(m.register_forward_pre_hook(self._pre_forward))
@@ -168,7 +174,7 @@ class Fetcher:
         for p in params:
             self.bw_held[p.aio_id] = p
         self.store.acquire(params)
-        self.counters["recompute_fetches"] = self.counters.get("recompute_fetches", 0) + 1
+        self.counters["recompute_fetches"] += 1
 
     def release_frozen(self, module: Any) -> None:
         """`module`'s backward is done: release its parameters that take no
