@@ -621,6 +621,15 @@ class ParamSwapper:
         ``pin_memory``), whole pages, as counted by aio.locked_bytes()."""
         return self.pool.pinned_bytes + self._resident_locked
 
+    def reserve_buffers(self) -> bool:
+        """Allocate the swap buffers now when a partition lives on the drive
+        (else the first swap_in allocates them, in the first forward); returns
+        whether it did. Thread-safe: set-up runs it beside its own I/O."""
+        if all(p.state == State.RESIDENT for p in self.parts.values()):
+            return False
+        self.pool.allocate()
+        return True
+
     def status(self, part_id: Any) -> str:
         """The partition's State, as its string value (e.g. ``"on_drive"``)."""
         return self._part(part_id).state.value

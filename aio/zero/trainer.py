@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -172,6 +173,26 @@ def move_buffers(model: Any, device: Any) -> None:
                 module._buffers[name] = buf.to(device)
 
 
+class _Background:
+    """Runs `fn` in a thread now; join() waits for it and raises what it raised."""
+
+    def __init__(self, fn: Any) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="aio-setup", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to join()
+            self._error = e
+
+    def join(self, raise_error: bool = True) -> None:
+        self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
+
+
 class OffloadTrainer:
     """See :func:`initialize`. DeepSpeed-style loop::
 
@@ -245,12 +266,7 @@ class OffloadTrainer:
             self._torch_opt.share_groups(self._user_optimizer.param_groups)
         for gi, numel in enumerate(layout.group_numel):
             opt.register_subgroup(gi, numel, plan.group_of[gi])
-        # Each sub-group's parameters are read into the buffer its master
-        # weights are written from, while the previous sub-groups' writes land.
-        opt.initialize_many(
-            (gi, functools.partial(layout.fill_master, gi, self.store.read_into))
-            for gi in range(len(layout.groups))
-        )
+        self._initialize_masters(opt, layout)
         self.store.pack([[s.param for s in group] for group in layout.groups])
         self._mirror()
         for s in layout.places.values():
@@ -262,6 +278,34 @@ class OffloadTrainer:
         self.grads = GradientAccumulator(
             opt, layout, cfg.gradient_accumulation_steps, self.scaling.needs_norms, self.store.copies
         )
+
+    def _initialize_masters(self, opt: ZeroOptimizer, layout: SubGroupLayout) -> None:
+        """Write every sub-group's master weights. Each sub-group's parameters are
+        read into the buffer its master weights are written from, while the
+        previous sub-groups' writes land. Meanwhile a thread allocates the
+        parameter swap buffers, which the first forward would otherwise wait
+        for (3 s per GiB of fresh locked memory on the dev box's VM)."""
+        swapper = self.store.swapper
+        reserve: list[_Background] = []
+
+        def fills() -> Iterator[tuple[int, Any]]:
+            for gi in range(len(layout.groups)):
+                # From the second sub-group on, the optimizer's buffers exist:
+                # two allocations at once took longer than one after the other.
+                if gi == 1 and swapper is not None:
+                    reserve.append(_Background(swapper.reserve_buffers))
+                yield gi, functools.partial(layout.fill_master, gi, self.store.read_into)
+
+        try:
+            opt.initialize_many(fills())
+        except BaseException:
+            for r in reserve:
+                r.join(raise_error=False)  # the first error is the one to see
+            raise
+        for r in reserve:
+            r.join()
+        if swapper is not None and not reserve:
+            swapper.reserve_buffers()
 
     def _mirror(self) -> None:
         """Read float32 drive parameters from the master weights (see

@@ -87,6 +87,27 @@ def test_pinned_bytes_are_what_is_locked(tmp_path, pin):
         assert s.stats()["pinned_bytes"] == s.pinned_bytes()
 
 
+def test_reserve_buffers_only_with_partitions_on_the_drive(tmp_path):
+    import threading
+
+    with make(tmp_path, max_in_cpu=3000, min_swap_bytes=1024) as s:
+        s.register("tiny", 100)
+        assert not s.reserve_buffers() and s.stats()["pinned_buffer_bytes"] == 0
+        s.register("b", 5000)
+        # Four threads at once (set-up reserves in a thread): one allocation.
+        threads = [threading.Thread(target=s.reserve_buffers) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        pool = s.pool
+        assert pool.allocated and pool.pinned_bytes == pool.planned_bytes
+        assert s.reserve_buffers() and s.pool.pinned_bytes == pool.pinned_bytes
+        s.write("b", rand(5000, torch.float16))
+        (t,) = s.swap_in(["b"])
+        assert torch.equal(t, rand(5000, torch.float16))
+
+
 def test_states_prefetch_release_swap_out(tmp_path):
     with make(tmp_path) as s:
         for i in range(3):

@@ -12,7 +12,7 @@ from aio.config import ConfigError
 from aio.optim import CPUAdamW
 from aio.train import batch, build_gpt
 
-from .common import B, H, L, S, V, W, cfg_for, gpt, loss_of, train_engine, train_in_memory
+from .common import B, H, L, S, V, W, cfg_for, drive_is_empty, gpt, loss_of, train_engine, train_in_memory
 
 
 @pytest.mark.parametrize(
@@ -597,3 +597,49 @@ def test_an_empty_parameter_trains_as_in_memory(tmp_path, param, opt):
         _WithEmpty(), cfg_for(tmp_path, param=param, opt=opt, gas=1, clip=0.5)
     ) as engine:
         assert train_engine(engine, 2, gas=1) == want
+
+
+@pytest.mark.parametrize("threshold,allocated", [(0, True), (10**9, False)])
+def test_param_swap_buffers_allocated_at_set_up(tmp_path, threshold, allocated):
+    # The first forward used to allocate (and lock) the parameter swap
+    # buffers, making step 1 seconds slower than step 2 on a VM; set-up does
+    # it now, unless every parameter stays in memory (then nothing is locked).
+    cfg = cfg_for(tmp_path)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        st = engine.stats()["params"]
+        assert (st["pinned_buffer_bytes"] > 0) == allocated
+        assert (st["swap_in"], st["prefetch"]) == (0, 0)  # nothing fetched yet
+        train_engine(engine, 2)
+
+
+def test_set_up_lock_failure_of_param_buffers_is_raised(tmp_path):
+    # The parameter buffers are locked in a thread during set-up: a refusal
+    # there is raised from initialize() with the lock error's own message.
+    import errno
+
+    from aio import _C
+
+    cfg = cfg_for(tmp_path)
+    model = gpt()
+    calls = []
+
+    def refuse(_swapper):
+        calls.append(1)
+        _C.set_lock_fault(errno.ENOMEM)
+        try:
+            return orig(_swapper)
+        finally:
+            _C.set_lock_fault(0)
+
+    from aio.swap import ParamSwapper
+
+    orig = ParamSwapper.reserve_buffers
+    ParamSwapper.reserve_buffers = refuse
+    try:
+        with pytest.raises(OSError, match="RLIMIT_MEMLOCK") as ei:
+            aio.zero.initialize(model, cfg)
+    finally:
+        ParamSwapper.reserve_buffers = orig
+    assert calls == [1] and ei.value.errno == errno.ENOMEM
+    assert drive_is_empty(tmp_path)  # the swap files of the failed set-up are gone
