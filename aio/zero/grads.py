@@ -122,6 +122,10 @@ class GradientAccumulator:
         self._passes = 0
         self._normed: set[int] = set()  # place orders whose norm this backward took
         self.norms_on_device = 0  # gradient norms taken on the compute device, in all
+        # Parameters whose gradient a backward computed straight into its
+        # buffer (target()), until their gradient hook counts the arrival.
+        self._placed: set[int] = set()
+        self.in_place = 0  # gradients computed in their buffers, in all
 
     def is_boundary(self) -> bool:
         """Whether the current micro-step ends the accumulation window."""
@@ -145,9 +149,62 @@ class GradientAccumulator:
         """Whether any gradient has arrived in the current micro-step."""
         return bool(self._touched)
 
+    def target(self, param: Any, dtype: Any, device: Any) -> Any:
+        """Where a backward may compute `param`'s first gradient of this
+        micro-step itself (flat, float32, in its sub-group's buffer), instead
+        of handing autograd a new tensor for add() to copy: saves the copy
+        and the fresh memory (faulted in each step) of every weight gradient.
+        None unless the gradient is float32 on the CPU, the parameter's first
+        in this backward, and its buffer is opened afresh (not added to).
+        Whoever takes it must fill it before the parameter's gradient hook
+        runs, which then calls add() with what else arrived (None if nothing)."""
+        import torch
+
+        if dtype != torch.float32 or torch.device(device).type != "cpu" or param.aio_id in self._seen:
+            return None
+        s = self.layout.places[param.aio_id]
+        if s.group not in self._open and s.group in self._stored:
+            return None  # read back and added to: not the first gradient
+        self._land(keep=0)  # earlier arrivals first, as add() keeps them in order
+        buf = self._buffer(s.group)
+        written = self._fresh.get(s.group)
+        if written is None:
+            return None
+        self._seen.add(param.aio_id)
+        self._placed.add(param.aio_id)
+        written.append((s.offset, s.offset + s.numel))
+        self.in_place += 1
+        return buf.tensor[s.offset : s.offset + s.numel]
+
+    def _land_placed(self, param: Any) -> None:
+        """`param`'s gradient was computed in its buffer (target()): take its
+        norm and count it as arrived (its buffer is stored once all are in)."""
+        import torch
+
+        self._placed.discard(param.aio_id)
+        s = self.layout.places[param.aio_id]
+        if self.record_norms and self.is_boundary() and s.order not in self._normed:
+            buf = self._buffer(s.group).tensor
+            self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
+            self._normed.add(s.order)
+        self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
+        # Written out meanwhile to make room (_buffer()), it holds the gradient
+        # on the drive already: nothing to store unless opened again.
+        if self._arrived[s.group] == len(self.layout.groups[s.group]) and s.group in self._open:
+            self._close(s.group)
+
     def add(self, param: Any, grad: Any) -> None:
         """Add `param`'s gradient into its sub-group's buffer (on a GPU: start
-        its copy down; it is added by a later call or finish_backward())."""
+        its copy down; it is added by a later call or finish_backward()).
+        `grad` None: nothing arrived beyond what a backward computed in the
+        buffer (target()), if anything."""
+        if grad is not None:
+            self._add(param, grad)
+        if param.aio_id in self._placed:
+            self._land(keep=0)  # the rest of its gradient first: the norm is the sum's
+            self._land_placed(param)
+
+    def _add(self, param: Any, grad: Any) -> None:
         flat = grad.detach().reshape(-1)
         if self._copies is None:
             self._copies = copies_for(flat.device)
@@ -235,7 +292,11 @@ class GradientAccumulator:
     def stats(self) -> dict[str, Any]:
         """Copy counters (``d2h_copies``, ``d2h_bytes``; none on the CPU) and
         ``norms_on_device``, the gradient norms taken on the compute device."""
-        return {**getattr(self._copies, "counters", {}), "norms_on_device": self.norms_on_device}
+        return {
+            **getattr(self._copies, "counters", {}),
+            "norms_on_device": self.norms_on_device,
+            "in_place": self.in_place,
+        }
 
     def _buffer(self, gi: int) -> GradientBuffer:
         if gi in self._open:
@@ -273,6 +334,8 @@ class GradientAccumulator:
         sub-group, and zeros for those not stored in this window yet (they
         still hold the last window's)."""
         self._land(keep=0)
+        for pid in sorted(self._placed):  # a gradient hook that did not run
+            self._land_placed(self.layout.places[pid].param)
         for gi in list(self._open):
             self._close(gi)
         for gi in range(len(self.layout.groups)):
@@ -329,6 +392,7 @@ class GradientAccumulator:
         self._fresh.clear()
         self._seen.clear()
         self._normed.clear()
+        self._placed.clear()
         self._passes = 0
         self.micro_steps -= self.micro_steps % self.gas
 

@@ -51,15 +51,36 @@ def _autocast_cast(t: Any, dev: str, dtype: Any) -> Any:
     return t.to(dtype)
 
 
-def _linear_grads(ctx: Any, grad: Any, input: Any, weight: Any) -> tuple[Any, Any, Any]:
+def _weight_grad(g2: Any, x2: Any, param: Any, in_place: bool) -> Any:
+    """``g2ᵀ·x2``, the weight's gradient. With `in_place`, when the weight's
+    trainer offers its gradient buffer (``aio_grad_target``, see
+    aio.zero.grads.GradientAccumulator.target), computed there by the same
+    kernel and None returned: autograd then hands the gradient hook nothing
+    more, and no weight-sized tensor is allocated and copied each step."""
+    import torch
+
+    ref = getattr(param, "aio_grad_target", None) if in_place else None
+    fn = ref() if ref is not None else None
+    dtype = torch.result_type(g2, x2)
+    out = fn(param, dtype, g2.device) if fn is not None and x2.device == g2.device else None
+    if out is None:
+        return g2.t().mm(x2)
+    torch.mm(g2.t(), x2, out=out.view(g2.shape[1], x2.shape[1]))
+    return None
+
+
+def _linear_grads(
+    ctx: Any, grad: Any, input: Any, weight: Any, in_place: bool = False
+) -> tuple[Any, Any, Any]:
     """The gradients autograd's addmm/mm backward computes for linear (same
-    kernels, same operand order), in the dtype of ``grad`` and the operands."""
+    kernels, same operand order), in the dtype of ``grad`` and the operands;
+    the weight's maybe in its buffer (`in_place`: see _weight_grad)."""
     g2 = grad.reshape(-1, grad.shape[-1])
     gi = gw = gb = None
     if ctx.needs_input_grad[0]:
         gi = g2.mm(weight).view(*grad.shape[:-1], weight.shape[1])
     if ctx.needs_input_grad[1]:
-        gw = g2.t().mm(input.reshape(-1, input.shape[-1]))
+        gw = _weight_grad(g2, input.reshape(-1, input.shape[-1]), ctx.param, in_place)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         gb = g2.sum(0)
     return gi, gw, gb
@@ -72,6 +93,9 @@ def _make_fn() -> Any:
         @staticmethod
         def forward(ctx: Any, input: Any, weight: Any, bias: Any) -> Any:
             ctx.has_bias = bias is not None
+            # The parameter itself: backward's saved copy of it is a plain tensor
+            # without its attributes (aio_grad_target, aio_id).
+            ctx.param = weight
             ctx.amp = amp = _autocast_state(input)
             if amp is None:
                 ctx.save_for_backward(input, weight)
@@ -90,7 +114,7 @@ def _make_fn() -> Any:
         def backward(ctx: Any, grad: Any) -> Any:
             input, weight = ctx.saved_tensors
             if ctx.amp is None:
-                return _linear_grads(ctx, grad, input, weight)
+                return _linear_grads(ctx, grad, input, weight, in_place=True)
             # Autograd in memory: mm's on the cast tensors, then each cast's
             # backward converts the gradient to its input's dtype. Autocast
             # is off so that a backward() called inside the region does not

@@ -22,6 +22,7 @@ import functools
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -278,6 +279,12 @@ class OffloadTrainer:
         self.grads = GradientAccumulator(
             opt, layout, cfg.gradient_accumulation_steps, self.scaling.needs_norms, self.store.copies
         )
+        # aio.zero.linear computes weight gradients straight into their buffers
+        # through this (weakly: a parameter does not keep its trainer alive),
+        # when they are computed on the CPU.
+        target = weakref.WeakMethod(self.grads.target)
+        for s in layout.places.values() if self.device.type == "cpu" else ():
+            s.param.aio_grad_target = target
 
     def _initialize_masters(self, opt: ZeroOptimizer, layout: SubGroupLayout) -> None:
         """Write every sub-group's master weights. Each sub-group's parameters are
@@ -680,6 +687,9 @@ class OffloadTrainer:
         self.closed = True
         for h in self._grad_hooks:
             h.remove()
+        layout = getattr(self, "layout", None)
+        for s in layout.places.values() if layout is not None else ():
+            s.param.__dict__.pop("aio_grad_target", None)
         if self.fetcher is not None:
             self.fetcher.remove()
         try:

@@ -320,3 +320,102 @@ def test_a_fresh_buffer_is_written_whole_without_being_zeroed_first(
         assert got[1].tolist() == [-21.0] * 4
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_weight_gradients_are_computed_in_their_buffers(tmp_path, gas):
+    # Each Linear weight's first gradient of a window is computed straight
+    # into its sub-group's buffer (no weight-sized tensor made and copied);
+    # the head's weight, tied to the embedding, gets the embedding's part
+    # added by its hook. The same bits as training in memory.
+    from .common import L, train_in_memory
+
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=gas)) as engine:
+        got = train_engine(engine, 4, gas=gas)
+        in_place = engine.stats()["grads"]["in_place"]
+    assert got == train_in_memory(4, gas=gas)
+    assert in_place == 4 * (4 * L + 1)  # the window's first micro-step: 4 Linears a block, and the head
+
+
+def test_target_is_offered_only_for_a_fresh_float32_first_gradient(tmp_path):
+    """GradientAccumulator.target(): a float32 CPU gradient, a parameter's
+    first in the backward, into a buffer opened afresh; the gradient hook's
+    add() then counts it (adding what else arrived), or finish_backward()
+    does when no hook ran. The stored sums and norms are exact."""
+    from aio.config import load_train_config
+    from aio.zero.grads import GradientAccumulator
+    from aio.zero.optimizer import make_optimizer
+    from aio.zero.placement import SubGroupLayout
+
+    cfg = load_train_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    opt = make_optimizer(cfg, torch.optim.SGD, {"lr": 1.0})
+    a, b, c = _P(0, 3), _P(1, 2), _P(2, 4)
+    layout = SubGroupLayout([[a, b], [c]])
+    try:
+        for gi, n in enumerate(layout.group_numel):
+            opt.register_subgroup(gi, n)
+            opt.initialize(gi, torch.zeros(n))
+        acc = GradientAccumulator(opt, layout, gas=2, record_norms=True)
+        assert acc.target(a, torch.bfloat16, "cpu") is None
+        assert acc.target(a, torch.float32, "meta") is None
+        acc.target(a, torch.float32, "cpu").fill_(1.0)
+        assert acc.target(a, torch.float32, "cpu") is None  # not its first gradient
+        acc.add(a, torch.full((3,), 2.0))  # the hook: another part of a's gradient
+        acc.add(b, torch.full((2,), 5.0))
+        acc.target(c, torch.float32, "cpu").fill_(10.0)  # no hook runs for c
+        acc.finish_backward()
+        assert [n.item() for n in acc.boundary_norms()] == [] and acc.in_place == 2  # not the boundary
+        acc.end_micro_step()
+        assert acc.target(a, torch.float32, "cpu") is None  # its buffer is added to now
+        acc.add(a, torch.full((3,), 1.0))
+        acc.add(b, torch.full((2,), 1.0))
+        acc.add(c, torch.full((4,), 1.0))
+        acc.finish_backward()
+        acc.settle_writes()
+        norms = [round(n.item() ** 2) for n in acc.boundary_norms()]
+        assert norms == [3 * 4.0**2, 2 * 6.0**2, 4 * 11.0**2]
+        got = {}
+        opt.step(after=lambda i, m: got.setdefault(i, m.clone()))
+        assert got[0].tolist() == [-4.0] * 3 + [-6.0] * 2 and got[1].tolist() == [-11.0] * 4
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("record_norms", [False, True])
+def test_a_buffer_written_out_between_target_and_hook_keeps_the_gradient(tmp_path, record_norms):
+    # One gradient buffer: c's gradient writes a's sub-group out (with a's
+    # in-place gradient) before a's hook runs; the hook then counts it
+    # without the buffer (or reads it back for the norm).
+    from aio.config import load_train_config
+    from aio.zero.grads import GradientAccumulator
+    from aio.zero.optimizer import make_optimizer
+    from aio.zero.placement import SubGroupLayout
+
+    blk = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2}
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": blk}, "aio_zero": {"gradients": "nvme"}}
+    opt = make_optimizer(load_train_config(cfg), torch.optim.SGD, {"lr": 1.0}, gradients="nvme")
+    a, c = _P(0, 3), _P(1, 4)
+    layout = SubGroupLayout([[a], [c]])
+    held = None
+    try:
+        for gi, n in enumerate(layout.group_numel):
+            opt.register_subgroup(gi, n)
+            opt.initialize(gi, torch.zeros(n))
+        held = opt.acquire_buffer()  # gradients get a single buffer
+        acc = GradientAccumulator(opt, layout, gas=1, record_norms=record_norms)
+        acc.target(a, torch.float32, "cpu").fill_(2.0)
+        acc.add(c, torch.full((4,), 3.0))  # no buffer free: a's sub-group goes out
+        acc.add(a, None)  # a's hook, nothing more arrived
+        acc.finish_backward()
+        acc.settle_writes()
+        if record_norms:
+            assert [round(n.item() ** 2) for n in acc.boundary_norms()] == [12, 36]
+        held.release()
+        held = None
+        got = {}
+        opt.step(after=lambda i, m: got.setdefault(i, m.clone()))
+        assert got[0].tolist() == [-2.0] * 3 and got[1].tolist() == [-3.0] * 4
+    finally:
+        if held is not None:
+            held.release()
+        opt.close()
