@@ -49,6 +49,9 @@ class MemoryOptimizer:
         for index, fill in fills:
             fill(self.master[index])
 
+    def reserve_gradients(self) -> None:
+        """Nothing to do: register_subgroup() allocated every gradient."""
+
     def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:
         """``edit(master)`` changes sub-group `index`'s fp32 master weights in place."""
         edit(self.master[index])

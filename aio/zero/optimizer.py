@@ -87,6 +87,11 @@ class ZeroOptimizer(Protocol):
         drive backend fills the next sub-group while the last one's write lands."""
         ...
 
+    def reserve_gradients(self) -> None:
+        """Allocate (and fault in) every gradient buffer kept in memory now, not
+        in the first backward (thread-safe beside initialize_many())."""
+        ...
+
     def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:
         """Between steps: ``edit(master)`` changes sub-group `index`'s fp32
         master weights (a float32 tensor of its size) in place; stored before

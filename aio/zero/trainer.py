@@ -290,17 +290,23 @@ class OffloadTrainer:
         """Write every sub-group's master weights. Each sub-group's parameters are
         read into the buffer its master weights are written from, while the
         previous sub-groups' writes land. Meanwhile a thread allocates the
-        parameter swap buffers, which the first forward would otherwise wait
-        for (3 s per GiB of fresh locked memory on the dev box's VM)."""
+        parameter swap buffers and the gradients kept in memory, which the
+        first forward and backward would otherwise wait for (fresh memory is
+        slow: 1.3-3 s per GiB on the dev box's VM)."""
         swapper = self.store.swapper
         reserve: list[_Background] = []
+
+        def allocate() -> None:
+            if swapper is not None:
+                swapper.reserve_buffers()
+            opt.reserve_gradients()
 
         def fills() -> Iterator[tuple[int, Any]]:
             for gi in range(len(layout.groups)):
                 # From the second sub-group on, the optimizer's buffers exist:
                 # two allocations at once took longer than one after the other.
-                if gi == 1 and swapper is not None:
-                    reserve.append(_Background(swapper.reserve_buffers))
+                if gi == 1:
+                    reserve.append(_Background(allocate))
                 yield gi, functools.partial(layout.fill_master, gi, self.store.read_into)
 
         try:
@@ -311,8 +317,8 @@ class OffloadTrainer:
             raise
         for r in reserve:
             r.join()
-        if swapper is not None and not reserve:
-            swapper.reserve_buffers()
+        if not reserve:
+            allocate()
 
     def _mirror(self) -> None:
         """Read float32 drive parameters from the master weights (see
