@@ -10,6 +10,7 @@ from typing import Any
 
 from ..swap.param_groups import TorchGroups
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain
+from .malloc import long_lived_zeros
 from .optimizer import GradientBuffer, PendingWrite, set_lr
 
 
@@ -35,8 +36,8 @@ class MemoryOptimizer:
         import torch
 
         self.torch_groups.add(index, group)
-        self.master[index] = torch.zeros(numel, dtype=torch.float32)
-        self.grads[index] = torch.zeros(numel, dtype=torch.float32)
+        self.master[index] = long_lived_zeros(numel)
+        self.grads[index] = long_lived_zeros(numel)
         self.proxies[index] = torch.nn.Parameter(self.master[index])
 
     def initialize(self, index: int, master: Any) -> None:

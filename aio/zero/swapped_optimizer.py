@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..swap import OptimizerSwapper
+from .malloc import long_lived_zeros
 from .optimizer import GradientBuffer, PendingWrite, set_lr
 
 if TYPE_CHECKING:
@@ -43,15 +44,14 @@ class SwappedOptimizer(OptimizerSwapper):
 
     def reserve_gradients(self) -> None:
         """With gradients in memory, allocate each sub-group's now (zeros, so
-        faulted in: on the dev box's VM fresh memory took 1.3-1.6 s a GiB, 11
-        s of a 2B model's first backward). Thread-safe beside initialize_many()."""
-        import torch
-
+        faulted in, on small pages: see aio.zero.malloc.long_lived_zeros; on
+        the dev box's VM this took 11 s of a 2B model's first backward).
+        Thread-safe beside initialize_many()."""
         if self.gradients_on_drive:
             return
         for index, g in list(self.groups.items()):
             if g.grad_mem is None:
-                self.hold_gradient(index, torch.zeros(g.numel, dtype=torch.float32))
+                self.hold_gradient(index, long_lived_zeros(g.numel))
 
     def open_gradient(self, index: int, numel: int, resume: bool) -> GradientBuffer:
         """Sub-group `index`'s gradient buffer, holding the gradient accumulated so
@@ -60,12 +60,10 @@ class SwappedOptimizer(OptimizerSwapper):
         pinned buffer with ``gradients: nvme``."""
         if self.gradients_on_drive:
             return self._fill(index, numel, resume, self.acquire_buffer())
-        import torch
-
         self._check_usable()
         held = self.groups[index].grad_mem
         if held is None or held.numel() != numel:
-            held = torch.zeros(numel, dtype=torch.float32)
+            held = long_lived_zeros(numel)
             self.hold_gradient(index, held)  # validates numel against the sub-group
         return GradientBuffer(held)
 
