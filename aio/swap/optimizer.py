@@ -133,7 +133,13 @@ class OptimizerSwapper:
         self.optimizer: Any = None
         self.broken: str | None = None
         self.steps = 0
-        self.counters = {"bytes_read": 0, "bytes_written": 0, "subgroup_steps": 0, "cached_subgroups": 0}
+        self.counters = {
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "subgroup_steps": 0,
+            "cached_subgroups": 0,
+            "partial_reads": 0,  # reads ahead started with buffers for some tensors only
+        }
         # The same bytes per tensor: "param" (fp32 master weights), "grad",
         # and each optimizer state by name (exp_avg, exp_avg_sq for Adam).
         self.bytes_by_part: dict[str, collections.Counter[str]] = {
@@ -550,6 +556,7 @@ class OptimizerSwapper:
             for k, i in enumerate(order):
                 if i not in io.reads:
                     io.start_read(i, must=True)
+                io.finish_read(i)  # before any read ahead takes the buffers it needs
                 if self.pipeline_read and k + 1 < len(order) and order[k + 1] not in io.reads:
                     io.start_read(order[k + 1], must=False)
                 leases = io.take_read(i)
@@ -923,7 +930,13 @@ class _StepIO:
     A stepped sub-group keeps its buffers (`kept`, oldest first) until a read
     needs them: clean once its write landed, or dirty (write-back: written
     only when its buffers are needed). Whatever is kept when the step ends
-    becomes the next step's first reads, done already."""
+    becomes the next step's first reads, done already.
+
+    A read ahead with too few buffers free reads what they hold (`partial`:
+    the tensors still to read): with 4 buffers and 3 tensors a sub-group,
+    the drive otherwise idles while each sub-group is computed. At most one
+    read is partial, and none starts after it, so finish_read() can always
+    complete it from the buffers of the sub-groups stepped before it."""
 
     def __init__(self, sw: OptimizerSwapper, pool: BufferPool) -> None:
         self.sw = sw
@@ -932,6 +945,7 @@ class _StepIO:
         self.writes: collections.deque[_Write] = collections.deque()
         self.kept: collections.OrderedDict[int, tuple[list[Lease], bool]] = collections.OrderedDict()
         self.held: list[Lease] = []
+        self.partial: dict[int, list[str]] = {}  # sub-group -> tensors not yet being read
 
     def _release(self, lease: Lease) -> None:
         lease.release()
@@ -1001,32 +1015,52 @@ class _StepIO:
 
     def start_read(self, i: int, must: bool) -> bool:
         """Lease a buffer per tensor of sub-group i (but a gradient held in
-        memory) and start reading them all; False (nothing started) when too
-        few buffers are free and not `must`."""
+        memory) and start reading them all. Not `must`, with too few buffers
+        free: start reading as many tensors as there are (none while another
+        read is partial); False when nothing was started."""
+        sw, g = self.sw, self.sw.groups[i]
+        names = [n for n in g.parts if n != "grad" or g.grad_mem is None]
+        if self.partial and not must:
+            return False
+        leases = self._lease(len(names), must)
+        if leases is None:
+            leases = self._lease(min(self.pool.available(), len(names)), must=True)
+            if not leases:
+                return False
+            self.partial[i] = names[len(leases) :]
+            sw.counters["partial_reads"] += 1
+        self.reads[i] = ({}, [], False)
+        sw._settle_grad(g)
+        self._read_parts(i, names[: len(leases)], leases)
+        return True
+
+    def finish_read(self, i: int) -> None:
+        """Start reading whatever a partial read of sub-group i left (waiting for
+        buffers: the sub-groups stepped before it free theirs)."""
+        names = self.partial.pop(i, None)
+        if names:
+            self._read_parts(i, names, self._lease(len(names), must=True) or [])
+
+    def _read_parts(self, i: int, names: list[str], leases: list[Lease]) -> None:
         import torch
 
         sw, g = self.sw, self.sw.groups[i]
-        names = [n for n in g.parts if n != "grad" or g.grad_mem is None]
-        leases = self._lease(len(names), must)
-        if leases is None:
-            return False
-        futs: list[IOFuture] = []
-        self.reads[i] = (dict(zip(names, leases, strict=True)), futs, False)
-        sw._settle_grad(g)
+        have, futs, _ = self.reads[i]
         # Before its first step a sub-group's states are zeros set-up never wrote:
         # zeroed here instead of read (a fifth of step 1's reads with AdamW).
         fresh = {n for n, _ in sw.spec} if g.scalars is None else set()
         for name, lease in zip(names, leases, strict=True):
+            have[name] = lease
             off, n = sw._part_io(g, name)
             if name in fresh:
                 lease.tensor(torch.uint8)[:n].zero_()
                 continue
             futs.append(sw.space.read(lease.buffer()[:n], off))
             sw.count_io("read", name, n)
-        return True
 
     def take_read(self, i: int) -> dict[str, Lease]:
         """Wait for sub-group i's reads; return the buffers holding its tensors."""
+        self.finish_read(i)
         leases, futs, _ = self.reads.pop(i)
         if not futs:  # kept in its buffers by the step before: nothing read
             self.sw.counters["cached_subgroups"] += 1
@@ -1111,6 +1145,7 @@ class _StepIO:
         self.held.clear()
         self.reads.clear()
         self.kept.clear()
+        self.partial.clear()
 
 
 def _land_initial(entry: tuple[_SubGroup, Lease, IOFuture]) -> None:

@@ -116,6 +116,24 @@ def test_step_is_bit_exact_with_in_memory(tmp_path, opt_cls, hyper, pipe, count,
     sw.close()
 
 
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+@pytest.mark.parametrize("held", [False, True], ids=["grad-on-drive", "grad-held"])
+def test_a_read_ahead_with_too_few_buffers_reads_part_of_the_next(tmp_path, held):
+    # One buffer past a sub-group's own (4 for AdamW with its gradient held):
+    # the read ahead starts on the next sub-group's first tensors instead of
+    # waiting for all of them; the steps are the same bits.
+    opt_cls, hyper = torch.optim.AdamW, {"lr": 3e-3}
+    init = [torch.randn(n, generator=torch.Generator().manual_seed(3)) for n in SIZES]
+    want = _reference(opt_cls, hyper, init, steps=4)
+    n = _min_count(opt_cls, hyper) + (0 if held else 1)
+    sw, got = _swapped(tmp_path, opt_cls, hyper, init, steps=4, pipe=(True, True), buffer_count=n, held=held)
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert sw.stats()["partial_reads"] >= 4 * (len(SIZES) - 2)
+    finally:
+        sw.close()
+
+
 class EagerStateAdagrad(torch.optim.Adagrad):
     """Adagrad as torch < 2.13 has it: state made in __init__ only, and a step
     on a parameter without state fails (KeyError) instead of creating it."""
