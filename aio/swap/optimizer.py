@@ -558,7 +558,10 @@ class OptimizerSwapper:
                     io.start_read(i, must=True)
                 io.finish_read(i)  # before any read ahead takes the buffers it needs
                 if self.pipeline_read and k + 1 < len(order) and order[k + 1] not in io.reads:
-                    io.start_read(order[k + 1], must=False)
+                    # Part of a read only with every gradient in memory (measured
+                    # there: the drive idled while each sub-group was computed;
+                    # with gradients on the drive it measured slower).
+                    io.start_read(order[k + 1], must=False, partly=write_back)
                 leases = io.take_read(i)
                 self._step_subgroup(self.groups[i], leases, after, grad_scale, (lowp or {}).get(i))
                 io.done_stepping(i, leases, write_back)
@@ -932,9 +935,10 @@ class _StepIO:
     only when its buffers are needed). Whatever is kept when the step ends
     becomes the next step's first reads, done already.
 
-    A read ahead with too few buffers free reads what they hold (`partial`:
-    the tensors still to read): with 4 buffers and 3 tensors a sub-group,
-    the drive otherwise idles while each sub-group is computed. At most one
+    With every gradient held in memory, a read ahead with too few buffers
+    free reads what they hold (`partial`: the tensors still to read): with 4
+    buffers and 3 tensors a sub-group, the drive otherwise idles while each
+    sub-group is computed. At most one
     read is partial, and none starts after it, so finish_read() can always
     complete it from the buffers of the sub-groups stepped before it."""
 
@@ -1013,17 +1017,19 @@ class _StepIO:
             leases.append(lease)
         return leases
 
-    def start_read(self, i: int, must: bool) -> bool:
+    def start_read(self, i: int, must: bool, partly: bool = False) -> bool:
         """Lease a buffer per tensor of sub-group i (but a gradient held in
         memory) and start reading them all. Not `must`, with too few buffers
-        free: start reading as many tensors as there are (none while another
-        read is partial); False when nothing was started."""
+        free: with `partly`, start reading as many tensors as there are (none
+        while another read is partial); False when nothing was started."""
         sw, g = self.sw, self.sw.groups[i]
         names = [n for n in g.parts if n != "grad" or g.grad_mem is None]
         if self.partial and not must:
             return False
         leases = self._lease(len(names), must)
         if leases is None:
+            if not partly:
+                return False
             leases = self._lease(min(self.pool.available(), len(names)), must=True)
             if not leases:
                 return False
@@ -1096,7 +1102,7 @@ class _StepIO:
         self.kept.clear()
         if read_ahead:
             for i in next_order:
-                if i not in self.reads and not self.start_read(i, must=False):
+                if i not in self.reads and not self.start_read(i, must=False, partly=True):
                     break
 
     def write_masters(self) -> None:

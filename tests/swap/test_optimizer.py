@@ -121,7 +121,7 @@ def test_step_is_bit_exact_with_in_memory(tmp_path, opt_cls, hyper, pipe, count,
 def test_a_read_ahead_with_too_few_buffers_reads_part_of_the_next(tmp_path, held):
     # One buffer past a sub-group's own (4 for AdamW with its gradient held):
     # the read ahead starts on the next sub-group's first tensors instead of
-    # waiting for all of them; the steps are the same bits.
+    # waiting for all of them; the steps are the same bits either way.
     opt_cls, hyper = torch.optim.AdamW, {"lr": 3e-3}
     init = [torch.randn(n, generator=torch.Generator().manual_seed(3)) for n in SIZES]
     want = _reference(opt_cls, hyper, init, steps=4)
@@ -129,7 +129,9 @@ def test_a_read_ahead_with_too_few_buffers_reads_part_of_the_next(tmp_path, held
     sw, got = _swapped(tmp_path, opt_cls, hyper, init, steps=4, pipe=(True, True), buffer_count=n, held=held)
     try:
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-        assert sw.stats()["partial_reads"] >= 4 * (len(SIZES) - 2)
+        # Only with the gradients in memory (on the drive it measured slower).
+        partial = sw.stats()["partial_reads"]
+        assert partial >= 4 * (len(SIZES) - 2) if held else partial == 0
     finally:
         sw.close()
 
