@@ -60,13 +60,30 @@ def _weight_grad(g2: Any, x2: Any, param: Any, in_place: bool) -> Any:
     import torch
 
     ref = getattr(param, "aio_grad_target", None) if in_place else None
-    fn = ref() if ref is not None else None
+    fn = ref() if ref is not None and _accumulates(param) else None
     dtype = torch.result_type(g2, x2)
     out = fn(param, dtype, g2.device) if fn is not None and x2.device == g2.device else None
     if out is None:
         return g2.t().mm(x2)
     torch.mm(g2.t(), x2, out=out.view(g2.shape[1], x2.shape[1]))
     return None
+
+
+def _accumulates(param: Any) -> bool:
+    """Whether the running backward accumulates into `param`'s gradient: not
+    under torch.autograd.grad() or backward(inputs=...) without it (their
+    gradients must come back, not land in the buffers), nor with
+    create_graph (a buffer is not differentiable)."""
+    import torch
+
+    if torch.is_grad_enabled():
+        return False
+    with torch.enable_grad():
+        node = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf asked about under torch.autograd.grad()
+        return False
 
 
 def _linear_grads(

@@ -419,3 +419,34 @@ def test_a_buffer_written_out_between_target_and_hook_keeps_the_gradient(tmp_pat
         if held is not None:
             held.release()
         opt.close()
+
+
+def test_autograd_grad_calls_leave_the_gradient_buffers_alone(tmp_path):
+    # torch.autograd.grad (an input-gradient penalty, a saliency map) and
+    # backward(inputs=...) accumulate nothing into the weights: their weight
+    # gradients must not land in the buffers the next backward fills.
+    def train(extra, path):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        losses, saliency = [], []
+        with aio.zero.initialize(model, cfg_for(path, gas=1)) as engine:
+            for step in range(3):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(4, 16, generator=g, requires_grad=True)
+                y = torch.randn(4, 8, generator=g)
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                if extra:
+                    saliency.append(torch.autograd.grad(loss, x, retain_graph=True)[0])
+                    first = engine.module[0].weight
+                    (gw,) = torch.autograd.grad(loss, first, retain_graph=True)
+                    saliency.append(gw.clone())
+                    loss.backward(inputs=[x], retain_graph=True)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return losses, saliency
+
+    plain, _ = train(False, tmp_path / "a")
+    got, saliency = train(True, tmp_path / "b")
+    assert got == plain
+    assert all(s.abs().sum() > 0 for s in saliency)  # the gradients came back
