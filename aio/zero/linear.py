@@ -70,13 +70,14 @@ def _weight_grad(g2: Any, x2: Any, param: Any, in_place: bool) -> Any:
 
 
 def _accumulates(param: Any) -> bool:
-    """Whether the running backward accumulates into `param`'s gradient: not
-    under torch.autograd.grad() or backward(inputs=...) without it (their
-    gradients must come back, not land in the buffers), nor with
-    create_graph (a buffer is not differentiable)."""
+    """Whether the running backward accumulates into `param`'s gradient, with
+    nothing else to see it on the way: not under torch.autograd.grad() or
+    backward(inputs=...) without it (their gradients must come back, not land
+    in the buffers), nor with create_graph (a buffer is not differentiable),
+    nor with a hook of the user's on it (``param.register_hook``)."""
     import torch
 
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or param._backward_hooks:
         return False
     with torch.enable_grad():
         node = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad

@@ -450,3 +450,21 @@ def test_autograd_grad_calls_leave_the_gradient_buffers_alone(tmp_path):
     got, saliency = train(True, tmp_path / "b")
     assert got == plain
     assert all(s.abs().sum() > 0 for s in saliency)  # the gradients came back
+
+
+def test_a_users_gradient_hook_on_a_weight_still_sees_its_gradient(tmp_path):
+    # A hook registered on a weight (param.register_hook: gradient logging,
+    # a custom clip) gets the gradient as autograd made it: that weight's
+    # gradient is not computed into its buffer.
+    from .common import L, train_in_memory
+
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path, gas=1)) as engine:
+        weight = engine.module.blocks[0].fc.weight
+        seen = []
+        handle = weight.register_hook(lambda g: seen.append(g.norm().item()))
+        got = train_engine(engine, 3, gas=1)
+        handle.remove()
+        in_place = engine.stats()["grads"]["in_place"]
+    assert got == train_in_memory(3, gas=1)
+    assert len(seen) == 3 and all(n > 0 for n in seen)
+    assert in_place == 3 * (4 * L + 1 - 1)  # every Linear weight but the hooked one
