@@ -60,7 +60,7 @@ def _weight_grad(g2: Any, x2: Any, param: Any, in_place: bool) -> Any:
     import torch
 
     ref = getattr(param, "aio_grad_target", None) if in_place else None
-    fn = ref() if ref is not None and _accumulates(param) else None
+    fn = ref() if ref is not None and _accumulates(param, g2.device.type) else None
     dtype = torch.result_type(g2, x2)
     out = fn(param, dtype, g2.device) if fn is not None and x2.device == g2.device else None
     if out is None:
@@ -69,15 +69,22 @@ def _weight_grad(g2: Any, x2: Any, param: Any, in_place: bool) -> Any:
     return None
 
 
-def _accumulates(param: Any) -> bool:
-    """Whether the running backward accumulates into `param`'s gradient, with
-    nothing else to see it on the way: not under torch.autograd.grad() or
-    backward(inputs=...) without it (their gradients must come back, not land
-    in the buffers), nor with create_graph (a buffer is not differentiable),
-    nor with a hook of the user's on it (``param.register_hook``)."""
+def _accumulates(param: Any, device_type: str) -> bool:
+    """Whether the running backward accumulates `param`'s gradient from this
+    one use, as autograd in memory would, with nothing else to see it on the
+    way. Not under torch.autograd.grad() or backward(inputs=...) without it
+    (their gradients must come back, not land in the buffers), nor with
+    create_graph (a buffer is not differentiable), nor under an autocast
+    active in backward (autograd's mm would run in its dtype), nor with a
+    hook of the user's on it (``register_hook``, or a post-accumulate hook
+    besides the trainer's), nor with the weight applied more than once since
+    its last gradient (autograd sums the other uses' parts first: three
+    parts would be added in another order)."""
     import torch
 
-    if torch.is_grad_enabled() or param._backward_hooks:
+    if torch.is_grad_enabled() or torch.is_autocast_enabled(device_type) or param._backward_hooks:
+        return False
+    if len(param._post_accumulate_grad_hooks or ()) > 1 or getattr(param, "aio_uses", 0) > 1:
         return False
     with torch.enable_grad():
         node = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad
@@ -155,8 +162,16 @@ def _linear(input: Any, weight: Any, bias: Any = None) -> Any:
         and input.dim() >= 2
         and (weight.requires_grad or input.requires_grad or (bias is not None and bias.requires_grad))
     ):
+        weight.aio_uses = getattr(weight, "aio_uses", 0) + 1  # see _accumulates; reset_uses()
         return _LinearFn.apply(input, weight, bias)
     return _orig_linear(input, weight, bias)
+
+
+def reset_uses(param: Any) -> None:
+    """`param`'s gradient has arrived: count its uses through F.linear afresh
+    (a forward without backward leaves them counted until then, which only
+    keeps its next gradient off the in-place path)."""
+    param.aio_uses = 0
 
 
 def install_linear() -> None:

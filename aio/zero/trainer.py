@@ -33,7 +33,7 @@ from . import checkpoint
 from .grads import GradientAccumulator
 from .hooks import Fetcher
 from .init_guard import PlaceholderCheck
-from .linear import install_linear, saved_tensor_guard
+from .linear import install_linear, reset_uses, saved_tensor_guard
 from .malloc import trim_if_fragmented, trim_malloc
 from .mirror import mirror_master
 from .optimizer import ZeroOptimizer, make_optimizer
@@ -425,6 +425,7 @@ class OffloadTrainer:
     def _on_grad(self, param: Any) -> None:
         g = param.grad
         param.grad = None
+        reset_uses(param)
         if self.fetcher is not None:
             self.fetcher.release_after_backward(param)
         self.grads.add(param, g)

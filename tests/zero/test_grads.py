@@ -468,3 +468,77 @@ def test_a_users_gradient_hook_on_a_weight_still_sees_its_gradient(tmp_path):
     assert got == train_in_memory(3, gas=1)
     assert len(seen) == 3 and all(n > 0 for n in seen)
     assert in_place == 3 * (4 * L + 1 - 1)  # every Linear weight but the hooked one
+
+
+class _Shared(torch.nn.Module):
+    """A Linear applied `uses` times in one forward (shared layers, an unrolled RNN)."""
+
+    def __init__(self, uses):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32)
+        self.out = torch.nn.Linear(32, 8)
+        self.uses = uses
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(self.uses):
+            h = torch.tanh(self.mid(h))
+        return self.out(h)
+
+
+def _shared_losses(model, tmp_path, backward_autocast=False):
+    """3 steps (gas 1, clip 0.5, AdamW as cfg_for) in memory (tmp_path None) or
+    through aio.zero: the losses, then the trained parameters."""
+    from aio.optim import CPUAdamW
+
+    def train(m, backward, step_fn):
+        out = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 5, 16, generator=g), torch.randn(4, 5, 8, generator=g)
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            with torch.autocast("cpu", torch.bfloat16, enabled=backward_autocast):
+                backward(loss)
+            step_fn()
+            out.append(loss.item())
+        return out + [v.detach().clone() for v in m.state_dict().values()]
+
+    if tmp_path is None:
+        opt = CPUAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return train(model, lambda loss: loss.backward(), step)
+    with aio.zero.initialize(model, cfg_for(tmp_path, gas=1)) as engine:
+        return train(engine, engine.backward, engine.step)
+
+
+@pytest.mark.parametrize("uses", [2, 3])
+def test_a_weight_applied_several_times_sums_as_in_memory(tmp_path, uses):
+    # Autograd adds a weight's parts from its other uses before the hook: with
+    # one part computed in the buffer, three parts would be added in another
+    # order. Such a weight's gradient comes the usual way.
+    got, want = _shared_losses(_Shared(uses), tmp_path), _shared_losses(_Shared(uses), None)
+    assert got[:3] == want[:3] and all(torch.equal(a, b) for a, b in zip(got[3:], want[3:], strict=True))
+
+
+def test_backward_under_autocast_computes_weight_gradients_as_autograd_does(tmp_path):
+    # Autocast active around backward (not forward): autograd's mm runs in
+    # bf16 in memory, so the weight gradient is not computed in the buffer.
+    got = _shared_losses(_Shared(1), tmp_path, backward_autocast=True)
+    want = _shared_losses(_Shared(1), None, backward_autocast=True)
+    assert got[:3] == want[:3] and all(torch.equal(a, b) for a, b in zip(got[3:], want[3:], strict=True))
+
+
+def test_a_users_post_accumulate_hook_still_sees_the_gradient(tmp_path):
+    model, seen = _Shared(1), []
+    model.mid.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    _shared_losses(model, tmp_path)
+    ref, want = _Shared(1), []
+    ref.mid.weight.register_post_accumulate_grad_hook(lambda p: want.append(p.grad.clone()))
+    _shared_losses(ref, None)
+    assert len(seen) == 3 and torch.equal(seen[0], want[0])
