@@ -179,14 +179,23 @@ class GradientAccumulator:
     def _land_placed(self, param: Any) -> None:
         """`param`'s gradient was computed in its buffer (target()): take its
         norm and count it as arrived (its buffer is stored once all are in)."""
+        self._placed.discard(param.aio_id)
+        self._arrive(self.layout.places[param.aio_id])
+
+    def _take_norm(self, s: Any, again: bool = False) -> None:
+        """Record parameter place `s`'s gradient norm at the window's boundary,
+        unless this backward took it already (`again`: take it from the sum)."""
         import torch
 
-        self._placed.discard(param.aio_id)
-        s = self.layout.places[param.aio_id]
-        if self.record_norms and self.is_boundary() and s.order not in self._normed:
+        if self.record_norms and self.is_boundary() and (again or s.order not in self._normed):
             buf = self._buffer(s.group).tensor
             self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
             self._normed.add(s.order)
+
+    def _arrive(self, s: Any) -> None:
+        """Place `s`'s first gradient of this backward is all in: take its norm,
+        count it, and store its sub-group once all of the group's are in."""
+        self._take_norm(s)
         self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
         # Written out meanwhile to make room (_buffer()), it holds the gradient
         # on the drive already: nothing to store unless opened again.
@@ -246,7 +255,6 @@ class GradientAccumulator:
             self._land_oldest()
 
     def _land_oldest(self) -> None:
-        import torch
 
         a = self._arriving.popleft()
         try:
@@ -265,14 +273,10 @@ class GradientAccumulator:
         # A second gradient of a parameter in one backward (a module shared
         # by reentrant-checkpointed segments): its norm is the sum's, and it
         # does not count as another parameter arriving.
-        if self.record_norms and self.is_boundary() and (s.order not in self._normed or not a.first):
-            self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
-            self._normed.add(s.order)
         if not a.first:
+            self._take_norm(s, again=True)
             return
-        self._arrived[s.group] = self._arrived.get(s.group, 0) + 1
-        if self._arrived[s.group] == len(self.layout.groups[s.group]):
-            self._close(s.group)
+        self._arrive(s)
 
     def _drop_arriving(self) -> None:
         """Forget the gradients on their way (after their copies finished: the
