@@ -38,6 +38,20 @@ def pattern() -> np.ndarray:
 
 
 @pytest.fixture
+def no_garbage() -> None:
+    """Collect until nothing is left: for tests that count process-wide bytes
+    (aio.locked_bytes()), so that an earlier test's engine waiting in a
+    reference cycle is not freed mid-count. One gc.collect() is not always
+    enough: torch frees a tensor's Python object only when its C++ side
+    goes, a pass later."""
+    import gc
+
+    for _ in range(10):
+        if not gc.collect():
+            break
+
+
+@pytest.fixture
 def fpath(tmp_path):
     return str(tmp_path / "data.bin")
 

@@ -592,13 +592,12 @@ class _FakeCudart:
         return 0
 
 
-def test_cuda_path_registers_page_aligned_memory_and_unregisters(monkeypatch):
+def test_cuda_path_registers_page_aligned_memory_and_unregisters(monkeypatch, no_garbage):
     import gc
 
     fake = _FakeCudart()
     monkeypatch.setattr(pinned, "_cuda_available", lambda: True)
     monkeypatch.setattr(pinned, "_cudart", lambda: fake)
-    gc.collect()  # memory of earlier tests goes now, not while we count
     before = aio.locked_bytes()
     t = aio.new_locked_tensor(3000, torch.float32)
     assert t.data_ptr() % 4096 == 0 and pinned.pinned_kind(t) == pinned.CUDA_REGISTER
@@ -615,7 +614,7 @@ def test_cuda_path_registers_page_aligned_memory_and_unregisters(monkeypatch):
     assert aio.locked_bytes() == before
 
 
-def test_cuda_path_falls_back_to_torch_pinned_memory(monkeypatch):
+def test_cuda_path_falls_back_to_torch_pinned_memory(monkeypatch, no_garbage):
     import gc
 
     if not torch.cuda.is_available():
@@ -629,7 +628,6 @@ def test_cuda_path_falls_back_to_torch_pinned_memory(monkeypatch):
     fake = _FakeCudart(ok=False)
     monkeypatch.setattr(pinned, "_cuda_available", lambda: True)
     monkeypatch.setattr(pinned, "_cudart", lambda: fake)
-    gc.collect()  # memory of earlier tests goes now, not while we count
     before = aio.locked_bytes()
     t = aio.new_locked_tensor(1000, torch.uint8)
     assert pinned.pinned_kind(t) == pinned.CUDA_PIN_MEMORY and len(fake.registered) == 1

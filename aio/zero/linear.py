@@ -190,12 +190,21 @@ def install_linear() -> None:
 @contextlib.contextmanager
 def saved_tensor_guard(buffer_ptrs: set[int], counter: dict[str, int]) -> Iterator[None]:
     """Copy any saved-for-backward tensor whose storage is a swap buffer
-    (other than a parameter itself, which is fetched again for backward)."""
+    (other than a parameter itself, which is fetched again for backward).
+
+    Everything else is saved as a detached alias, never as itself: a saved
+    output returned as itself holds its own grad_fn, a cycle through C++ that
+    Python's collector cannot see, so a graph never back-propagated (a loss
+    thrown away) would live until the process ends. A parameter is kept as
+    itself: it has no grad_fn, and backward needs the one whose data is
+    fetched again."""
     import torch
 
     def pack(t: Any) -> Any:
-        if isinstance(t, torch.nn.Parameter) or t.device.type != "cpu" or t.layout != torch.strided:
+        if isinstance(t, torch.nn.Parameter):
             return t
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            return t.detach()
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
@@ -203,7 +212,7 @@ def saved_tensor_guard(buffer_ptrs: set[int], counter: dict[str, int]) -> Iterat
         if ptr in buffer_ptrs:
             counter["saved_copies"] = counter.get("saved_copies", 0) + 1
             return t.clone()
-        return t
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield

@@ -235,7 +235,7 @@ def _device_step(engine, step, gas=2):
     return loss.item()
 
 
-def test_gpu_job_pins_through_the_device_not_mlock(tmp_path):
+def test_gpu_job_pins_through_the_device_not_mlock(tmp_path, no_garbage):
     """Swap pools (parameters and optimizer) and resident partitions of a GPU
     job are registered with the device, exact and page-aligned: nothing is
     mlock-ed (docker's 64 KiB RLIMIT_MEMLOCK cannot break it) and every

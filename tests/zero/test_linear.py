@@ -150,3 +150,33 @@ def _cpu_autocast_supports(dtype):
             return torch.ones(2, 2).mm(torch.ones(2, 2)).dtype == dtype
     except (RuntimeError, ValueError):
         return False
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_forward_without_backward_frees_its_graph(tmp_path, device):
+    """Forwards whose loss is never back-propagated (a validation pass left
+    under grad mode, a loss thrown away) free their autograd graphs as in
+    memory: the saved-tensor guard's identity pack made each saved output
+    hold its own graph in a cycle Python's collector cannot see, so every
+    such forward kept its activations (and a GPU job its device memory)
+    until the process ended."""
+    import contextlib
+    import gc
+    import weakref
+
+    from aio.train import batch
+
+    from .common import B, S, V
+    from .cuda_sim import CudaSim
+
+    x, _ = batch(0, 0, B, S, V)
+    refs = []
+    with CudaSim(scheduler="lazy") if device == "cuda" else contextlib.nullcontext():
+        with aio.zero.initialize(gpt(), cfg_for(tmp_path), device=device) as engine:
+            block = engine.module.blocks[0]
+            hook = block.register_forward_hook(lambda m, a, out: refs.append(weakref.ref(out)))
+            for _ in range(3):
+                refs.append(weakref.ref(engine(x.to(device))))
+            hook.remove()
+            gc.collect()
+            assert [r for r in refs if r() is not None] == []
