@@ -872,6 +872,8 @@ class OptimizerSwapper:
         for g in self.groups.values():
             if g.grad_future is not None:
                 g.grad_future.exception()
+        if self.pool is not None:
+            self.pool.close()  # now, not when this swapper is collected
         self.space.close()
 
     def __enter__(self) -> OptimizerSwapper:

@@ -663,7 +663,7 @@ class ParamSwapper:
             raise ValueError("ParamSwapper is closed")
 
     def close(self) -> None:
-        """Finish I/O, free buffers and remove the swap folder."""
+        """Finish I/O, free the buffers and remove the swap folder."""
         if self.closed:
             return
         try:
@@ -674,7 +674,20 @@ class ParamSwapper:
                     pass
         finally:
             self.closed = True
-            self.space.close()
+            try:
+                self._let_buffers_go()
+            finally:
+                self.space.close()
+
+    def _let_buffers_go(self) -> None:
+        """The pool goes now, not when this swapper is collected (see
+        BufferPool.close): the partitions' views and leases of it first."""
+        for p in self.parts.values():
+            if p.state != State.RESIDENT:
+                if p.lease is not None:
+                    p.lease.release()
+                p.lease, p.tensor = None, None
+        self.pool.close()
 
     def __enter__(self) -> ParamSwapper:
         return self

@@ -49,6 +49,7 @@ class BufferPool:
         self.registered_bytes = 0
         self._pool: PinnedPool | None = None
         self._making = threading.Lock()  # allocate() may run in a set-up thread
+        self.closed = False
 
     @property
     def allocated(self) -> bool:
@@ -80,6 +81,8 @@ class BufferPool:
             return self._make()
 
     def _make(self) -> PinnedPool:
+        if self.closed:
+            raise ValueError(f"the swap buffers ({self.count_key}) were freed: their swapper is closed")
         if self._pool is None:
             if self.pin and self.register is not None:
                 pool = PinnedPool(self.count, self.slot_bytes, lock=False)
@@ -92,6 +95,17 @@ class BufferPool:
                     return pool
             self._pool = PinnedPool(self.count, self.slot_bytes, lock=self.pin)
         return self._pool
+
+    def close(self) -> None:
+        """Let the buffers go (idempotent): unlocked (or unregistered) and freed
+        at once, or when the last lease or view of them still held elsewhere
+        goes (I/O in flight holds its buffer until it lands). Acquiring
+        afterwards raises ValueError. Without it they last until the owner
+        does, which a reference cycle can leave to the garbage collector."""
+        with self._making:
+            self.closed = True
+            self._pool = None
+            self.registered_bytes = 0
 
     def available(self) -> int:
         """Buffers free right now (all of them before the first use)."""

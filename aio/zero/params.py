@@ -599,8 +599,11 @@ class ParamStore:
         try:
             self.uploads.close()
         finally:
-            if self.swapper is not None:
-                self.swapper.close()
+            try:
+                if self.swapper is not None:
+                    self.swapper.close()
+            finally:
+                self.copies.close()  # the staging memory goes now, not when collected
 
 
 def module_params(module: Any) -> list[Any]:

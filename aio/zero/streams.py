@@ -111,6 +111,9 @@ class HostCopies:
         """Staging memory held: none."""
         return 0
 
+    def close(self) -> None:
+        """Nothing to let go."""
+
     def synchronize(self) -> None:
         """Nothing is ever in flight."""
 
@@ -211,6 +214,12 @@ class PinnedRing:
     def pinned_bytes(self) -> int:
         """Bytes of pinned memory held."""
         return 0 if self.buf is None else self.capacity
+
+    def close(self) -> None:
+        """Let the memory go (allocated again at the next take)."""
+        self.buf = None
+        self.live.clear()
+        self.head = 0
 
 
 class DeviceCopies:
@@ -340,6 +349,14 @@ class DeviceCopies:
     def pinned_bytes(self) -> int:
         """Pinned staging memory held, in bytes."""
         return self.up.pinned_bytes() + self.down.pinned_bytes()
+
+    def close(self) -> None:
+        """Wait for the copies in flight, then let the staging memory go."""
+        self.synchronize()
+        self.backend.synchronize()  # downloads too
+        self.up.close()
+        self.up_tickets.clear()
+        self.down.close()
 
     def fence(self) -> Ticket:
         """A ticket done once the compute stream has run everything queued on it so far."""

@@ -87,6 +87,29 @@ def test_pinned_bytes_are_what_is_locked(tmp_path, pin):
         assert s.stats()["pinned_bytes"] == s.pinned_bytes()
 
 
+def test_close_frees_the_buffers_once_no_view_holds_them(tmp_path, no_garbage):
+    """close() lets the pinned buffers go at once (not when the swapper is
+    collected); a view still held elsewhere keeps its memory valid until it
+    goes too, and the closed pool hands out nothing."""
+    from aio import pinned
+
+    before = pinned.locked_bytes()
+    s = make(tmp_path)
+    s.register("a", 2000)
+    s.register("b", 5000)
+    s.write("b", rand(5000, torch.float16))
+    (t,) = s.swap_in(["b"])
+    assert pinned.locked_bytes() - before == s.pinned_bytes() > 0
+    s.close()
+    assert s.pinned_bytes() == 0
+    assert torch.equal(t, rand(5000, torch.float16))  # still valid
+    assert pinned.locked_bytes() > before
+    del t
+    assert pinned.locked_bytes() == before
+    with pytest.raises(ValueError, match="closed"):
+        s.pool.acquire()
+
+
 def test_reserve_buffers_only_with_partitions_on_the_drive(tmp_path):
     import threading
 

@@ -94,6 +94,11 @@ class FakeBackend:
     def record_stream(self, t, stream):
         self.log.append(("record_stream", stream.name))
 
+    def synchronize(self):
+        """cudaDeviceSynchronize: both streams run dry (logged as a device wait)."""
+        self.log.append(("device_synchronize",))
+        self.run_all()
+
     # -- the simulation --
     def kernel(self, fn):
         """Queue `fn` on the compute stream (a stand-in for a compute kernel)."""

@@ -136,3 +136,41 @@ print("swap", sorted(os.listdir({str(drive)!r} + f"/aio-swap-{{os.geteuid()}}"))
     assert "param" in r.stdout and "optimizer" in r.stdout
     left = [os.path.join(d, f) for d, _, fs in os.walk(drive) for f in fs]
     assert left == [], left
+
+
+def _host_region_bytes(sim):
+    """Bytes the simulator counts page-locked, less its own pinned
+    allocations (the staging rings), which it keeps to the end."""
+    kept = sum(t.numel() for t in sim.keep_pinned)
+    return sum(hi - lo for lo, hi in sim.host_regions) - kept
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_close_frees_the_pinned_buffers_without_the_collector(tmp_path, device, no_garbage):
+    """close() gives the page-locked swap buffers back at once. A process
+    that builds engines one after another (a hyper-parameter search, a
+    notebook) held each closed engine's pinned memory until Python's
+    collector broke the engine's reference cycles, so the next engine could
+    meet RLIMIT_MEMLOCK or run out of memory; a GPU job kept its buffers
+    registered with the device."""
+    import contextlib
+    import gc
+
+    from .cuda_sim import CudaSim
+    from .test_gpu_sim import train_on_device
+
+    gc.disable()  # the collector must not be what frees them
+    try:
+        with CudaSim(scheduler="lazy") if device == "cuda" else contextlib.nullcontext() as sim:
+            before = aio.locked_bytes() if sim is None else _host_region_bytes(sim)
+            engine = aio.zero.initialize(gpt(), cfg_for(tmp_path), device=device)
+            if sim is None:
+                train_engine(engine, 2)
+            else:
+                train_on_device(engine, 2)
+            assert engine.pinned_bytes() > 0
+            engine.close()
+            assert engine.pinned_bytes() == 0
+            assert (aio.locked_bytes() if sim is None else _host_region_bytes(sim)) == before
+    finally:
+        gc.enable()
