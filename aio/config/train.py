@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from .load import ConfigError, pick_blocks, read_config_data, validate, warn_use_gds
+from .load import ConfigError, pick_blocks, read_config_data, similar_key, validate, warn_use_gds
 from .models import AioConfig, Bool, Int, OffloadConfig, UnresolvedAuto, ZeroConfig, strict_float
 
 Float = Annotated[float, BeforeValidator(strict_float)]
@@ -463,9 +463,16 @@ class TrainConfig(BaseModel):
     @property
     def ignored(self) -> tuple[str, ...]:
         """Config keys given but not read (quiet DeepSpeed keys left out)."""
-        top = sorted(k for k in self.model_extra or {} if k not in _QUIET_KEYS)
+        top = [k for k in self.model_extra or {} if k not in _QUIET_KEYS]
         zero = self.zero_optimization.model_extra or {}
-        return tuple(top + sorted(f"zero_optimization.{k}" for k in zero if k not in _NOOP_ZERO_KEYS))
+        opt = self.optimizer.model_extra or {} if self.optimizer is not None else {}
+        return tuple(
+            sorted(
+                top
+                + [f"zero_optimization.{k}" for k in zero if k not in _NOOP_ZERO_KEYS]
+                + [f"optimizer.{k}" for k in opt]
+            )
+        )
 
 
 _BLOCKS = ("aio", "zero_optimization", "optimizer", "bf16", "bfloat16", "fp16", "aio_zero")
@@ -487,7 +494,14 @@ def load_train_config(source: Any) -> TrainConfig:
     cfg = validate(TrainConfig, {**rest, **blocks}, where)
     warn_use_gds(cfg.aio, stacklevel=3)
     if cfg.ignored:
-        warnings.warn(
-            f"aio.zero ignores these config keys: {', '.join(cfg.ignored)}", UserWarning, stacklevel=3
-        )
+        keys = ", ".join(_with_guess(k) for k in cfg.ignored)
+        warnings.warn(f"aio.zero ignores these config keys: {keys}", UserWarning, stacklevel=3)
     return cfg
+
+
+def _with_guess(key: str) -> str:
+    """`key`, and the key it looks like a misspelling of: an ignored key is
+    noted, not refused (DeepSpeed configs carry many aio does not read), so
+    a typo in one it does read must not pass unseen."""
+    guess = similar_key(TrainConfig, key, extra=tuple(_QUIET_KEYS) if "." not in key else ())
+    return f"{key} (did you mean {guess}?)" if guess else key

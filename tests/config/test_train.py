@@ -95,6 +95,33 @@ def test_ignored_keys_one_notice():
     assert len(rec) == 1 and c.ignored == ("scheduler", "zero_optimization.foo")
 
 
+def test_an_ignored_key_like_a_read_one_is_named_with_it():
+    """A misspelt key a DeepSpeed config may carry is ignored with a notice,
+    never silently: ``optimizer.parms`` used to train at the optimizer's
+    default learning rate without a word, ``gradient_clippin`` without
+    clipping. The notice names the key it looks like."""
+    cfg = {
+        "optimizer": {"type": "AdamW", "parms": {"lr": 1e-3}},
+        "gradient_clippin": 1.0,
+        "zero_optimization": {"offload_optimizr": {"device": "nvme"}},
+        "scheduler": {},
+    }
+    with pytest.warns(UserWarning) as rec:
+        c = load_train_config(cfg)
+    assert len(rec) == 1
+    assert c.ignored == (
+        "gradient_clippin",
+        "optimizer.parms",
+        "scheduler",
+        "zero_optimization.offload_optimizr",
+    )
+    msg = str(rec[0].message)
+    assert "gradient_clippin (did you mean gradient_clipping?)" in msg
+    assert "optimizer.parms (did you mean optimizer.params?)" in msg
+    assert "zero_optimization.offload_optimizr (did you mean zero_optimization.offload_optimizer?)" in msg
+    assert "scheduler," in msg and "scheduler (" not in msg
+
+
 def test_read_config_data_is_public(tmp_path):
     f = tmp_path / "c.json"
     f.write_text('{"gradient_clipping": 1.0}')
