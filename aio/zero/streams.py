@@ -306,7 +306,12 @@ class DeviceCopies:
         return devs, ticket
 
     def _take_up(self, nbytes: int) -> Any:
-        # The ring's oldest region is free once its upload has finished.
+        # The ring's oldest region is free once its upload has finished: give
+        # back those already done (an event query each), so the regions and
+        # events held stay few, then wait only if the ring is still full.
+        while self.up_tickets and self.up_tickets[0].done():
+            self.up_tickets.popleft()
+            self.up.give_back()
         while (stage := self.up.take(nbytes)) is None:
             self.up_tickets.popleft().wait()
             self.up.give_back()

@@ -64,6 +64,22 @@ def test_upload_staging_is_reused_only_after_its_copy_finished():
         assert torch.equal(devs[0], hosts[0] + k) and torch.equal(devs[1], hosts[1] + k)
 
 
+def test_finished_uploads_give_their_staging_back_without_waiting():
+    """An upload whose copy has finished gives its staging region (and its
+    event) back at the next upload: a 16 MiB ring of small parameter packs
+    used to keep every one of them, with its CUDA event, until the ring was
+    full (thousands), and each upload scanned them all."""
+    b = FakeBackend()
+    copies = DeviceCopies(b)
+    hosts = [torch.full((16,), 1.0), torch.full((16,), 2.0)]
+    for k in range(100):
+        devs, ticket = copies.upload([h + k for h in hosts])
+        b.run_all()
+        assert ticket.done() and torch.equal(devs[1], hosts[1] + k)
+    assert len(copies.up_tickets) == len(copies.up.live) == 1  # the last one's
+    assert b.synchronizes() == 0
+
+
 def test_download_waits_for_compute_then_host_waits_for_ticket():
     """The side stream copies only after the compute stream produced the
     gradient (run side first: a missing wait would copy the old zeros)."""
