@@ -662,8 +662,10 @@ class ParamSwapper:
         if self.closed:
             raise ValueError("ParamSwapper is closed")
 
-    def close(self) -> None:
-        """Finish I/O, free the buffers and remove the swap folder."""
+    def close(self, free_buffers: bool = True) -> None:
+        """Finish I/O, free the buffers and remove the swap folder. With
+        `free_buffers` false the buffers are left to go with this swapper (a
+        device copy from them may still be queued)."""
         if self.closed:
             return
         try:
@@ -675,7 +677,8 @@ class ParamSwapper:
         finally:
             self.closed = True
             try:
-                self._let_buffers_go()
+                if free_buffers:
+                    self._let_buffers_go()
             finally:
                 self.space.close()
 

@@ -596,14 +596,19 @@ class ParamStore:
         if self.closed:
             return
         self.closed = True
+        idle = False
         try:
             self.uploads.close()
         finally:
             try:
-                if self.swapper is not None:
-                    self.swapper.close()
+                # Every device copy from host memory ends before any of it goes
+                # (the staging rings here, the swap buffers next); if that wait
+                # fails, the buffers are left to the collector.
+                self.copies.close()
+                idle = True
             finally:
-                self.copies.close()  # the staging memory goes now, not when collected
+                if self.swapper is not None:
+                    self.swapper.close(free_buffers=idle)
 
 
 def module_params(module: Any) -> list[Any]:

@@ -174,3 +174,33 @@ def test_close_frees_the_pinned_buffers_without_the_collector(tmp_path, device, 
             assert (aio.locked_bytes() if sim is None else _host_region_bytes(sim)) == before
     finally:
         gc.enable()
+
+
+def test_an_interrupted_close_frees_no_buffer_a_device_copy_still_reads(tmp_path, monkeypatch):
+    """A second Ctrl-C while close() waits for the uploads: the device copies
+    still queued from the parameter swap buffers run before those buffers
+    are let go (freed and unregistered at once since close() frees them)."""
+    import weakref
+
+    from aio.zero.uploads import Uploads
+
+    from .cuda_sim import CudaSim
+
+    queued_when_freed = []
+    with CudaSim(scheduler="lazy") as sim:
+        engine = aio.zero.initialize(gpt(), cfg_for(tmp_path), device="cuda")
+        drive_ids = set(engine.store.on_drive_part_ids(engine.module.parameters()))
+        on_drive = [p for p in engine.module.parameters() if p.aio_id in drive_ids][:3]
+        engine.store.acquire(on_drive)  # uploads queued on the side stream, not run (lazy)
+        assert sum(len(s.queue) for s in sim.streams) > 0
+        pool = engine.store.swapper.pool._pool
+        weakref.finalize(pool, lambda: queued_when_freed.append(sum(len(s.queue) for s in sim.streams)))
+        del pool
+
+        def interrupted(self):
+            raise KeyboardInterrupt("a second Ctrl-C")
+
+        monkeypatch.setattr(Uploads, "close", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.close()
+        assert queued_when_freed == [0]
