@@ -494,14 +494,54 @@ def load_train_config(source: Any) -> TrainConfig:
     cfg = validate(TrainConfig, {**rest, **blocks}, where)
     warn_use_gds(cfg.aio, stacklevel=3)
     if cfg.ignored:
-        keys = ", ".join(_with_guess(k) for k in cfg.ignored)
+        keys = ", ".join(_with_guess(k, cfg) for k in cfg.ignored)
         warnings.warn(f"aio.zero ignores these config keys: {keys}", UserWarning, stacklevel=3)
     return cfg
 
 
-def _with_guess(key: str) -> str:
+# Keys DeepSpeed reads that aio.zero does not (nothing to guess for them).
+_DEEPSPEED_KEYS = frozenset(
+    (
+        "activation_checkpointing amp autotuning checkpoint comet comms_logger communication_data_type "
+        "compile compression_training csv_monitor curriculum_learning data_efficiency data_types "
+        "dump_state eigenvalue elasticity flops_profiler gradient_accumulation_dtype "
+        "gradient_predivide_factor hybrid_engine load_universal_checkpoint memory_breakdown nebula "
+        "pipeline prescale_gradients progressive_layer_drop scheduler sparse_attention sparse_gradients "
+        "tensor_parallel tensorboard timers torch_autocast use_node_local_storage wandb "
+        "weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer "
+        "optimizer.legacy_fusion"
+    ).split()
+    + [
+        "zero_optimization." + k
+        for k in (
+            "cpu_offload cpu_offload_params cpu_offload_use_pin_memory elastic_checkpoint "
+            "gather_16bit_weights_on_model_save ignore_unused_parameters legacy_stage1 "
+            "load_from_fp32_weights log_trace_cache_warnings memory_efficient_linear "
+            "mics_hierarchical_params_gather mics_shard_size model_persistence_threshold "
+            "module_granularity_threshold override_module_apply pipeline_loading_checkpoint "
+            "stage3_gather_16bit_weights_on_model_save stage3_gather_fp16_weights_on_model_save "
+            "stage3_model_persistence_threshold stage3_module_granularity_threshold "
+            "use_all_reduce_for_fetch_params zero_hpz_partition_size zero_quantized_gradients "
+            "zero_quantized_nontrainable_weights zero_quantized_weights zeropp_loco_param"
+        ).split()
+    ]
+)
+
+
+def _with_guess(key: str, cfg: TrainConfig) -> str:
     """`key`, and the key it looks like a misspelling of: an ignored key is
     noted, not refused (DeepSpeed configs carry many aio does not read), so
-    a typo in one it does read must not pass unseen."""
-    guess = similar_key(TrainConfig, key, extra=tuple(_QUIET_KEYS) if "." not in key else ())
-    return f"{key} (did you mean {guess}?)" if guess else key
+    a typo in one it does read must not pass unseen. No guess for a key
+    DeepSpeed reads, nor one naming a key the config gives already."""
+    guess = None if key in _DEEPSPEED_KEYS else similar_key(TrainConfig, key)
+    return f"{key} (did you mean {guess}?)" if guess and not _given(cfg, guess) else key
+
+
+def _given(cfg: BaseModel, dotted: str) -> bool:
+    """Whether the config sets the (dotted) key itself."""
+    block: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(block, BaseModel) or part not in block.model_fields_set:
+            return False
+        block = getattr(block, part)
+    return True

@@ -122,6 +122,30 @@ def test_an_ignored_key_like_a_read_one_is_named_with_it():
     assert "scheduler," in msg and "scheduler (" not in msg
 
 
+def test_keys_deepspeed_reads_get_no_guess():
+    """No 'did you mean' for a key DeepSpeed reads and aio does not (listed
+    as ignored, as it is), nor for one whose look-alike the config sets."""
+    cfg = {
+        "memory_breakdown": False,
+        "timers": {},
+        "optimizer": {"type": "AdamW", "params": {}, "legacy_fusion": False},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_model_persistence_threshold": 1,
+            "zero_quantized_weights": False,
+            "offload_paramz": {},
+            "offload_param": {"device": "cpu"},
+        },
+    }
+    with pytest.warns(UserWarning) as rec:
+        load_train_config(cfg)
+    msg = str(rec[0].message)
+    assert "memory_breakdown, " in msg and "optimizer.legacy_fusion, " in msg and "timers, " in msg
+    assert "stage3_model_persistence_threshold, " in msg and msg.endswith("zero_quantized_weights")
+    assert "offload_paramz, " in msg  # offload_param is given: no guess
+    assert "did you mean" not in msg
+
+
 def test_read_config_data_is_public(tmp_path):
     f = tmp_path / "c.json"
     f.write_text('{"gradient_clipping": 1.0}')
