@@ -71,12 +71,11 @@ def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return keys
 
 
-def similar_key(model: type[BaseModel], path: str, extra: tuple[str, ...] = ()) -> str | None:
+def similar_key(model: type[BaseModel], path: str) -> str | None:
     """The dotted key of `model` that unknown key `path` (dotted) looks like
-    misspelt, or None: a field name or input alias of the same block, or one
-    of `extra` (more names accepted at that level)."""
+    misspelt, or None: a field name or input alias of the same block."""
     *where, key = path.split(".")
-    close = difflib.get_close_matches(key, _known_keys(model, tuple(where)) + list(extra), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, _known_keys(model, tuple(where)), n=1, cutoff=0.6)
     return ".".join([*where, close[0]]) if close else None
 
 
