@@ -465,7 +465,7 @@ class TrainConfig(BaseModel):
         """Config keys given but not read (quiet DeepSpeed keys left out)."""
         top = [k for k in self.model_extra or {} if k not in _QUIET_KEYS]
         zero = self.zero_optimization.model_extra or {}
-        opt = self.optimizer.model_extra or {} if self.optimizer is not None else {}
+        opt = (self.optimizer.model_extra or {}) if self.optimizer is not None else {}
         return tuple(
             sorted(
                 top

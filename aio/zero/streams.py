@@ -310,12 +310,15 @@ class DeviceCopies:
         # back those already done (an event query each), so the regions and
         # events held stay few, then wait only if the ring is still full.
         while self.up_tickets and self.up_tickets[0].done():
-            self.up_tickets.popleft()
-            self.up.give_back()
+            self._free_oldest_upload()
         while (stage := self.up.take(nbytes)) is None:
-            self.up_tickets.popleft().wait()
-            self.up.give_back()
+            self._free_oldest_upload()
         return stage
+
+    def _free_oldest_upload(self) -> None:
+        """Wait for the oldest upload still holding staging, then give its region back."""
+        self.up_tickets.popleft().wait()
+        self.up.give_back()
 
     def _publish(self, devs: list[Any], ev: Any) -> None:
         b = self.backend
@@ -360,7 +363,6 @@ class DeviceCopies:
         self.synchronize()
         self.backend.synchronize()  # downloads too
         self.up.close()
-        self.up_tickets.clear()
         self.down.close()
 
     def fence(self) -> Ticket:
@@ -372,8 +374,7 @@ class DeviceCopies:
     def synchronize(self) -> None:
         """Wait for every upload from staging."""
         while self.up_tickets:
-            self.up_tickets.popleft().wait()
-            self.up.give_back()
+            self._free_oldest_upload()
 
 
 _factories: dict[str, Callable[[Any], Any]] = {"cuda": CudaBackend}
