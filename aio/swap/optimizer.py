@@ -62,6 +62,10 @@ MAX_NUMEL = MAX_OFFSET // 64
 
 CHECKPOINT_VERSION = 1
 
+# ``source(out)`` starts reading a sub-group's fp32 master weights into `out`
+# and returns the reads in flight (see OptimizerSwapper.initialize_from).
+MasterSource = Callable[[Any], list[IOFuture]]
+
 
 @dataclass
 class _SubGroup:
@@ -76,6 +80,8 @@ class _SubGroup:
     grad_mem: Any = None  # fp32 CPU tensor holding the gradient instead of the drive
     proxy: Any = None
     history: list[str] = field(default_factory=list)
+    # Until its master weights are first written: reads them from elsewhere (initialize_from).
+    master_source: MasterSource | None = None
 
 
 BUFFER_COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
@@ -256,6 +262,13 @@ class OptimizerSwapper:
             )
         return self.pool
 
+    def reserve_buffers(self) -> None:
+        """Allocate (and lock) the swap buffers now rather than at their first
+        use (fresh locked memory is slow on some VMs: see BufferPool.allocate)."""
+        self._check_usable()
+        if self.groups:
+            self._pool().allocate()
+
     def acquire_buffer(self, timeout: float | None = None) -> Lease:
         """Lease one of the swapper's pinned buffers (one tensor of the largest
         sub-group, e.g. to gather a gradient in); give it back before step()."""
@@ -341,6 +354,34 @@ class OptimizerSwapper:
                 g.valid = fut.exception() is None
                 lease.release()
 
+    def initialize_from(self, index: int, source: MasterSource) -> bool:
+        """initialize() without writing anything now: until sub-group `index`'s
+        master weights are first written (its first step, update_master(), a
+        checkpoint saved or loaded), whoever needs them calls ``source(out)``,
+        which starts reading them into `out` (float32, the sub-group's size)
+        and returns the reads' futures (having copied at once what it need not
+        read). The source must give the same values until then: e.g. the
+        model's float32 parameters where their own swapper stored them, which
+        set-up then neither reads nor writes again (it moved each of their
+        bytes twice). Its gradient and states start at zero, as with
+        initialize(). Returns True (it is always possible here)."""
+        self._check_usable()
+        self.drop_cached()
+        g = self.groups[index]
+        g.scalars, g.valid, g.master_source = None, True, source
+        return True
+
+    def _start_part_read(self, g: _SubGroup, name: str, lease: Lease) -> list[IOFuture]:
+        """Start reading one of sub-group `g`'s tensors into `lease`'s buffer:
+        its master weights from their source while initialize_from() left one."""
+        import torch
+
+        off, n = self._part_io(g, name)
+        self.count_io("read", name, n)
+        if name == "param" and g.master_source is not None:
+            return list(g.master_source(lease.tensor(torch.float32, g.numel)))
+        return [self.space.read(lease.buffer()[:n], off)]
+
     def count_io(self, direction: str, part: str, nbytes: int) -> None:
         """Count bytes moved ("read" or "written") for one tensor kind, in
         ``counters`` and in ``bytes_by_part``."""
@@ -349,6 +390,8 @@ class OptimizerSwapper:
 
     def _start_part_write(self, g: _SubGroup, name: str, lease: Lease) -> IOFuture:
         off, n = self._part_io(g, name)
+        if name == "param":
+            g.master_source = None  # the drive copy is the master weights from here on
         self.count_io("written", name, n)
         return self.space.write(lease.buffer()[:n], off)
 
@@ -608,19 +651,23 @@ class OptimizerSwapper:
             raw = leases[name].tensor(torch.uint8)
             narrow_bf16(raw, g.numel)
             raw[2 * g.numel : self._part_io(g, name)[1]].zero_()  # padding: no float32 leftovers
-        # The drive copy is stale from here until the write lands.
-        g.valid = False
+        # The drive copy is stale from here until the write lands (and the
+        # master weights' source is past: they are in the buffers now).
+        g.valid, g.master_source = False, None
         self.counters["subgroup_steps"] += 1
         if after is not None:
             after(g.index, views["param"])
 
-    def master_extent(self, index: int) -> tuple[SwapSpace, int]:
+    def master_extent(self, index: int) -> tuple[SwapSpace, int] | None:
         """Where sub-group `index`'s fp32 master weights live on the drive: the
         swap space and the logical offset of element 0 (element k is 4 k bytes
-        further). Between steps that copy is current once :meth:`flush` ran;
-        a reader elsewhere (a parameter swapper reading float32 parameters
-        from it) must not write it: the swapper owns it."""
+        further); None while they are read from initialize_from()'s source
+        (not written yet). Between steps that copy is current once
+        :meth:`flush` ran; a reader elsewhere (a parameter swapper reading
+        float32 parameters from it) must not write it: the swapper owns it."""
         g = self.groups[index]
+        if g.master_source is not None:
+            return None
         return self.space, g.offset + g.parts["param"][0]
 
     def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:
@@ -633,7 +680,6 @@ class OptimizerSwapper:
         self._check_usable()
         g = self.groups[index]
         self.drop_cached()  # nothing kept in a buffer may overwrite it later
-        off, n = self._part_io(g, "param")
         lease = self._pool().try_acquire()
         if lease is None:  # waiting could hang: nothing gives a buffer back meanwhile
             raise SwapStateError(
@@ -642,8 +688,7 @@ class OptimizerSwapper:
                 f"taken with acquire_buffer()) first, or raise {BUFFER_COUNT_KEY}"
             )
         with lease:
-            _wait_all([self.space.read(lease.buffer()[:n], off)])
-            self.count_io("read", "param", n)
+            _wait_all(self._start_part_read(g, "param", lease))
             edit(lease.tensor(torch.float32, g.numel))
             g.valid = False
             _wait_all([self._start_part_write(g, "param", lease)])
@@ -656,7 +701,10 @@ class OptimizerSwapper:
         g = self.groups[index]
         self.drop_cached()  # the drive copy must be current
         out = torch.empty(g.numel, dtype=torch.float32)
-        self.space.sync_read(out, g.offset + g.parts["param"][0])
+        if g.master_source is not None:
+            _wait_all(g.master_source(out))
+        else:
+            self.space.sync_read(out, g.offset + g.parts["param"][0])
         return out
 
     # -- checkpoint ----------------------------------------------------------------------
@@ -667,6 +715,9 @@ class OptimizerSwapper:
 
         self._check_usable()
         self.drop_cached()  # the drive copy must be current
+        for i, g in sorted(self.groups.items()):
+            if g.master_source is not None and g.valid:  # never stepped: store them first
+                self.update_master(i, lambda master: None)
         torn = [i for i in sorted(self.groups) if not self.groups[i].valid]
         if torn:
             raise SwapStateError(
@@ -814,7 +865,7 @@ class OptimizerSwapper:
         try:
             chunks = []
             for i in sorted(self.groups):
-                self.groups[i].valid = False
+                self.groups[i].valid, self.groups[i].master_source = False, None
                 path = os.path.join(directory, f"subgroup_{i}.bin")
                 chunks += self._chunks(self.groups[i], path, to_checkpoint=False)
             # The file was verified; a checksum failing now means it changed since.
@@ -1064,12 +1115,10 @@ class _StepIO:
         fresh = {n for n, _ in sw.spec} if g.scalars is None else set()
         for name, lease in zip(names, leases, strict=True):
             have[name] = lease
-            off, n = sw._part_io(g, name)
             if name in fresh:
-                lease.tensor(torch.uint8)[:n].zero_()
+                lease.tensor(torch.uint8)[: sw._part_io(g, name)[1]].zero_()
                 continue
-            futs.append(sw.space.read(lease.buffer()[:n], off))
-            sw.count_io("read", name, n)
+            futs.extend(sw._start_part_read(g, name, lease))
 
     def take_read(self, i: int) -> dict[str, Lease]:
         """Wait for sub-group i's reads; return the buffers holding its tensors."""

@@ -245,15 +245,23 @@ class ParamSwapper:
     def read_into(self, part_id: Any, out: Any) -> None:
         """Read a drive partition's stored values into `out` (a contiguous CPU
         tensor of its bytes) from wherever they live; waits for its I/O first."""
+        fut = self.start_read_into(part_id, out)
+        if fut is not None:
+            fut.result()
+
+    def start_read_into(self, part_id: Any, out: Any) -> IOFuture | None:
+        """read_into() that leaves the drive read in flight: its future (`out`
+        must stay untouched until it is done), or None when the values were
+        copied from memory at once (a CPU-resident partition, one in a buffer)."""
         p = self._part(part_id)
         self._settle(p)
         if p.state in (State.RESIDENT, State.AVAILABLE):
             out.copy_(p.tensor)
-            return
+            return None
         if p.state == State.INVALID or not p.written:
             raise SwapStateError(f"partition {part_id!r} has no valid stored copy to read")
         space, offset = _where(self.space, p)
-        space.sync_read(out, offset)
+        return space.read(out, offset)
 
     # -- moving data ----------------------------------------------------------------
     def write(self, part_id: Any, tensor: Any, async_op: bool = False) -> None:

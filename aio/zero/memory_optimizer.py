@@ -50,7 +50,11 @@ class MemoryOptimizer:
         for index, fill in fills:
             fill(self.master[index])
 
-    def reserve_gradients(self) -> None:
+    def initialize_from(self, index: int, source: Callable[[Any], list[Any]]) -> bool:
+        """False: master weights in memory are set at once (initialize_many())."""
+        return False
+
+    def reserve_memory(self) -> None:
         """Nothing to do: register_subgroup() allocated every gradient."""
 
     def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:

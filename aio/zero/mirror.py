@@ -11,6 +11,11 @@ copies held in memory (:meth:`aio.zero.params.ParamStore.refresh`) and has the
 optimizer write out what it kept in buffers (``flush``) before parameters are
 read again. ``aio_zero.params_from_master: false`` keeps the separate copy.
 
+Set-up writes no master weights for float32 parameters: the first step reads
+them from the parameters (:meth:`aio.swap.OptimizerSwapper.initialize_from`),
+so a sub-group's parameters are aliased (:func:`mirror_group`) as that step
+writes its master weights.
+
 A parameter whose values are stored from elsewhere (``gathered(modify=True)``,
 a checkpoint) goes back to its own copy (the alias ends on any write); the
 trainer mirrors again once the master weights hold the same values: after
@@ -34,20 +39,24 @@ def mirror_master(store: ParamStore, opt: ZeroOptimizer, layout: SubGroupLayout)
     """Alias every float32 drive parameter to its slice of its sub-group's
     master weights; returns how many are aliased (0 when parameters or master
     weights are not on a drive, or parameters are not float32)."""
+    return sum(mirror_group(store, opt, layout, gi) for gi in range(len(layout.groups)))
+
+
+def mirror_group(store: ParamStore, opt: ZeroOptimizer, layout: SubGroupLayout, gi: int) -> int:
+    """mirror_master() for sub-group `gi` alone: how many of its parameters are
+    aliased (0 while its master weights are on no drive, e.g. not written
+    yet: :meth:`aio.swap.OptimizerSwapper.initialize_from`)."""
     import torch
 
     swapper = store.swapper
-    if swapper is None or store.dtype != torch.float32:
+    extent = opt.master_extent(gi)
+    if swapper is None or store.dtype != torch.float32 or extent is None:
         return 0
+    space, base = extent
     count = 0
-    for gi, group in enumerate(layout.groups):
-        extent = opt.master_extent(gi)
-        if extent is None:
-            return 0
-        space, base = extent
-        for s in group:
-            if store.mirrors(s.param):
-                count += 1
-            elif swapper.alias(s.param.aio_id, space, base + FLOAT32_BYTES * s.offset):
-                count += 1
+    for s in layout.groups[gi]:
+        if store.mirrors(s.param):
+            count += 1
+        elif swapper.alias(s.param.aio_id, space, base + FLOAT32_BYTES * s.offset):
+            count += 1
     return count

@@ -87,9 +87,18 @@ class ZeroOptimizer(Protocol):
         drive backend fills the next sub-group while the last one's write lands."""
         ...
 
-    def reserve_gradients(self) -> None:
-        """Allocate (and fault in) every gradient buffer kept in memory now, not
-        in the first backward (thread-safe beside initialize_many())."""
+    def initialize_from(self, index: int, source: Callable[[Any], list[Any]]) -> bool:
+        """initialize() from master weights stored elsewhere, read only when first
+        needed: ``source(out)`` starts reading them into `out` (a float32 tensor
+        of the sub-group's size) and returns the reads' futures, and must give
+        the same values until the first step. False when this backend cannot
+        wait (the caller initializes the sub-group itself then)."""
+        ...
+
+    def reserve_memory(self) -> None:
+        """Allocate (and fault in) now what the first step would: swap buffers
+        and every gradient buffer kept in memory (thread-safe beside
+        initialize_many())."""
         ...
 
     def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:

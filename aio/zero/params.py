@@ -17,12 +17,15 @@ import collections
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..swap import ParamSwapper, PoolExhaustedError, State, SwapStateError
 from .malloc import BUILD_MMAP_THRESHOLD, TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD, set_mmap_threshold
 from .streams import DeviceCopies, HostCopies, copies_for
 from .uploads import UploadPolicy, Uploads
+
+if TYPE_CHECKING:
+    from ..swap.drives import IOFuture
 
 
 def check_fits(cfg: Any, name: str, numel: int) -> None:
@@ -397,12 +400,19 @@ class ParamStore:
         """Put a parameter's stored values into `out` (flat, its numel, any float
         dtype; converted): straight from the drive when `out` has the training
         dtype and no buffer holds the parameter, else through read()."""
+        fut = self.start_read_into(param, out)
+        if fut is not None:
+            fut.result()
+
+    def start_read_into(self, param: Any, out: Any) -> IOFuture | None:
+        """read_into() that leaves a drive read in flight: its future (`out` must
+        stay untouched until it is done), or None when `out` holds the values."""
         if self.swapper is not None and out.dtype == self.dtype and out.is_contiguous():
             part = self.swapper.parts[param.aio_id]
             if part.state != State.RESIDENT and part.lease is None:
-                self.swapper.read_into(param.aio_id, out)
-                return
+                return self.swapper.start_read_into(param.aio_id, out)
         out.copy_(self.read(param))
+        return None
 
     def write(self, param: Any, flat: Any, async_op: bool = True) -> None:
         """Store new values (flat, any float dtype; converted). The caller may

@@ -174,6 +174,23 @@ class SubGroupLayout:
         for s in self.groups[gi]:
             read_into(s.param, out[s.offset : s.offset + s.numel])
 
+    def start_master_reads(self, gi: int, start_read_into: Any, out: Any) -> list[Any]:
+        """fill_master() without waiting: ``start_read_into(param, view)`` starts
+        each parameter's read (returning its future, or None once `view` holds
+        the values); returns the futures in flight. If one fails to start, the
+        reads already started are waited for before the error is raised."""
+        futs = []
+        try:
+            for s in self.groups[gi]:
+                fut = start_read_into(s.param, out[s.offset : s.offset + s.numel])
+                if fut is not None:
+                    futs.append(fut)
+        except BaseException:
+            for fut in futs:  # none may still land in `out` once the caller reuses it
+                fut.exception()
+            raise
+        return futs
+
 
 def _same_device(a: Any, b: Any) -> bool:
     """Whether devices `a` and `b` are one (``cuda`` and ``cuda:0`` alike when

@@ -42,11 +42,12 @@ class SwappedOptimizer(OptimizerSwapper):
         lease = self.try_acquire_buffer()
         return None if lease is None else self._fill(index, numel, resume, lease)
 
-    def reserve_gradients(self) -> None:
-        """With gradients in memory, allocate each sub-group's now (zeros, so
-        faulted in, on small pages: see aio.zero.malloc.long_lived_zeros; on
-        the dev box's VM this took 11 s of a 2B model's first backward).
-        Thread-safe beside initialize_many()."""
+    def reserve_memory(self) -> None:
+        """Allocate the swap buffers now and, with gradients in memory, each
+        sub-group's gradient (zeros, so faulted in, on small pages: see
+        aio.zero.malloc.long_lived_zeros; on the dev box's VM this took 11 s
+        of a 2B model's first backward). Thread-safe beside initialize_many()."""
+        self.reserve_buffers()
         if self.gradients_on_drive:
             return
         for index, g in list(self.groups.items()):

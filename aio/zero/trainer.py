@@ -35,7 +35,7 @@ from .hooks import Fetcher
 from .init_guard import PlaceholderCheck
 from .linear import install_linear, reset_uses, saved_tensor_guard
 from .malloc import trim_if_fragmented, trim_malloc
-from .mirror import mirror_master
+from .mirror import mirror_group, mirror_master
 from .optimizer import ZeroOptimizer, make_optimizer
 from .params import ParamStore
 from .placement import Plan, SubGroupLayout, place_gradients_for, plan_placement
@@ -222,6 +222,9 @@ class OffloadTrainer:
         self._grad_hooks: list[Any] = []
         self._omp: OpenMPThrottle | None = None
         self.mirrored = 0  # parameters read from the master weights (see _mirror)
+        # Sub-groups whose parameters are mirrored once their master weights are
+        # first written (see _initialize_masters): in _store_params.
+        self._mirror_later: set[int] = set()
         try:
             nvme = "nvme" in (cfg.param_device, cfg.optimizer_device)
             if cfg.aio_zero.short_openmp_spin(nvme):
@@ -287,25 +290,30 @@ class OffloadTrainer:
             s.param.aio_grad_target = target
 
     def _initialize_masters(self, opt: ZeroOptimizer, layout: SubGroupLayout) -> None:
-        """Write every sub-group's master weights. Each sub-group's parameters are
-        read into the buffer its master weights are written from, while the
-        previous sub-groups' writes land. Meanwhile a thread allocates the
-        parameter swap buffers and the gradients kept in memory, which the
-        first forward and backward would otherwise wait for (fresh memory is
-        slow: 1.3-3 s per GiB on the dev box's VM)."""
+        """Set every sub-group's master weights. Where they are its float32
+        parameters' bytes, the optimizer reads them from where the store keeps
+        them when its first step needs them (``initialize_from``): set-up
+        reads and writes none of them. Any other sub-group's parameters
+        are read into the buffer its master weights are written from, while
+        the previous sub-groups' writes land. Meanwhile (or at once, with
+        nothing to write) a thread allocates the swap buffers and the
+        gradients kept in memory, which the first step would otherwise wait
+        for (fresh memory is slow: 1.3-3 s per GiB on the dev box's VM)."""
         swapper = self.store.swapper
         reserve: list[_Background] = []
 
         def allocate() -> None:
             if swapper is not None:
                 swapper.reserve_buffers()
-            opt.reserve_gradients()
+            opt.reserve_memory()
+
+        eager = [gi for gi in range(len(layout.groups)) if not self._initialize_in_place(opt, layout, gi)]
 
         def fills() -> Iterator[tuple[int, Any]]:
-            for gi in range(len(layout.groups)):
+            for k, gi in enumerate(eager):
                 # From the second sub-group on, the optimizer's buffers exist:
                 # two allocations at once took longer than one after the other.
-                if gi == 1:
+                if k == 1:
                     reserve.append(_Background(allocate))
                 yield gi, functools.partial(layout.fill_master, gi, self.store.read_into)
 
@@ -320,18 +328,38 @@ class OffloadTrainer:
         if not reserve:
             allocate()
 
+    def _initialize_in_place(self, opt: ZeroOptimizer, layout: SubGroupLayout, gi: int) -> bool:
+        """Let sub-group `gi`'s master weights start as its parameters where the
+        store keeps them, if those are float32 (read there by the first step;
+        the parameters are mirrored once it has written them, see
+        _store_params). False: initialize it from them now."""
+        import torch
+
+        if self.store.dtype != torch.float32:
+            return False
+        source = functools.partial(layout.start_master_reads, gi, self.store.start_read_into)
+        if not opt.initialize_from(gi, source):
+            return False
+        if self.cfg.aio_zero.params_from_master:
+            self._mirror_later.add(gi)
+        return True
+
     def _mirror(self) -> None:
         """Read float32 drive parameters from the master weights (see
-        :mod:`aio.zero.mirror`), unless ``aio_zero.params_from_master`` is off."""
+        :mod:`aio.zero.mirror`), unless ``aio_zero.params_from_master`` is off;
+        those of a sub-group whose master weights are not written yet, once
+        they are (``_mirror_later``)."""
         self.mirrored = 0
         if self.cfg.aio_zero.params_from_master and self.opt is not None:
+            opt = self.opt
             try:
-                self.mirrored = mirror_master(self.store, self.opt, self.layout)
+                self.mirrored = mirror_master(self.store, opt, self.layout)
             except BaseException:
                 # Some are aliased already: a step must flush for them, or they refuse.
                 self.mirrored = 1
                 self._lose_mirrors()
                 raise
+            self._mirror_later = {gi for gi in self._mirror_later if opt.master_extent(gi) is None}
             logger.info("parameters read from the master weights: %d", self.mirrored)
 
     @property
@@ -528,6 +556,9 @@ class OffloadTrainer:
         self.store.settle(self._param_writes)
         self._param_writes = []
         packed = gi in self.store.packed
+        if gi in self._mirror_later:  # its master weights are written from this step on
+            self._mirror_later.discard(gi)
+            self.mirrored += mirror_group(self.store, self.zero_optimizer, self.layout, gi)
         for s in self.layout.groups[gi]:
             if packed:
                 self.store.wrote_packed(s.param)
@@ -613,6 +644,7 @@ class OffloadTrainer:
             old[changed] = new[changed].to(old.dtype)
 
     def _lose_mirrors(self) -> None:
+        self._mirror_later.clear()  # mirrored again by _mirror() once a checkpoint is loaded
         if self.mirrored:
             self.store.lose_mirrors()
             self.mirrored = 0

@@ -686,3 +686,111 @@ def test_a_write_batch_failing_to_start_part_way_settles_the_started_ones(tmp_pa
     finally:
         sw.space.write = real
         sw.close()
+
+
+class _FileSource:
+    """Master weights kept in a file of their own (as aio.zero keeps float32
+    parameters), read through an aio handle: initialize_from()'s source."""
+
+    def __init__(self, path, init):
+        import aio
+
+        self.handle = aio.AsyncIOHandle()
+        self.path = str(path)
+        self.offsets = []
+        pos = 0
+        for t in init:
+            self.offsets.append(pos)
+            pos += -(-t.numel() * 4 // 4096) * 4096
+        with open(self.path, "wb") as f:
+            for off, t in zip(self.offsets, init, strict=True):
+                f.seek(off)
+                f.write(t.numpy().tobytes())
+        self.calls = []
+
+    def __call__(self, i, out):
+        self.calls.append(i)
+        return [self.handle.async_pread(out, self.path, self.offsets[i])]
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["grad-on-drive", "grad-held"])
+@pytest.mark.parametrize("pipe", [(True, True), (False, False)], ids=["pipelined", "plain"])
+def test_initialize_from_reads_the_source_once_and_steps_bit_exact(tmp_path, held, pipe):
+    """Set-up writes nothing: the first step reads each sub-group's master
+    weights from its source (a step later, from the swap file it wrote)."""
+    g = torch.Generator().manual_seed(5)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    hyper = {"lr": 1e-2}
+    want = _reference(torch.optim.Adam, hyper, init, steps=3)
+    source = _FileSource(tmp_path / "params.bin", init)
+    (tmp_path / "swap").mkdir()
+    with OptimizerSwapper(
+        str(tmp_path / "swap"),
+        torch.optim.Adam,
+        hyper,
+        buffer_count=11,
+        pipeline_read=pipe[0],
+        pipeline_write=pipe[1],
+    ) as sw:
+        for i, t in enumerate(init):
+            sw.register_subgroup(i, t.numel())
+            assert sw.initialize_from(i, functools.partial(source, i))
+            assert sw.master_extent(i) is None  # not written yet: nothing may be read from there
+        assert sw.counters["bytes_written"] == sw.counters["bytes_read"] == 0
+        mem = [torch.zeros(t.numel()) for t in init]
+        for i, m in enumerate(mem if held else []):
+            sw.hold_gradient(i, m)
+        _steps(sw, range(3), mem if held else None)
+        assert sorted(source.calls) == list(range(len(SIZES)))  # once each, in step 1
+        assert all(sw.master_extent(i) is not None for i in range(len(SIZES)))
+        for i, w in enumerate(want):
+            assert torch.equal(sw.read_master(i), w)
+
+
+def test_initialize_from_before_the_first_step_reads_edits_and_checkpoints_the_source(tmp_path):
+    """read_master(), update_master() and a checkpoint before the first step
+    see the source's values; one edited or saved is written, and read from
+    the swap file after; a checkpoint loaded replaces every source."""
+    init = [torch.randn(n, generator=torch.Generator().manual_seed(6)) for n in SIZES]
+    source = _FileSource(tmp_path / "params.bin", init)
+    (tmp_path / "swap").mkdir()
+    with OptimizerSwapper(str(tmp_path / "swap"), torch.optim.Adam, {"lr": 1e-2}, buffer_count=4) as sw:
+        for i, t in enumerate(init):
+            sw.register_subgroup(i, t.numel())
+            sw.initialize_from(i, functools.partial(source, i))
+        assert torch.equal(sw.read_master(1), init[1])
+        sw.update_master(2, lambda m: m.mul_(2))
+        assert sw.master_extent(2) is not None and torch.equal(sw.read_master(2), init[2] * 2)
+        source.calls.clear()
+        sw.export_checkpoint(str(tmp_path / "ck"))
+        assert sorted(source.calls) == [i for i in range(len(SIZES)) if i != 2]
+        assert all(sw.master_extent(i) is not None for i in range(len(SIZES)))
+    (tmp_path / "eager").mkdir()
+    want = [t * 2 if i == 2 else t for i, t in enumerate(init)]
+    with OptimizerSwapper(str(tmp_path / "eager"), torch.optim.Adam, {"lr": 1e-2}, buffer_count=4) as sw:
+        for i, t in enumerate(want):
+            sw.register_subgroup(i, t.numel())
+            sw.initialize_from(i, functools.partial(source, i))  # replaced by the checkpoint
+        source.calls.clear()
+        sw.import_checkpoint(str(tmp_path / "ck"))
+        assert all(torch.equal(sw.read_master(i), t) for i, t in enumerate(want)) and not source.calls
+
+
+def test_a_source_read_failing_in_the_first_step_poisons_until_a_checkpoint(tmp_path):
+    init = [torch.randn(n) for n in SIZES]
+    source = _FileSource(tmp_path / "params.bin", init)
+    (tmp_path / "swap").mkdir()
+    with OptimizerSwapper(str(tmp_path / "swap"), torch.optim.Adam, {"lr": 1e-2}, buffer_count=4) as sw:
+        for i, t in enumerate(init):
+            sw.register_subgroup(i, t.numel())
+            sw.initialize(i, t)
+        sw.export_checkpoint(str(tmp_path / "ck"))
+        for i in range(len(SIZES)):
+            sw.initialize_from(i, functools.partial(source, i))
+        source.handle._c.inject_fault("error", errno.EIO, "read", 2, 1)
+        with pytest.raises(OSError) as ei:
+            _steps(sw, [0])
+        source.handle._c.clear_fault()
+        assert ei.value.errno == errno.EIO and sw.broken and sw.pool.available() == 4
+        sw.import_checkpoint(str(tmp_path / "ck"))
+        _steps(sw, [0])

@@ -23,11 +23,17 @@ def test_trains_as_with_own_copies_and_writes_no_parameters(tmp_path, reference,
         own_weights = own.state_dict()
     with _engine(tmp_path / "mirror", True, gradients) as engine:
         drive = engine.store.on_drive_part_ids(engine.module.parameters())
+        set_up = engine.io_bytes_by_category()
+        # Set-up wrote no master weights: the first step reads them from the
+        # parameters, writes them, and the parameters are read from them after.
+        assert set_up["written"].get("master", 0) == set_up["read"].get("master", 0) == 0
+        assert engine.mirrored == engine.store.stats()["aliased"] == 0
+        losses = train_engine(engine, 1)
         assert engine.mirrored == engine.store.stats()["aliased"] == len(drive) > 0
-        set_up = engine.io_bytes_by_category()["written"]["parameters"]
-        losses = train_engine(engine, 4)
+        losses += train_engine(engine, 3, start=1)
         written = engine.io_bytes_by_category()["written"]
-        assert written["parameters"] == set_up  # nothing after set-up: the master weights are the copy
+        # nothing after set-up: the master weights are the copy
+        assert written["parameters"] == set_up["written"]["parameters"]
         weights = engine.state_dict()
     assert losses == own_losses == reference[:4]
     assert all(torch.equal(weights[k], own_weights[k]) for k in own_weights)
@@ -176,3 +182,26 @@ def test_failed_master_update_makes_parameters_read_from_it_refuse(tmp_path):
             engine.save_checkpoint(str(tmp_path / "ck"))
         with pytest.raises(Exception, match="no complete state"):  # the optimizer refuses too
             engine.zero_optimizer.export_checkpoint(str(tmp_path / "opt"))
+
+
+@pytest.mark.parametrize("gradients", ["cpu", "nvme"])
+def test_changed_and_saved_before_the_first_step_trains_as_in_memory(tmp_path, gradients):
+    """Before the first step the master weights are still read from the
+    parameters (set-up wrote none): parameters changed then are where training
+    starts, a checkpoint saved then holds them, and loading it starts again."""
+    from .common import train_in_memory
+
+    def change(model_params):
+        model_params[3].data.mul_(0.5)
+
+    want = train_in_memory(3, before_step=lambda step, m: change(list(m.parameters())) if step == 0 else None)
+    with _engine(tmp_path / "d", True, gradients) as engine:
+        params = list(engine.module.parameters())
+        with engine.gathered([params[3]], modify=True):
+            change(params)
+        engine.save_checkpoint(str(tmp_path / "ck"))
+        got = train_engine(engine, 3)
+        assert engine.mirrored == engine.store.stats()["aliased"] > 0
+        engine.load_checkpoint(str(tmp_path / "ck"))  # as before the first step
+        again = train_engine(engine, 3)
+    assert got == again == want
