@@ -398,9 +398,10 @@ def _estimate_working(
 ) -> None:
     """The transient part of the peak. At any moment aio.zero holds about
     three fp32 copies of its largest sub-group outside the pools: the
-    master weights gathered at set-up, or in a step the parameter values
-    made from them; in backward a parameter's gradient and its accumulation
-    (a parameter is never larger than its sub-group)."""
+    master weights made at set-up (bf16/fp16 parameters, or master weights
+    in memory), or in a step the parameter values made from them; in backward
+    a parameter's gradient and its accumulation (a parameter is never
+    larger than its sub-group)."""
     est.working["runtime (python, torch, aio)"] = RUNTIME_BYTES
     largest = max(n for n, _ in numels) if numels else sub
     est.working["largest tensors in use (3 x fp32)"] = 4 * (sub + 2 * min(largest, sub))

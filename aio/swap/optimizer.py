@@ -376,10 +376,12 @@ class OptimizerSwapper:
         its master weights from their source while initialize_from() left one."""
         import torch
 
+        if name == "param" and g.master_source is not None:
+            futs = list(g.master_source(lease.tensor(torch.float32, g.numel)))
+            self.count_io("read", name, sum(int(f.nbytes) for f in futs))  # what it copied was no I/O
+            return futs
         off, n = self._part_io(g, name)
         self.count_io("read", name, n)
-        if name == "param" and g.master_source is not None:
-            return list(g.master_source(lease.tensor(torch.float32, g.numel)))
         return [self.space.read(lease.buffer()[:n], off)]
 
     def count_io(self, direction: str, part: str, nbytes: int) -> None:

@@ -144,8 +144,9 @@ class ZeroOptimizer(Protocol):
     def master_extent(self, index: int) -> tuple[SwapSpace, int] | None:
         """Where sub-group `index`'s fp32 master weights live on the drive (the
         swap space and the logical offset of element 0), or None when they are
-        not on a drive. The drive copy is current between steps once flush()
-        ran; only the optimizer writes it."""
+        not on a drive (in memory, or not written yet: initialize_from()).
+        The drive copy is current between steps once flush() ran; only the
+        optimizer writes it."""
         ...
 
     def flush(self) -> None:

@@ -332,7 +332,9 @@ class OffloadTrainer:
         """Let sub-group `gi`'s master weights start as its parameters where the
         store keeps them, if those are float32 (read there by the first step;
         the parameters are mirrored once it has written them, see
-        _store_params). False: initialize it from them now."""
+        _store_params). False: initialize it from them now. (bf16 parameters
+        read and widened by the first step instead made it 5-6 s slower at
+        2B, about what set-up saved: they are widened at set-up.)"""
         import torch
 
         if self.store.dtype != torch.float32:
@@ -558,7 +560,11 @@ class OffloadTrainer:
         packed = gi in self.store.packed
         if gi in self._mirror_later:  # its master weights are written from this step on
             self._mirror_later.discard(gi)
-            self.mirrored += mirror_group(self.store, self.zero_optimizer, self.layout, gi)
+            try:
+                self.mirrored += mirror_group(self.store, self.zero_optimizer, self.layout, gi)
+            except BaseException:
+                self.mirrored = max(self.mirrored, 1)  # some are aliased: the failed step loses them
+                raise
         for s in self.layout.groups[gi]:
             if packed:
                 self.store.wrote_packed(s.param)
@@ -644,7 +650,6 @@ class OffloadTrainer:
             old[changed] = new[changed].to(old.dtype)
 
     def _lose_mirrors(self) -> None:
-        self._mirror_later.clear()  # mirrored again by _mirror() once a checkpoint is loaded
         if self.mirrored:
             self.store.lose_mirrors()
             self.mirrored = 0

@@ -713,29 +713,32 @@ class _FileSource:
         return [self.handle.async_pread(out, self.path, self.offsets[i])]
 
 
-@pytest.mark.parametrize("held", [False, True], ids=["grad-on-drive", "grad-held"])
-@pytest.mark.parametrize("pipe", [(True, True), (False, False)], ids=["pipelined", "plain"])
-def test_initialize_from_reads_the_source_once_and_steps_bit_exact(tmp_path, held, pipe):
-    """Set-up writes nothing: the first step reads each sub-group's master
-    weights from its source (a step later, from the swap file it wrote)."""
-    g = torch.Generator().manual_seed(5)
-    init = [torch.randn(n, generator=g) for n in SIZES]
-    hyper = {"lr": 1e-2}
-    want = _reference(torch.optim.Adam, hyper, init, steps=3)
+def _sourced(tmp_path, init, **kw):
+    """A swapper (Adam) whose sub-groups start from a _FileSource of `init`."""
     source = _FileSource(tmp_path / "params.bin", init)
     (tmp_path / "swap").mkdir()
-    with OptimizerSwapper(
-        str(tmp_path / "swap"),
-        torch.optim.Adam,
-        hyper,
-        buffer_count=11,
-        pipeline_read=pipe[0],
-        pipeline_write=pipe[1],
-    ) as sw:
-        for i, t in enumerate(init):
-            sw.register_subgroup(i, t.numel())
-            assert sw.initialize_from(i, functools.partial(source, i))
-            assert sw.master_extent(i) is None  # not written yet: nothing may be read from there
+    kw = {"buffer_count": 4, **kw}
+    sw = OptimizerSwapper(str(tmp_path / "swap"), torch.optim.Adam, {"lr": 1e-2}, **kw)
+    for i, t in enumerate(init):
+        sw.register_subgroup(i, t.numel())
+        assert sw.initialize_from(i, functools.partial(source, i))
+    return sw, source
+
+
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+@pytest.mark.parametrize("count", [4, 5, 11])
+@pytest.mark.parametrize("held", [False, True], ids=["grad-on-drive", "grad-held"])
+@pytest.mark.parametrize("pipe", [(True, True), (False, False)], ids=["pipelined", "plain"])
+def test_initialize_from_reads_the_source_once_and_steps_bit_exact(tmp_path, held, pipe, count):
+    """Set-up writes nothing: the first step reads each sub-group's master
+    weights from its source (a step later, from the swap file it wrote),
+    with any number of buffers (partial reads ahead, write-back)."""
+    g = torch.Generator().manual_seed(5)
+    init = [torch.randn(n, generator=g) for n in SIZES]
+    want = _reference(torch.optim.Adam, {"lr": 1e-2}, init, steps=3)
+    sw, source = _sourced(tmp_path, init, buffer_count=count, pipeline_read=pipe[0], pipeline_write=pipe[1])
+    with sw:
+        assert all(sw.master_extent(i) is None for i in range(len(SIZES)))  # nothing to read there yet
         assert sw.counters["bytes_written"] == sw.counters["bytes_read"] == 0
         mem = [torch.zeros(t.numel()) for t in init]
         for i, m in enumerate(mem if held else []):
@@ -752,12 +755,8 @@ def test_initialize_from_before_the_first_step_reads_edits_and_checkpoints_the_s
     see the source's values; one edited or saved is written, and read from
     the swap file after; a checkpoint loaded replaces every source."""
     init = [torch.randn(n, generator=torch.Generator().manual_seed(6)) for n in SIZES]
-    source = _FileSource(tmp_path / "params.bin", init)
-    (tmp_path / "swap").mkdir()
-    with OptimizerSwapper(str(tmp_path / "swap"), torch.optim.Adam, {"lr": 1e-2}, buffer_count=4) as sw:
-        for i, t in enumerate(init):
-            sw.register_subgroup(i, t.numel())
-            sw.initialize_from(i, functools.partial(source, i))
+    sw, source = _sourced(tmp_path, init)
+    with sw:
         assert torch.equal(sw.read_master(1), init[1])
         sw.update_master(2, lambda m: m.mul_(2))
         assert sw.master_extent(2) is not None and torch.equal(sw.read_master(2), init[2] * 2)
@@ -794,3 +793,27 @@ def test_a_source_read_failing_in_the_first_step_poisons_until_a_checkpoint(tmp_
         assert ei.value.errno == errno.EIO and sw.broken and sw.pool.available() == 4
         sw.import_checkpoint(str(tmp_path / "ck"))
         _steps(sw, [0])
+
+
+@pytest.mark.parametrize("how", ["read_master", "update_master"])
+def test_a_source_failing_before_the_first_step_changes_nothing(tmp_path, how):
+    """A source read failing in read_master()/update_master() raises; the
+    sub-group keeps its source, every buffer comes back, and the next try
+    works."""
+    init = [torch.randn(n) for n in SIZES]
+    sw, source = _sourced(tmp_path, init)
+    with sw:
+        call = {
+            "read_master": lambda: sw.read_master(1),
+            "update_master": lambda: sw.update_master(1, torch.neg_),
+        }
+        source.handle._c.inject_fault("error", errno.EIO, "read", 1, 1)
+        with pytest.raises(OSError) as ei:
+            call[how]()
+        source.handle._c.clear_fault()
+        assert ei.value.errno == errno.EIO and not sw.broken
+        assert sw.pool is None or sw.pool.available() == 4  # read_master() takes no buffer
+        assert sw.groups[1].valid and sw.master_extent(1) is None  # still read from the source
+        call[how]()
+        want = init[1] if how == "read_master" else -init[1]
+        assert torch.equal(sw.read_master(1), want)

@@ -205,3 +205,27 @@ def test_changed_and_saved_before_the_first_step_trains_as_in_memory(tmp_path, g
         engine.load_checkpoint(str(tmp_path / "ck"))  # as before the first step
         again = train_engine(engine, 3)
     assert got == again == want
+
+
+def test_a_failure_mirroring_in_the_first_step_leaves_no_silent_garbage(tmp_path, monkeypatch):
+    """The first step aliases each sub-group's parameters as it writes its
+    master weights; an error part-way (here the third alias) fails the step,
+    and the parameters aliased before it refuse to be read, as after any
+    failed step, rather than read master weights that were never written."""
+    from aio.swap import ParamSwapper, SwapStateError
+
+    calls = []
+    alias = ParamSwapper.alias
+
+    def failing_alias(self, *args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return alias(self, *args)
+
+    with _engine(tmp_path, True) as engine:
+        monkeypatch.setattr(ParamSwapper, "alias", failing_alias)
+        with pytest.raises(RuntimeError, match="injected"):
+            train_engine(engine, 1)
+        with pytest.raises(SwapStateError):
+            engine.state_dict()

@@ -91,12 +91,12 @@ def test_bf16_params_packed_in_memory_train_identically(tmp_path):
     drive); on the drive they are copied from the master weights. The
     rounding is the same, so are the losses."""
     runs = {}
-    for param, opt in (("nvme", "cpu"), ("cpu", "cpu"), ("cpu", "nvme")):
+    for param, opt in (("nvme", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")):
         cfg = cfg_for(tmp_path / f"{param}-{opt}", param, opt, bf16={"enabled": True})
         with aio.zero.initialize(gpt().to(torch.bfloat16), cfg) as engine:
             runs[param, opt] = train_engine(engine, 8)
             assert bool(engine.store.packed) == (param == "cpu")
-    assert runs["cpu", "cpu"] == runs["nvme", "cpu"] == runs["cpu", "nvme"]
+    assert runs["cpu", "cpu"] == runs["nvme", "cpu"] == runs["cpu", "nvme"] == runs["nvme", "nvme"]
 
 
 def test_nvme_path_list_errors_name_the_drive(tmp_path):
