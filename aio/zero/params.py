@@ -396,17 +396,12 @@ class ParamStore:
         self.swapper.read_into(part_id, out)
         return out
 
-    def read_into(self, param: Any, out: Any) -> None:
-        """Put a parameter's stored values into `out` (flat, its numel, any float
-        dtype; converted): straight from the drive when `out` has the training
-        dtype and no buffer holds the parameter, else through read()."""
-        fut = self.start_read_into(param, out)
-        if fut is not None:
-            fut.result()
-
     def start_read_into(self, param: Any, out: Any) -> IOFuture | None:
-        """read_into() that leaves a drive read in flight: its future (`out` must
-        stay untouched until it is done), or None when `out` holds the values."""
+        """Put a parameter's stored values into `out` (flat, its numel, any float
+        dtype; converted): a read from the drive started when `out` has the
+        training dtype and no buffer holds the parameter (its future; `out`
+        must stay untouched until it is done), else copied through read()
+        (None: `out` holds them)."""
         if self.swapper is not None and out.dtype == self.dtype and out.is_contiguous():
             part = self.swapper.parts[param.aio_id]
             if part.state != State.RESIDENT and part.lease is None:

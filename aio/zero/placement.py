@@ -168,11 +168,25 @@ class SubGroupLayout:
         """Every place, in model order."""
         return sorted(self.places.values(), key=lambda s: s.order)
 
-    def fill_master(self, gi: int, read_into: Any, out: Any) -> None:
+    def fill_master(self, gi: int, start_read_into: Any, out: Any, dtype: Any = None) -> None:
         """Write sub-group `gi`'s fp32 master weights into `out` (float32, the
-        sub-group's size): ``read_into(param, view)`` fills each parameter's slice."""
-        for s in self.groups[gi]:
-            read_into(s.param, out[s.offset : s.offset + s.numel])
+        sub-group's size) from its parameters, stored in `dtype`: every
+        parameter's read started at once (start_master_reads); bfloat16 ones
+        read into the front of `out` and widened in place
+        (:func:`aio.swap.lowp.widen_bf16_threaded`), others converted one by
+        one. Returns once all have landed, raising the first failure."""
+        import torch
+
+        from ..swap.lowp import widen_bf16_threaded
+
+        widen = dtype == torch.bfloat16
+        into = out.view(torch.bfloat16)[: out.numel()] if widen else out
+        errors = [fut.exception() for fut in self.start_master_reads(gi, start_read_into, into)]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        if widen:
+            widen_bf16_threaded(out.view(torch.uint8), out.numel())
 
     def start_master_reads(self, gi: int, start_read_into: Any, out: Any) -> list[Any]:
         """fill_master() without waiting: ``start_read_into(param, view)`` starts

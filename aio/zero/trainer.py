@@ -315,7 +315,8 @@ class OffloadTrainer:
                 # two allocations at once took longer than one after the other.
                 if k == 1:
                     reserve.append(_Background(allocate))
-                yield gi, functools.partial(layout.fill_master, gi, self.store.read_into)
+                read = self.store.start_read_into
+                yield gi, functools.partial(layout.fill_master, gi, read, dtype=self.store.dtype)
 
         try:
             opt.initialize_many(fills())

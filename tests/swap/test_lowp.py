@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from aio.swap.lowp import narrow_bf16, widen_bf16  # noqa: E402
+from aio.swap.lowp import narrow_bf16, widen_bf16, widen_bf16_threaded  # noqa: E402
 
 
 def _values(n):
@@ -19,30 +19,46 @@ def _values(n):
     return x
 
 
+@pytest.mark.parametrize("widen", [widen_bf16, widen_bf16_threaded])
 @pytest.mark.parametrize("n", [1, 2, 3, 255, 256, 257, 513, 100_003])
-def test_round_trip_equals_torch(n):
+def test_round_trip_equals_torch(n, widen):
     x = _values(n)
     raw = torch.full((4 * n + 16,), 0xAB, dtype=torch.uint8)
     raw[: 4 * n].view(torch.float32).copy_(x)
     narrow_bf16(raw, n)
     want = x.to(torch.bfloat16)
     assert torch.equal(raw[: 2 * n].view(torch.int16), want.view(torch.int16))
-    widen_bf16(raw, n)
+    widen(raw, n)
     assert torch.equal(raw[: 4 * n].view(torch.float32), want.float())
     assert (raw[4 * n :] == 0xAB).all(), "nothing past the values is touched"
 
 
-def test_nan_stays_nan():
+@pytest.mark.parametrize("widen", [widen_bf16, widen_bf16_threaded])
+def test_nan_stays_nan(widen):
     raw = torch.zeros(16, dtype=torch.uint8)
     raw[:8].view(torch.float32).copy_(torch.tensor([float("nan"), -float("nan")]))
     narrow_bf16(raw, 2)
-    widen_bf16(raw, 2)
+    widen(raw, 2)
     assert raw[:8].view(torch.float32).isnan().all()
+
+
+def test_threaded_widening_equals_the_kernel_bit_for_bit():
+    """The same bits as the C++ pass, NaN payloads included, at an odd size."""
+    n = 1_000_003
+    bits = torch.randint(-(2**15), 2**15, (n,), generator=torch.Generator().manual_seed(1), dtype=torch.int16)
+    a = torch.zeros(4 * n, dtype=torch.uint8)
+    a[: 2 * n].view(torch.int16).copy_(bits)
+    b = a.clone()
+    widen_bf16(a, n)
+    widen_bf16_threaded(b, n)
+    assert torch.equal(a, b)
 
 
 def test_bad_buffers_are_refused():
     with pytest.raises(ValueError, match="need 40 bytes"):
         widen_bf16(torch.zeros(39, dtype=torch.uint8), 10)
+    with pytest.raises(ValueError, match="need 40 bytes"):
+        widen_bf16_threaded(torch.zeros(39, dtype=torch.uint8), 10)
     with pytest.raises(TypeError):
         narrow_bf16(torch.zeros(10, dtype=torch.float32), 2)
     with pytest.raises(ValueError, match="contiguous"):

@@ -817,3 +817,26 @@ def test_a_source_failing_before_the_first_step_changes_nothing(tmp_path, how):
         call[how]()
         want = init[1] if how == "read_master" else -init[1]
         assert torch.equal(sw.read_master(1), want)
+
+
+def test_aio_adam_first_step_uses_the_zeroed_buffers_as_its_state(tmp_path, monkeypatch):
+    """aio's Adam starts each sub-group's moments in the buffers it is
+    stepped in (zeroed there), not in fresh tensors copied over afterwards
+    (16 GB of new memory in the first step at 2B); the same bits as in memory."""
+    from aio.optim import CPUAdamW
+
+    hyper = {"lr": 1e-2, "weight_decay": 0.01}
+    init = [torch.randn(n, generator=torch.Generator().manual_seed(8)) for n in SIZES]
+    want = _reference(CPUAdamW, hyper, init, steps=2)
+    zeros_like = torch.zeros_like
+    made = []
+
+    def counting(*args, **kw):
+        made.append(args[0].numel())
+        return zeros_like(*args, **kw)
+
+    monkeypatch.setattr(torch, "zeros_like", counting)
+    sw, got = _swapped(tmp_path, CPUAdamW, hyper, init, steps=2, pipe=(True, True))
+    sw.close()
+    assert not [n for n in made if n in SIZES]  # no state tensor of a sub-group's size was made
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

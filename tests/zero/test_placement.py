@@ -89,5 +89,8 @@ def test_sub_group_layout_packs_in_model_order():
         (1, 60, 4),
     ]
     master = torch.empty(layout.group_numel[1])
-    layout.fill_master(1, lambda p, out: out.fill_(float(p.aio_id)), master)
+    layout.fill_master(1, lambda p, out: (out.fill_(float(p.aio_id)), None)[1], master)
     assert master.tolist() == [3.0] * 60 + [4.0] * 10
+    # bfloat16 parameters are put in the front of the buffer and widened there
+    layout.fill_master(1, lambda p, out: (out.fill_(p.aio_id + 0.5), None)[1], master, dtype=torch.bfloat16)
+    assert master.tolist() == [3.5] * 60 + [4.5] * 10
