@@ -334,8 +334,9 @@ class OffloadTrainer:
         store keeps them, if those are float32 (read there by the first step;
         the parameters are mirrored once it has written them, see
         _store_params). False: initialize it from them now. (bf16 parameters
-        read and widened by the first step instead made it 5-6 s slower at
-        2B, about what set-up saved: they are widened at set-up.)"""
+        read and widened by the first step instead measured no faster at 2B
+        on the dev box: set-up's reads and writes of them overlap allocating
+        the buffers, which took as long; so they stay widened at set-up.)"""
         import torch
 
         if self.store.dtype != torch.float32:
