@@ -308,6 +308,7 @@ class OffloadTrainer:
             opt.reserve_memory()
 
         eager = [gi for gi in range(len(layout.groups)) if not self._initialize_in_place(opt, layout, gi)]
+        read, dtype = self.store.start_read_into, self.store.dtype
 
         def fills() -> Iterator[tuple[int, Any]]:
             for k, gi in enumerate(eager):
@@ -315,8 +316,7 @@ class OffloadTrainer:
                 # two allocations at once took longer than one after the other.
                 if k == 1:
                     reserve.append(_Background(allocate))
-                read = self.store.start_read_into
-                yield gi, functools.partial(layout.fill_master, gi, read, dtype=self.store.dtype)
+                yield gi, functools.partial(layout.fill_master, gi, read, dtype=dtype)
 
         try:
             opt.initialize_many(fills())
