@@ -22,7 +22,10 @@ import sys
 import tempfile
 import time
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import MemoryEstimate
 
 
 def _torch() -> Any:
@@ -320,7 +323,11 @@ def gpt_activation_bytes(args: argparse.Namespace) -> int:
     return args.layers * per_block + 3 * 4 * tokens * args.vocab
 
 
-def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> None:
+def estimate_run(args: argparse.Namespace, cfg: dict[str, Any]) -> MemoryEstimate:
+    """What ``aio-config estimate`` predicts for this run before anything is
+    allocated (an :class:`aio.config.MemoryEstimate`): the GPT's parameter
+    count and activations, and with an offload the gradients where
+    ``aio_zero.gradients`` will put them given the memory available now."""
     from aio.config import estimate_memory, load_train_config
     from aio.config.gradients import place_gradients
 
@@ -330,6 +337,12 @@ def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     )
     if args.offload != "none":
         est.add_gradients(place_gradients(load_train_config(cfg), n, est.held_bytes))
+    return est
+
+
+def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> int:
+    """Print the estimate before allocating (and its warnings); the predicted peak RSS."""
+    est = estimate_run(args, cfg)
     print(
         f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, drive {_gib(sum(est.nvme.values()))}, "
         f"peak RSS {_gib(est.peak_rss_bytes)}",
@@ -337,6 +350,7 @@ def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     )
     for problem in est.check():
         print(f"warning: {problem}", file=out)
+    return int(est.peak_rss_bytes)
 
 
 def build_model(args: argparse.Namespace, cfg: dict[str, Any]) -> Any:
@@ -361,7 +375,7 @@ def build_trainer(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[Any, A
 
 def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> dict[str, Any]:
     """Train with aio.zero under `cfg`, printing each step; the figures."""
-    _print_estimate(args, cfg, out)
+    predicted = _print_estimate(args, cfg, out)
     import aio.zero
 
     t0 = time.perf_counter()
@@ -388,7 +402,7 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
         stats = trainer.stats()
         trainer.close()
     run.update(params=n, peak_rss=peak_rss(), pinned_bytes=stats["pinned_bytes"], setup_s=setup, stats=stats)
-    run["setup_model_s"] = built
+    run.update(setup_model_s=built, predicted_peak_rss=predicted)
     return run
 
 
@@ -789,8 +803,9 @@ def _train(args: argparse.Namespace) -> int:
             result["identical"] = same
             result["step_ratio"] = ratio
         print(
-            f"offloaded run: peak RSS {_gib(off['peak_rss'])}, pinned {_gib(off['pinned_bytes'])}, "
-            f"median {_median(off['gbps']):.2f} GB/s to/from the drive",
+            f"offloaded run: peak RSS {_gib(off['peak_rss'])} ({_gib(off['predicted_peak_rss'])} predicted; "
+            f"fp32 optimizer state / peak RSS {off['params'] * 12 / off['peak_rss']:.1f}), "
+            f"pinned {_gib(off['pinned_bytes'])}, median {_median(off['gbps']):.2f} GB/s to/from the drive",
             file=out,
         )
         if args.json:

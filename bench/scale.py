@@ -47,6 +47,9 @@ Columns (figures over the ``--steps`` timed steps after ``--warmup``):
   set-up s       model build under Init + engine/trainer construction
   s/step         median whole step (forward, backward, step())
   peak RSS GiB   VmHWM of the worker process at the end
+  predicted GiB  aio: the peak RSS aio-train predicts before allocating
+                 (aio.train.estimate_run, what ``aio-config estimate`` adds
+                 up), and measured / predicted
   pinned GiB     aio: trainer.pinned_bytes(); DeepSpeed: the bytes it asks its
                  accelerator to pin plus VmLck (bench/train_step.py's count)
   read/written GB/step  mean /proc/self/io read_bytes/write_bytes per step,
@@ -351,6 +354,10 @@ def measure(job: dict, say: Any, res: dict[str, Any]) -> None:
 
     targs, cfg, v = argparse.Namespace(**job["targs"]), job["config"], job["variant"]
     res["ds_op_load_s"] = prepare(v, job["io"])
+    if v == "aio":  # before anything is allocated, as aio-train prints it
+        from aio.train import estimate_run
+
+        res["predicted_peak_rss"] = int(estimate_run(targs, cfg).peak_rss_bytes)
     t0 = time.perf_counter()
     engine, extra = build_aio(targs, cfg) if v == "aio" else build_ds(targs, cfg)
     res["setup_s"] = time.perf_counter() - t0
@@ -563,6 +570,7 @@ COLUMNS = (
     "set-up s",
     "s/step",
     "peak RSS GiB",
+    "predicted GiB (measured / predicted)",
     "pinned GiB",
     "read GB/step",
     "written GB/step",
@@ -576,12 +584,19 @@ def table_row(r: dict) -> list[str]:
     """One row of the main table (:data:`COLUMNS`)."""
     d = r.get("drive", {})
     rates = f"{d['read']:.2f} / {d['write']:.2f}" if "read" in d else "-"
+    peak, predicted = r.get("peak_rss", r.get("peak_rss_setup")), r.get("predicted_peak_rss")
+    vs = (
+        f"{predicted / 2**30:.2f} ({peak / predicted:.2f})"
+        if peak and predicted
+        else fmt(predicted, ".2f", 2**30)
+    )
     return [
         r["label"],
         r["status"],
         fmt(r.get("setup_s"), ".1f"),
         fmt(r.get("step_s"), ".2f"),
-        fmt(r.get("peak_rss", r.get("peak_rss_setup")), ".2f", 2**30),
+        fmt(peak, ".2f", 2**30),
+        vs,
         fmt(r.get("pinned"), ".2f", 2**30),
         fmt(r.get("read_b"), ".2f", 1e9),
         fmt(r.get("write_b"), ".2f", 1e9),

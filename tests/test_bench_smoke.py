@@ -293,10 +293,14 @@ def test_scale_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert text.endswith('raise ValueError("bad\\n  value"))'), text
 
     row = {"label": "aio.zero", "status": "ok", "step_s": 4.0, "read_b": 2e9, "write_b": 1e9}
+    row.update(peak_rss=3 * 2**30, predicted_peak_rss=2.5 * 2**30)
     row["drive"] = {"read": 2.0, "write": 1.0}
     scale.add_floor(row)
     assert (row["floor_s"], row["io_eff"]) == (2.0, 2.0)
     failed = {"label": "ds", "status": "failed", "drive": {"error": "x"}}
     table = scale.markdown(scale.COLUMNS, [scale.table_row(row), scale.table_row(failed)])
-    assert "| aio.zero | ok | - | 4.00 | - | - | 2.00 | 1.00 | 2.00 / 1.00 | 2.0 | 2.00 |" in table
-    assert "| ds | failed | - |" in table
+    assert (
+        "| aio.zero | ok | - | 4.00 | 3.00 | 2.50 (1.20) | - | 2.00 | 1.00 | 2.00 / 1.00 | 2.0 | 2.00 |"
+        in table
+    )
+    assert "| ds | failed | - | - | - | - | - |" in table

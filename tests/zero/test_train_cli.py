@@ -55,6 +55,10 @@ def test_aio_train_default_matches_in_memory(tmp_path):
     assert "master" in first and not first & {"exp_avg", "exp_avg_sq"}
     # the estimate before allocating includes the peak RSS it predicts
     assert re.search(r"estimate before allocating: .*peak RSS [0-9.]+ (MiB|GiB)", stdout)
+    # ... and the summary sets the measured peak beside it and the state it held
+    assert off["predicted_peak_rss"] > 0 and off["peak_rss"] > 0
+    ratio = off["params"] * 12 / off["peak_rss"]
+    assert f"fp32 optimizer state / peak RSS {ratio:.1f})" in stdout
     moved = sum(sum(c.values()) for c in off["bytes_by_category"][-1].values())
     assert moved == pytest.approx(off["gbps"][-1] * off["step_s"][-1] * 1e9, rel=1e-6)
     # the temporary drive directory is gone
