@@ -1018,6 +1018,7 @@ class _StepIO:
         self.kept: collections.OrderedDict[int, tuple[list[Lease], bool]] = collections.OrderedDict()
         self.held: list[Lease] = []
         self.partial: dict[int, list[str]] = {}  # sub-group -> tensors not yet being read
+        self.carried: set[int] = set()  # reads done by carry_over(): the buffers kept by a step
 
     def _release(self, lease: Lease) -> None:
         lease.release()
@@ -1104,6 +1105,7 @@ class _StepIO:
             self.partial[i] = names[len(leases) :]
             sw.counters["partial_reads"] += 1
         self.reads[i] = ({}, [], False)
+        self.carried.discard(i)
         sw._settle_grad(g)
         self._read_parts(i, names[: len(leases)], leases)
         return True
@@ -1134,7 +1136,8 @@ class _StepIO:
         """Wait for sub-group i's reads; return the buffers holding its tensors."""
         self.finish_read(i)
         leases, futs, _ = self.reads.pop(i)
-        if not futs:  # kept in its buffers by the step before: nothing read
+        if i in self.carried:  # kept in its buffers by the step before: nothing read
+            self.carried.discard(i)
             self.sw.counters["cached_subgroups"] += 1
         _wait_all(futs)
         return leases
@@ -1165,6 +1168,7 @@ class _StepIO:
             self._finish_write(self.writes.popleft())
         for i, (leases, dirty) in self.kept.items():
             self.reads[i] = (dict(zip(self.sw._saved_parts(), leases, strict=True)), [], dirty)
+            self.carried.add(i)
         self.kept.clear()
         if read_ahead:
             for i in next_order:
@@ -1216,6 +1220,7 @@ class _StepIO:
             lease.release()
         self.held.clear()
         self.reads.clear()
+        self.carried.clear()
         self.kept.clear()
         self.partial.clear()
 

@@ -750,6 +750,32 @@ def test_initialize_from_reads_the_source_once_and_steps_bit_exact(tmp_path, hel
             assert torch.equal(sw.read_master(i), w)
 
 
+def test_a_first_step_with_nothing_to_read_is_no_cache_hit(tmp_path):
+    """cached_subgroups counts sub-groups a step found in the buffers the step
+    before kept, not every sub-group that needed no read: before its first
+    step a sub-group whose source copies its master weights at once (no
+    future), whose states are zeroed and whose gradient is held in memory
+    reads nothing, and is no cache hit."""
+    init = [torch.randn(n, generator=torch.Generator().manual_seed(7)) for n in SIZES]
+    (tmp_path / "swap").mkdir()
+    sw = OptimizerSwapper(str(tmp_path / "swap"), torch.optim.Adam, {"lr": 1e-2}, buffer_count=4)
+
+    def copy_now(i, out):
+        out.copy_(init[i])
+        return []
+
+    with sw:
+        mem = [torch.ones(t.numel()) for t in init]
+        for i, t in enumerate(init):
+            sw.register_subgroup(i, t.numel())
+            assert sw.initialize_from(i, functools.partial(copy_now, i))
+            sw.hold_gradient(i, mem[i])
+        sw.step()  # (its end reads the next step's first sub-groups ahead)
+        assert sw.counters["cached_subgroups"] == 0
+        sw.step()  # the sub-groups stepped last come first, from their buffers
+        assert sw.counters["cached_subgroups"] >= 1
+
+
 def test_initialize_from_before_the_first_step_reads_edits_and_checkpoints_the_source(tmp_path):
     """read_master(), update_master() and a checkpoint before the first step
     see the source's values; one edited or saved is written, and read from
