@@ -181,3 +181,30 @@ def test_a_failed_creation_leaks_no_descriptor(tmp_path, monkeypatch, fail):
         with pytest.raises(OSError, match="No space"):
             SwapStorage(str(tmp_path), "param")
     assert open_fds() == before
+
+
+def test_without_procfs_the_handle_gets_the_real_path(tmp_path, monkeypatch):
+    """Where /proc/self/fd is missing (no procfs mounted), a swap file's I/O
+    path is its real path in the private folder: a striped space still round
+    trips its bytes and an I/O error names that file."""
+    torch = pytest.importorskip("torch")
+    from aio.swap import storage
+    from aio.swap.drives import SwapSpace
+
+    monkeypatch.setattr(storage, "_PROC_FD", False)
+    space = SwapSpace(str(tmp_path), "param", "x.swp")
+    try:
+        f = space.drives[0].file
+        assert f.path == f.real_path and f.path.startswith(str(tmp_path)) and os.path.isfile(f.path)
+        off = space.allocate(3 * 4096)
+        data = torch.arange(3 * 1024, dtype=torch.float32)
+        space.write(data, off).result()
+        back = torch.empty_like(data)
+        space.read(back, off).result()
+        assert torch.equal(back, data)
+        with pytest.raises(OSError) as ei:  # past the end of the file: a short read, named
+            space.drives[0].reader.sync_pread(torch.empty(1024), f.path, f.size + 4096)
+        assert f.real_path in str(ei.value)
+    finally:
+        space.close()
+    assert not os.path.exists(space.dirs[0])
