@@ -498,7 +498,15 @@ class OffloadTrainer:
             self.skipped_steps += 1
             self.global_steps += 1
         else:
-            self._step_through_torch_optimizer(scale.grad_scale)
+            stepped = self.global_steps
+            try:
+                self._step_through_torch_optimizer(scale.grad_scale)
+            except BaseException:
+                if self.global_steps != stepped:
+                    # The update happened and what failed came after it (storing
+                    # the parameters): its gradients are spent, never applied twice.
+                    self.grads.end_window()
+                raise
         self.grads.end_window()
 
     def _step_through_torch_optimizer(self, grad_scale: Any) -> None:
@@ -508,10 +516,16 @@ class OffloadTrainer:
         opt = self.optimizer
         self.zero_optimizer.set_group_hyper(opt.hyper())
         opt._run_step = lambda: self._optimizer_step(grad_scale)
+        stepped = self.global_steps
         try:
             opt.step()
         finally:
             opt._run_step = None
+            if self.global_steps != stepped:  # also when storing the parameters failed after the update
+                self._step_scheduler()
+
+    def _step_scheduler(self) -> None:
+        """Step the LR scheduler after an optimizer step, as DeepSpeed does."""
         if self.lr_scheduler is not None:
             # A scheduler on the user's optimizer watches that optimizer's
             # step() (never called: this one stepped); say it ran, as torch's
@@ -524,8 +538,10 @@ class OffloadTrainer:
         # Packed sub-groups (memory backend, low precision) get their new
         # parameters written by the update itself.
         lowp = {gi: flat for gi, (flat, _) in self.store.packed.items()}
+        updated = False
         try:
             self.zero_optimizer.step(after=self._store_params, grad_scale=grad_scale, lowp=lowp)
+            updated = True
             if self.mirrored:  # the next forward reads parameters from the drive's master weights
                 self.zero_optimizer.flush()
         except BaseException:
@@ -534,9 +550,15 @@ class OffloadTrainer:
             self._lose_mirrors()
             raise
         finally:
-            self.store.settle(self._param_writes)
-            self._param_writes = []
-        self.global_steps += 1
+            try:
+                self.store.settle(self._param_writes)
+            finally:
+                self._param_writes = []
+                # Once the optimizer has stepped the step happened, whatever fails
+                # after it (a parameter not stored refuses to be read until a
+                # checkpoint is loaded); step() then spends its gradients.
+                if updated:
+                    self.global_steps += 1
 
     def _abandon_window(self) -> None:
         """A backward or a gradient write failed: drop this accumulation
@@ -747,9 +769,11 @@ class OffloadTrainer:
             try:
                 self.store.quiesce()  # parameter reads from the optimizer's files end first
             finally:
-                if self.opt is not None:
-                    self.opt.close()
-                self.store.close()
+                try:
+                    if self.opt is not None:
+                        self.opt.close()
+                finally:
+                    self.store.close()  # also when the optimizer's close failed: close() runs once
 
     def __enter__(self) -> OffloadTrainer:
         return self

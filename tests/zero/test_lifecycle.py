@@ -204,3 +204,61 @@ def test_an_interrupted_close_frees_no_buffer_a_device_copy_still_reads(tmp_path
         with pytest.raises(KeyboardInterrupt):
             engine.close()
         assert queued_when_freed == [0]
+
+
+def test_a_parameter_write_failing_after_the_update_counts_the_step_once(tmp_path, reference):  # noqa: F811
+    """The optimizer has stepped when the last sub-group's parameter writes
+    fail (or a Ctrl-C ends the wait for them): the step counts, its
+    gradients are spent (step() again without a backward() is refused: the
+    same gradients never apply twice), the parameter that was not stored
+    refuses to be read, and a checkpoint restores exact training."""
+    ckpt = str(tmp_path / "ck")
+    one_group = {"params_from_master": False}  # parameters written back by every step
+    cfg = cfg_for(tmp_path / "d", aio_zero=one_group)
+    cfg["zero_optimization"]["sub_group_size"] = 10**9  # one sub-group: its writes end the step
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        first = train_engine(engine, 5)
+        engine.save_checkpoint(ckpt)
+        engine.backward(loss_of(engine, 5, 0))
+        engine.step()
+        engine.backward(loss_of(engine, 5, 1))
+        engine._settle_writes()
+        writer = engine.store.swapper.space.drives[0].writer._c
+        writer.inject_fault("error", errno.EIO, "write", 1, 1)
+        with pytest.raises(SwapStateError, match="writing partition") as ei:
+            engine.step()
+        writer.clear_fault()
+        cause = ei.value.__cause__
+        assert isinstance(cause, OSError) and cause.errno == errno.EIO and "params.swp" in str(cause.filename)
+        assert engine.stats()["global_steps"] == 6 == engine.opt.steps
+        for _ in range(engine.gas - 1):
+            engine.step()  # a window's micro-steps with no backward
+        with pytest.raises(RuntimeError, match="without a backward"):
+            engine.step()
+        assert engine.opt.steps == 6  # not stepped again on the same gradients
+        with pytest.raises(SwapStateError, match="invalid"):
+            loss_of(engine, 6, 0)
+        engine.load_checkpoint(ckpt)
+        rest = train_engine(engine, 15, start=5)
+    assert first + rest == reference
+
+
+def test_close_closes_the_parameter_store_when_the_optimizer_close_fails(tmp_path, monkeypatch):
+    """close() runs once: an error closing the optimizer (its swap folder
+    not removable, say) is raised after the parameter store is closed too,
+    its buffers freed and its folder removed, not left to the collector."""
+    engine = aio.zero.initialize(gpt(), cfg_for(tmp_path))
+    train_engine(engine, 1)
+    param_dir = engine.store.swapper.space.dirs[0]
+
+    def fails():
+        raise PermissionError(errno.EACCES, "cannot remove the swap folder")
+
+    monkeypatch.setattr(engine.opt.space, "close", fails)
+    with pytest.raises(PermissionError):
+        engine.close()
+    assert engine.store.closed and engine.store.swapper.pool.closed
+    assert not os.path.exists(param_dir)
+    engine.close()  # idempotent
+    monkeypatch.undo()
+    engine.opt.space.close()  # what the failed close left
