@@ -287,41 +287,97 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)  # never follows symlinks to folders
 
 
+MAX_MARKER_BYTES = 64 << 20  # a marker lists file names and numbers: far below this
+
+
+def _open_regular(path: str) -> int:
+    """A descriptor on `path` if it is a regular file, never through a
+    symbolic link and never blocking on a FIFO; else ValueError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symbolic link: a checkpoint holds regular files only") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file: a checkpoint holds regular files only")
+    return fd
+
+
 def _crc32_file(path: str) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with os.fdopen(_open_regular(path), "rb") as f:
         while chunk := f.read(1 << 20):
             crc = zlib.crc32(chunk, crc)
     return crc
 
 
-def require_complete(directory: str) -> None:
-    """Raise unless `directory` is a whole checkpoint: its ``complete``
-    marker exists, every file it lists is there with the listed size, and
-    every file it has a CRC32 for still has that checksum."""
+def _files_in(directory: str) -> dict[str, int]:
+    """{relative path: size} of every file under `directory`; ValueError for
+    anything but regular files and folders (a symbolic link, a FIFO, a device)."""
+    found: dict[str, int] = {}
+    for d, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+                raise ValueError(f"{directory}: {os.path.relpath(p, directory)} is {kind}: refusing it")
+            found[os.path.relpath(p, directory)] = st.st_size
+    return found
+
+
+def _read_complete(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``complete`` marker's (sizes, crcs), read without following a link."""
     marker = os.path.join(directory, COMPLETE)
     try:
-        with open(marker) as f:
-            listing = json.load(f)
+        with os.fdopen(_open_regular(marker), "rb") as f:
+            raw = f.read(MAX_MARKER_BYTES + 1)
+        if len(raw) > MAX_MARKER_BYTES:
+            raise ValueError(f"larger than {MAX_MARKER_BYTES} bytes")
+        listing = json.loads(raw)
         files, crcs = listing["files"], listing.get("crc32", {})
         if not isinstance(files, dict) or not isinstance(crcs, dict):
             raise ValueError("bad marker")
+        if not all(isinstance(v, int) for v in [*files.values(), *crcs.values()]):
+            raise ValueError("sizes and checksums must be integers")
     except FileNotFoundError:
         raise ValueError(
             f"{directory} is not a complete checkpoint: it has no '{COMPLETE}' marker (it was not "
             "fully written, or was written by an aio version without durable checkpoints)"
         ) from None
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise ValueError(f"{directory}: unreadable '{COMPLETE}' marker ({e})") from None
+    return files, crcs
+
+
+def require_complete(directory: str) -> None:
+    """Raise unless `directory` is a whole checkpoint: its ``complete``
+    marker exists and lists exactly the files there (regular files only: a
+    symbolic link, a FIFO or a device is refused, as is a file the marker
+    does not list), each with the listed size, and every file it has a CRC32
+    for still has that checksum."""
+    files, crcs = _read_complete(directory)
+    there = _files_in(directory)
+    there.pop(COMPLETE, None)
     for rel, size in files.items():
-        p = os.path.join(directory, rel)
-        try:
-            got = os.lstat(p).st_size
-        except FileNotFoundError:
-            raise ValueError(f"{directory} is incomplete: {rel} is missing") from None
-        if got != size:
-            raise ValueError(f"{directory} is damaged: {rel} has {got} bytes, {size} were written")
+        if rel not in there:
+            raise ValueError(f"{directory} is incomplete: {rel} is missing")
+        if there[rel] != size:
+            raise ValueError(f"{directory} is damaged: {rel} has {there[rel]} bytes, {size} were written")
+    unlisted = sorted(set(there) - set(files))
+    if unlisted:
+        raise ValueError(
+            f"{directory} holds files its '{COMPLETE}' marker does not list: {', '.join(unlisted)}"
+        )
     for rel, crc in crcs.items():
+        if rel not in files:
+            raise ValueError(
+                f"{directory}: its '{COMPLETE}' marker has a checksum for {rel}, which it does not list"
+            )
         if _crc32_file(os.path.join(directory, rel)) != crc:
             raise ValueError(f"{directory} is damaged: {rel} does not match the checksum it was written with")
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import zlib
 
 import pytest
 
@@ -229,3 +230,62 @@ def test_a_checkpoint_onto_a_symlink_or_a_file_is_refused_before_any_work(tmp_pa
             pytest.fail("the body ran: the refusal came late")
     assert err.value.filename == str(dest)
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere"] and not os.listdir(target)
+
+
+def _small_checkpoint(path):
+    """A checkpoint folder of two files (one in a sub-folder) with its marker."""
+    from aio.swap.storage import checkpoint_dir
+
+    with checkpoint_dir(str(path)) as tmp:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            f.write('{"a": 1}')
+        os.mkdir(os.path.join(tmp, "part"))
+        with open(os.path.join(tmp, "part", "data.bin"), "wb") as f:
+            f.write(b"\0" * 4096)
+
+
+def _rewrite_marker(path, edit):
+    with open(path / "complete") as f:
+        listing = json.load(f)
+    edit(listing)
+    with open(path / "complete", "w") as f:
+        json.dump(listing, f)
+
+
+@pytest.mark.parametrize("how", ["symlink", "fifo", "unlisted file", "empty listing", "marker symlink"])
+def test_a_checkpoint_with_anything_but_its_listed_regular_files_is_refused(tmp_path, how):
+    """A checkpoint holds exactly the regular files its ``complete`` marker
+    lists: a listed file swapped for a symbolic link to the same bytes
+    elsewhere (marker rewritten to match), a FIFO (which would block the
+    checksum's read forever), a planted file, a marker listing nothing or a
+    marker that is itself a link are refused with a ValueError naming it."""
+    from aio.swap.storage import require_complete
+
+    ck = tmp_path / "ck"
+    _small_checkpoint(ck)
+    require_complete(str(ck))  # whole as written
+    if how == "symlink":
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_text('{"a": 2}')
+        (ck / "meta.json").unlink()
+        (ck / "meta.json").symlink_to(elsewhere)
+        _rewrite_marker(ck, lambda m: m["crc32"].update({"meta.json": zlib.crc32(b'{"a": 2}')}))
+        match = "meta.json is a symbolic link"
+    elif how == "fifo":
+        (ck / "meta.json").unlink()
+        os.mkfifo(ck / "meta.json")
+        _rewrite_marker(ck, lambda m: m["files"].update({"meta.json": 0}))
+        match = "meta.json is not a regular file"
+    elif how == "unlisted file":
+        (ck / "part" / "extra.bin").write_bytes(b"x")
+        match = "does not list: part/extra.bin"
+    elif how == "empty listing":
+        _rewrite_marker(ck, lambda m: (m["files"].clear(), m["crc32"].clear()))
+        match = "does not list: meta.json, part/data.bin"
+    else:
+        real = tmp_path / "marker"
+        os.rename(ck / "complete", real)
+        (ck / "complete").symlink_to(real)
+        match = "symbolic link"
+    with pytest.raises(ValueError, match=match):
+        require_complete(str(ck))
