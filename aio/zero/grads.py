@@ -108,6 +108,9 @@ class GradientAccumulator:
         self._stored: set[int] = set()
         self._pending: list[PendingWrite] = []  # gradient writes in flight
         self._norms: dict[int, Any] = {}  # place order -> grad norm (accumulation boundary)
+        # Sub-groups some gradient reached in this window: at its boundary their
+        # parameters without a gradient in the last micro-step are normed too.
+        self._graded: set[int] = set()
         # The compute device's copies (the parameter store's, sharing its side
         # stream); None: chosen by the first gradient's device.
         self._copies: HostCopies | DeviceCopies | None = copies
@@ -172,6 +175,7 @@ class GradientAccumulator:
             return None
         self._seen.add(param.aio_id)
         self._placed.add(param.aio_id)
+        self._graded.add(s.group)
         written.append((s.offset, s.offset + s.numel))
         self.in_place += 1
         return buf.tensor[s.offset : s.offset + s.numel]
@@ -218,6 +222,7 @@ class GradientAccumulator:
         if self._copies is None:
             self._copies = copies_for(flat.device)
         copies = self._copies
+        self._graded.add(self.layout.places[param.aio_id].group)
         first = param.aio_id not in self._seen
         self._seen.add(param.aio_id)
         self._device_norm(param, flat, first)
@@ -324,10 +329,41 @@ class GradientAccumulator:
         self._open[gi] = buf
         return buf
 
+    def _norm_earlier(self, gi: int, buf: Any) -> None:
+        """At the window's boundary (of more than one micro-step), the norms of
+        sub-group `gi`'s parameters that have none yet, from `buf` holding its
+        gradient: those whose gradient came in earlier micro-steps only (a
+        branch not taken in the last) count in the window's norm as in
+        torch's clip_grad_norm_. One that arrives later in this backward takes
+        its norm again then (it is not in ``_normed``)."""
+        if not (self.record_norms and self.gas > 1 and self.is_boundary() and gi in self._graded):
+            return
+        import torch
+
+        for s in self.layout.groups[gi]:
+            if s.order not in self._norms:
+                self._norms[s.order] = torch.linalg.vector_norm(buf[s.offset : s.offset + s.numel])
+
+    def _norm_stored(self) -> None:
+        """_norm_earlier() for the sub-groups this backward did not open: their
+        gradient is read back where it is stored (and left there)."""
+        for gi in sorted(self._stored & self._graded):
+            if all(s.order in self._norms for s in self.layout.groups[gi]):
+                continue
+            numel = self.layout.group_numel[gi]
+            while (buf := self.opt.try_open_gradient(gi, numel, True)) is None and self._pending:
+                self._pending.pop(0).wait()
+            buf = buf or self.opt.open_gradient(gi, numel, True)
+            try:
+                self._norm_earlier(gi, buf.tensor)
+            finally:
+                buf.release()
+
     def _close(self, gi: int) -> None:
         written = self._fresh.pop(gi, None)
         if written is not None:
             _zero_except(self._open[gi].tensor, written)
+        self._norm_earlier(gi, self._open[gi].tensor)
         self._stored.add(gi)
         pending = self.opt.close_gradient(gi, self._open.pop(gi))
         if pending is not None:
@@ -346,6 +382,8 @@ class GradientAccumulator:
             if gi not in self._stored:
                 self._buffer(gi)
                 self._close(gi)
+        if self.record_norms and self.gas > 1 and self.is_boundary():
+            self._norm_stored()
         self._arrived.clear()
         self._seen.clear()
         self._normed.clear()
@@ -375,6 +413,7 @@ class GradientAccumulator:
     def end_window(self) -> None:
         """The window's optimizer step is over (or skipped)."""
         self._norms.clear()
+        self._graded.clear()
         self._stored.clear()
         self.end_micro_step()
 
@@ -393,6 +432,7 @@ class GradientAccumulator:
         self._stored.clear()
         self._touched.clear()
         self._norms.clear()
+        self._graded.clear()
         self._fresh.clear()
         self._seen.clear()
         self._normed.clear()

@@ -655,3 +655,44 @@ def test_set_up_lock_failure_of_param_buffers_is_raised(tmp_path):
         ParamSwapper.reserve_buffers = orig
     assert calls == [1] and ei.value.errno == errno.ENOMEM
     assert drive_is_empty(tmp_path)  # the swap files of the failed set-up are gone
+
+
+class _Branchy(torch.nn.Module):
+    """Layer `b` is used only when asked: in some micro-steps of a window."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+@pytest.mark.parametrize("gradients", ["cpu", "nvme"])
+@pytest.mark.parametrize("uses", [(True, False), (False, True), (True, True)], ids=["first", "last", "both"])
+def test_clipping_norm_counts_gradients_from_every_micro_step(tmp_path, gradients, uses):
+    """The clipping norm is the whole window's: a parameter that got its
+    gradient in an earlier micro-step only (a branch not taken in the last
+    one) counts too, as in torch's clip_grad_norm_ over the accumulated
+    gradients; so do the parameters then (bit-identical steps)."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(4, 16) for _ in uses]
+    cfg = cfg_for(tmp_path, gas=len(uses), clip=0.01, aio_zero={"gradients": gradients})
+    cfg["zero_optimization"]["sub_group_size"] = 300  # a sub-group per parameter
+    opt = CPUAdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
+    for x, use_b in zip(xs, uses, strict=True):
+        (ref(x, use_b).square().mean() / len(uses)).backward()
+    want = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.01)
+    opt.step()
+    with aio.zero.initialize(model, cfg) as engine:
+        for x, use_b in zip(xs, uses, strict=True):
+            engine.backward(engine(x, use_b).square().mean())
+            engine.step()
+        assert engine.last_grad_norm == pytest.approx(float(want), rel=1e-6)
+        with engine.gathered():
+            for (name, p), q in zip(engine.module.named_parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p.detach(), q.detach()), name
