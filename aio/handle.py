@@ -21,6 +21,9 @@ from .future import AioFuture, collectable, first_untold_error, wait_all
 __all__ = ["AioFuture", "AsyncIOHandle", "PathArg"]
 
 _READ, _WRITE = 0, 1
+# What the core raises when it refuses a request before submitting it (its
+# one error translator's OSError subclasses, and argument errors).
+_REFUSED = (OSError, ValueError, TypeError, OverflowError, MemoryError)
 
 
 def _check_offsets(file_offsets: Any) -> np.ndarray:
@@ -182,8 +185,14 @@ class AsyncIOHandle:
         token = track_inflight(buf.ptr, buf.nbytes, buf.keepalive)
         try:
             req = submit()
-        except BaseException:
-            untrack_inflight(token)
+        except BaseException as e:
+            # Only a refusal by the core means nothing was submitted. A signal
+            # handler's exception (Ctrl-C) can come right after the core's
+            # submit returned, the request using the memory and no future to
+            # say when it ends: that memory stays owned (a leak, never I/O
+            # into freed memory).
+            if isinstance(e, _REFUSED):
+                untrack_inflight(token)
             raise
         fut = AioFuture(req, buf, finalize, token)
         for note in c.take_notices():

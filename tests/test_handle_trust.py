@@ -635,3 +635,48 @@ def test_cuda_path_falls_back_to_torch_pinned_memory(monkeypatch, no_garbage):
     del t
     gc.collect()
     assert aio.locked_bytes() == before and fake.unregistered == []
+
+
+def test_an_interrupt_right_after_the_core_submitted_keeps_the_memory(tmp_path):
+    """A Ctrl-C whose handler runs just after the core's submit returned (the
+    request queued, no future made yet) must not give the memory back: it
+    stays owned until the process ends (a leak), since a worker may still
+    read into it. A refusal by the core (nothing submitted) gives it back."""
+    import gc
+    import weakref
+
+    from aio import _buffers
+    from aio.handle import AsyncIOHandle
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1 << 20))
+    h = aio.AsyncIOHandle()
+    try:
+        c = h._c
+        buf = np.empty(1 << 20, np.uint8)
+        ref = weakref.ref(buf)
+        resolved = _buffers.resolve(buf, writable=True)
+        ptr, nbytes = resolved.ptr, resolved.nbytes
+
+        def submit_then_interrupted():
+            c.submit(0, ptr, nbytes, str(src), -1, 0)
+            raise KeyboardInterrupt
+
+        before = len(_buffers._inflight)
+        with pytest.raises(KeyboardInterrupt):
+            AsyncIOHandle._started(c, resolved, None, submit_then_interrupted)
+        del buf, resolved
+        gc.collect()
+        assert ref() is not None, "the memory was let go with its request in flight"
+        assert len(_buffers._inflight) == before + 1
+        c.drain()
+
+        def refused():
+            raise ValueError("refused by the core")
+
+        other = _buffers.resolve(np.empty(4096, np.uint8), writable=True)
+        with pytest.raises(ValueError):
+            AsyncIOHandle._started(c, other, None, refused)
+        assert len(_buffers._inflight) == before + 1  # given back
+    finally:
+        h.close()
