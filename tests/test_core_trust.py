@@ -432,3 +432,27 @@ def test_descriptor_that_cannot_be_duplicated_is_an_oserror(tmp_path):
     r = _run(DUP_FAILS_SCRIPT, str(tmp_path / "f"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["OSError", "True", "True"], r.stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_read_of_what_an_unfinished_write_appends_waits_for_it(engine, fpath):
+    """A read of bytes a write still in flight is adding to a new file waits
+    for that write (overlapping requests keep their order) instead of being
+    refused as past the end of the file; once nothing in flight can extend
+    the file, a read past its end is refused at once."""
+    size = 32 << 20
+    h = _handle(engine, thread_count=2)
+    src = aligned_empty(size)
+    out = aligned_empty(4096)
+    for i in range(5):
+        if os.path.exists(fpath):
+            os.unlink(fpath)
+        src[:] = i + 1
+        w = h.submit(WRITE, src.ctypes.data, src.nbytes, fpath, -1, 0)
+        r = h.submit(READ, out.ctypes.data, out.nbytes, fpath, -1, size - 4096)
+        assert r.wait(60.0) and w.wait(60.0)
+        w.result()
+        r.result()
+        assert (out == i + 1).all(), f"round {i}: the read missed the write"
+    with pytest.raises(OSError, match="past end of file"):
+        h.submit(READ, out.ctypes.data, out.nbytes, fpath, -1, size)

@@ -314,10 +314,28 @@ std::shared_ptr<File> Handle::open_file(Op op, const std::string& path, int fd) 
   return file;
 }
 
+// Whether a write in flight on `file` ends past `size`: a read ordered
+// behind it may find the bytes it is adding.
+bool Handle::write_may_extend(const File& file, int64_t size) {
+  if (file.ino() == 0) return false;
+  std::lock_guard<std::mutex> lock(order_mu_);
+  if (writes_inflight_ == 0) return false;
+  for (const auto& kv : inflight_) {
+    const InFlight& o = kv.second;
+    if (o.op == Op::Write && o.dev == file.dev() && o.ino == file.ino() && o.end > size)
+      return true;
+  }
+  return false;
+}
+
+// Refuses a read past the end of the file at once, with a clear message;
+// unless a write in flight may extend the file first (the read waits for it,
+// and a read still past the end when it runs fails there the same way).
 void Handle::check_size(Op op, File& file, int64_t offset, uint64_t nbytes) {
   if (op != Op::Read) return;
   const int64_t size = file.size();
-  if (size >= 0 && static_cast<uint64_t>(offset) + nbytes > static_cast<uint64_t>(size))
+  if (size >= 0 && static_cast<uint64_t>(offset) + nbytes > static_cast<uint64_t>(size) &&
+      !write_may_extend(file, size))
     throw Error(ENODATA, "read", file.path(), offset, nbytes,
                 "read past end of file: the file has " + std::to_string(size) +
                     " bytes, the request ends at byte " +

@@ -102,6 +102,7 @@ class Handle {
   void note_fallback(const File& file);
   std::shared_ptr<File> open_file(Op op, const std::string& path, int fd);
   void check_size(Op op, File& file, int64_t offset, uint64_t nbytes);
+  bool write_may_extend(const File& file, int64_t size);
   std::shared_ptr<RequestState> queue(Op op, char* buf, uint64_t nbytes, std::shared_ptr<File> file,
                                       int64_t offset);
   std::vector<std::vector<Slice>> plan(Op op, char* buf, uint64_t nbytes, File* file,
