@@ -242,6 +242,10 @@ class OffloadTrainer:
         self.abandoned_windows = 0
         self.last_grad_norm: float | None = None
         self._param_writes: list[Any] = []
+        # Gradients of this window that came from a plain loss.backward() (not
+        # through backward(), which scales the loss); see _check_plain_backward.
+        self._in_backward_call = False
+        self._plain_backward = False
 
     def _build(self, plan: Plan) -> None:
         """Allocate: parameters into the store, the optimizer's sub-groups with
@@ -430,12 +434,15 @@ class OffloadTrainer:
         """Back-propagate `loss` (scaled by 1/gradient_accumulation_steps, and
         by the loss scale in fp16); gradients go to the sub-group buffers."""
         self._check_open()
+        self._in_backward_call = True
         try:
             self.scaling.scale_loss(loss, self.gas).backward()
             self._finish_backward()
         except BaseException:
             self._abandon_window()
             raise
+        finally:
+            self._in_backward_call = False
         return loss
 
     def get_lr(self) -> float:
@@ -455,6 +462,7 @@ class OffloadTrainer:
         """Nothing to do: gradients never stay on the parameters (kept for API compatibility)."""
 
     def _on_grad(self, param: Any) -> None:
+        self._plain_backward = self._plain_backward or not self._in_backward_call
         g = param.grad
         param.grad = None
         reset_uses(param)
@@ -479,6 +487,7 @@ class OffloadTrainer:
             self.fetcher.end_backward()
         if self.grads.in_backward:  # loss.backward() ran without engine.backward()
             self._finish_backward()
+        self._check_plain_backward()
         if not self.grads.is_boundary():
             self.grads.end_micro_step()
             return
@@ -508,6 +517,22 @@ class OffloadTrainer:
                     self.grads.end_window()
                 raise
         self.grads.end_window()
+
+    def _check_plain_backward(self) -> None:
+        """A plain ``loss.backward()`` works where backward() would not change
+        the loss (one micro-step a window, no fp16 loss scale); elsewhere its
+        gradients would be wrong (gas times too large, or never unscaled), so
+        the window is dropped with a ValueError saying what to call."""
+        plain, self._plain_backward = self._plain_backward, False
+        if not plain or (self.gas == 1 and self.scaling.scaler is None):
+            return
+        self._abandon_window()
+        why = [f"divides it by gradient_accumulation_steps ({self.gas})"] if self.gas > 1 else []
+        why += ["multiplies it by fp16's loss scale"] if self.scaling.scaler is not None else []
+        raise ValueError(
+            "gradients came from a plain loss.backward(): call engine.backward(loss) instead, which "
+            f"{' and '.join(why)}; this accumulation window's gradients were dropped"
+        )
 
     def _step_through_torch_optimizer(self, grad_scale: Any) -> None:
         """The step goes through ``optimizer.step()`` (a scheduler built on it
@@ -569,6 +594,7 @@ class OffloadTrainer:
 
     def reset_window(self) -> None:
         """Drop the gradients of the current accumulation window."""
+        self._plain_backward = False
         if self.fetcher is not None:
             self.fetcher.end_backward()
         self.grads.reset()
