@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
+from .linear import count_call
 from .params import ParamStore, module_params
 
 
@@ -202,6 +203,8 @@ class Fetcher:
             self._begin("fw")
         self.fetch(module, "fw")
         params = self.mparams[self.index[id(module)]]
+        if torch.is_grad_enabled():
+            count_call(params)
         if torch.is_grad_enabled() and not all(p.requires_grad for p in params):
             # Frozen parameters (LoRA's base weights): the inputs' gradient is
             # complete only after the module's backward, so its identity

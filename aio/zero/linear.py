@@ -79,12 +79,16 @@ def _accumulates(param: Any, device_type: str) -> bool:
     hook of the user's on it (``register_hook``, or a post-accumulate hook
     besides the trainer's), nor with the weight applied more than once since
     its last gradient (autograd sums the other uses' parts first: three
-    parts would be added in another order)."""
+    parts would be added in another order), nor when more than two module
+    calls used it (one linear use and one other add commutatively; a third,
+    through F.embedding, say, would not)."""
     import torch
 
     if torch.is_grad_enabled() or torch.is_autocast_enabled(device_type) or param._backward_hooks:
         return False
     if len(param._post_accumulate_grad_hooks or ()) > 1 or getattr(param, "aio_uses", 0) > 1:
+        return False
+    if getattr(param, "aio_calls", 0) > 2:  # modules calling it (a T5 embedding twice, tied to the head)
         return False
     with torch.enable_grad():
         node = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad
@@ -168,10 +172,18 @@ def _linear(input: Any, weight: Any, bias: Any = None) -> Any:
 
 
 def reset_uses(param: Any) -> None:
-    """`param`'s gradient has arrived: count its uses through F.linear afresh
-    (a forward without backward leaves them counted until then, which only
-    keeps its next gradient off the in-place path)."""
+    """`param`'s gradient has arrived: count its uses through F.linear and the
+    module calls that used it afresh (a forward without backward leaves them
+    counted until then, which only keeps its next gradient off the in-place
+    path)."""
     param.aio_uses = 0
+    param.aio_calls = 0
+
+
+def count_call(params: Any) -> None:
+    """A module call (under grad) used these parameters: see _accumulates."""
+    for p in params:
+        p.aio_calls = getattr(p, "aio_calls", 0) + 1
 
 
 def install_linear() -> None:

@@ -487,6 +487,24 @@ class _Shared(torch.nn.Module):
         return self.out(h)
 
 
+class _TiedThrice(torch.nn.Module):
+    """T5's sharing: one embedding called twice (encoder, decoder) and its
+    weight also the head's, through F.linear: three parts in its gradient."""
+
+    def __init__(self, embeds=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.shared.weight
+        self.embeds = embeds
+
+    def forward(self, x):
+        ids = (x.abs() * 10).long().clamp(0, 60)  # (4, 5, 16)
+        h = sum(torch.tanh(self.shared(ids + k)).mean(2) for k in range(self.embeds))
+        return self.head(h)[..., :8]
+
+
 def _shared_losses(model, tmp_path, backward_autocast=False):
     """3 steps (gas 1, clip 0.5, AdamW as cfg_for) in memory (tmp_path None) or
     through aio.zero: the losses, then the trained parameters."""
@@ -524,6 +542,29 @@ def test_a_weight_applied_several_times_sums_as_in_memory(tmp_path, uses):
     # order. Such a weight's gradient comes the usual way.
     got, want = _shared_losses(_Shared(uses), tmp_path), _shared_losses(_Shared(uses), None)
     assert got[:3] == want[:3] and all(torch.equal(a, b) for a, b in zip(got[3:], want[3:], strict=True))
+
+
+@pytest.mark.parametrize("embeds", [1, 2])
+def test_a_tied_weight_with_more_uses_than_one_linear_and_one_other_sums_as_in_memory(tmp_path, embeds):
+    # The head's part would be computed in the buffer and the embeddings' parts
+    # added to it: h + (e2 + e1), where autograd sums in arrival order. One
+    # other use adds commutatively (exact, and stays in place); two do not.
+    # SGD with lr 1: the step shows the gradient's every bit.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5, 16, generator=g)
+    ref = _TiedThrice(embeds)
+    ref(x).square().mean().backward()
+    with torch.no_grad():
+        want = ref.shared.weight - ref.shared.weight.grad
+    cfg = cfg_for(tmp_path, gas=1, clip=0)
+    del cfg["optimizer"]  # SGD's, given below
+    model = _TiedThrice(embeds)
+    with aio.zero.initialize(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=1.0)) as engine:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        assert engine.grads.stats()["in_place"] == (1 if embeds == 1 else 0)
+        with engine.gathered():
+            assert torch.equal(engine.module.shared.weight.detach(), want)
 
 
 def test_backward_under_autocast_computes_weight_gradients_as_autograd_does(tmp_path):
