@@ -777,11 +777,31 @@ class OptimizerSwapper:
     def verify_checkpoint(self, directory: str) -> dict[str, Any]:
         """Check a checkpoint from export_checkpoint() completely -- completeness
         marker, manifest, layout, every sub-group's checksum, the scalar state --
-        without changing anything. Returns what apply_checkpoint() needs."""
+        without changing anything. Returns what apply_checkpoint() needs. A
+        malformed manifest or scalar state is a ValueError naming the folder."""
         self._check_open()
         require_complete(directory)
-        with open(os.path.join(directory, "manifest.json")) as f:
-            manifest = json.load(f)
+        try:
+            with open(os.path.join(directory, "manifest.json")) as f:
+                manifest = json.load(f)
+            self._check_manifest(manifest)
+            extra = load_plain(os.path.join(directory, "scalars.pt"))
+            self._check_extra(manifest, extra)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"{directory}: not a checkpoint of this optimizer: {e}") from None
+        chunks = []
+        for i in sorted(self.groups):
+            chunks += self._chunks(
+                self.groups[i], os.path.join(directory, f"subgroup_{i}.bin"), to_checkpoint=None
+            )
+        self._check_crcs(directory, manifest, self._copy(chunks))
+        return {"manifest": manifest, "extra": extra}
+
+    def _check_manifest(self, manifest: Any) -> None:
+        """ValueError (or KeyError/TypeError on a malformed one) unless the
+        manifest describes this swapper's state layout and sub-groups."""
+        if not isinstance(manifest, dict):
+            raise ValueError("manifest.json does not hold an object")
         if manifest.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"unsupported checkpoint version {manifest.get('version')!r}")
         spec = [[n, str(d)] for n, d in self.spec]
@@ -794,26 +814,53 @@ class OptimizerSwapper:
                 f"checkpoint holds {manifest.get('state_dtype', 'fp32')} optimizer states, this swapper "
                 f"stores {self.state_dtype} (aio_zero.optimizer_states); load it with the same setting"
             )
-        if sorted(int(i) for i in manifest["groups"]) != sorted(self.groups):
+        groups = manifest["groups"]
+        if sorted(int(i) for i in groups) != sorted(self.groups):
             raise ValueError("checkpoint sub-groups do not match the registered sub-groups")
-        extra = load_plain(os.path.join(directory, "scalars.pt"))
-        if (
-            not isinstance(extra, dict)
-            or not isinstance(extra.get("scalars"), dict)
-            or set(extra["scalars"]) != set(self.groups)
-            or not isinstance(extra.get("param_groups"), list)
-            or not isinstance(manifest.get("steps"), int)
-        ):
-            raise ValueError(f"{directory}: scalars.pt or the manifest does not describe these sub-groups")
-        chunks = []
-        for i in sorted(self.groups):
-            g = self.groups[i]
-            meta = manifest["groups"][str(i)]
+        if not isinstance(manifest.get("steps"), int) or isinstance(manifest["steps"], bool):
+            raise ValueError("the manifest's step count is not an integer")
+        for i, g in self.groups.items():
+            meta = groups[str(i)]
             if meta["numel"] != g.numel or meta["bytes"] != g.nbytes - g.parts["param"][0]:
                 raise ValueError(f"checkpoint sub-group {i} has a different size")
-            chunks += self._chunks(g, os.path.join(directory, f"subgroup_{i}.bin"), to_checkpoint=None)
-        self._check_crcs(directory, manifest, self._copy(chunks))
-        return {"manifest": manifest, "extra": extra}
+            if not isinstance(meta["crc32"], int):
+                raise ValueError(f"checkpoint sub-group {i} has no integer checksum")
+
+    def _check_extra(self, manifest: dict[str, Any], extra: Any) -> None:
+        """ValueError unless scalars.pt holds, for every sub-group, None (never
+        stepped) or its optimizer's scalar entries (tensors or numbers, no state
+        tensor's name), and one dict of hyper-parameters per param group, each
+        of the kind the optimizer's own has (a number where it has a number)."""
+        import torch
+
+        if not isinstance(extra, dict) or not isinstance(extra.get("scalars"), dict):
+            raise ValueError("scalars.pt does not describe these sub-groups")
+        if set(extra["scalars"]) != set(self.groups):
+            raise ValueError("scalars.pt does not describe these sub-groups")
+        states = {n for n, _ in self.spec} | {"param"}
+        for i, sc in extra["scalars"].items():
+            ok = sc is None or (
+                isinstance(sc, dict)
+                and all(isinstance(k, str) and k not in states for k in sc)
+                and all(torch.is_tensor(v) or isinstance(v, (int, float)) for v in sc.values())
+            )
+            if not ok:
+                raise ValueError(
+                    f"scalars.pt: sub-group {i}'s scalar state is not tensors or numbers by name"
+                )
+        saved = extra.get("param_groups")
+        if not isinstance(saved, list) or not all(isinstance(g, dict) and "params" not in g for g in saved):
+            raise ValueError("scalars.pt: the param groups' hyper-parameters are not dicts of values")
+        # The optimizer's groups, or (not made yet) the hyper-parameters it will be made with.
+        current = self.optimizer.param_groups if self.optimizer is not None else [self.hyper] * len(saved)
+        if saved and len(saved) != len(current):
+            raise ValueError(
+                f"scalars.pt has hyper-parameters for {len(saved)} param groups, not {len(current)}"
+            )
+        for k, (now, got) in enumerate(zip(current, saved, strict=False)):
+            for key, v in got.items():
+                if key in now and not _same_kind(now[key], v):
+                    raise ValueError(f"scalars.pt: param group {k}'s {key!r} is {v!r}, not like {now[key]!r}")
 
     def _chunks(self, g: _SubGroup, path: str, to_checkpoint: bool | None) -> list[Chunk]:
         """The copy of sub-group `g`'s saved tensors (master weights, then the
@@ -1223,6 +1270,26 @@ class _StepIO:
         self.carried.clear()
         self.kept.clear()
         self.partial.clear()
+
+
+def _same_kind(have: Any, got: Any) -> bool:
+    """Whether a saved hyper-parameter `got` can stand where the optimizer has
+    `have`: numbers for numbers (not bool for a number), sequences of such of
+    the same length, None or a bool where it has None, else the same type."""
+    num = (int, float)
+    if isinstance(have, bool) or isinstance(got, bool):
+        return isinstance(have, bool) and isinstance(got, bool)
+    if isinstance(have, num):
+        return isinstance(got, num)
+    if isinstance(have, (tuple, list)):
+        return (
+            isinstance(got, (tuple, list))
+            and len(got) == len(have)
+            and all(_same_kind(a, b) for a, b in zip(have, got, strict=True))
+        )
+    if have is None or got is None:  # flags such as foreach, fused: None or a bool
+        return got is None or (have is None and isinstance(got, bool))
+    return type(have) is type(got)
 
 
 def _land_initial(entry: tuple[_SubGroup, Lease, IOFuture]) -> None:

@@ -511,6 +511,69 @@ def test_checkpoint_corruption_and_mismatch_detected(tmp_path):
     other.close()
 
 
+def _remark(ck):
+    """Rewrite a checkpoint's complete marker to match its files now (as
+    whoever tampered with them could): only the content checks remain."""
+    import json
+    import zlib
+
+    files = {p.name: p.stat().st_size for p in ck.iterdir() if p.name != "complete"}
+    crcs = {n: zlib.crc32((ck / n).read_bytes()) for n in files if not n.endswith(".bin")}
+    (ck / "complete").write_text(json.dumps({"files": files, "crc32": crcs}))
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        "manifest not an object",
+        "manifest without spec",
+        "steps not a number",
+        "lr a string",
+        "params in a group",
+        "scalars of junk",
+        "a state's name among the scalars",
+    ],
+)
+def test_a_malformed_checkpoint_is_a_value_error_that_changes_nothing(tmp_path, tamper):
+    """A manifest or scalar state that parses but is malformed (missing keys,
+    values of the wrong kind) is a ValueError naming the folder, raised
+    before anything changes: the swapper steps on as before (it was a
+    KeyError, or imported and broke the next step)."""
+    import json
+
+    (tmp_path / "a").mkdir()
+    init = [torch.ones(5000)]
+    sw, _ = _swapped(tmp_path / "a", torch.optim.Adam, {"lr": 1e-3}, init, 1, (False, False), 4)
+    ck = tmp_path / "ck"
+    sw.export_checkpoint(str(ck))
+    manifest = json.loads((ck / "manifest.json").read_text())
+    extra = torch.load(ck / "scalars.pt", weights_only=True)
+    if tamper == "manifest not an object":
+        manifest = [manifest]
+    elif tamper == "manifest without spec":
+        del manifest["spec"]
+    elif tamper == "steps not a number":
+        manifest["steps"] = "1"
+    elif tamper == "lr a string":
+        extra["param_groups"][0]["lr"] = "oops"
+    elif tamper == "params in a group":
+        extra["param_groups"][0]["params"] = []
+    elif tamper == "scalars of junk":
+        extra["scalars"][0] = "junk"
+    else:
+        extra["scalars"][0] = {"exp_avg": torch.zeros(5000)}
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    torch.save(extra, ck / "scalars.pt")
+    _remark(ck)
+    before = [sw.read_master(0).clone(), sw.steps]
+    with pytest.raises(ValueError, match="not a checkpoint of this optimizer") as ei:
+        sw.import_checkpoint(str(ck))
+    assert str(ck) in str(ei.value)
+    assert sw.broken is None and sw.steps == before[1] and torch.equal(sw.read_master(0), before[0])
+    _steps(sw, range(1, 2))  # steps on as before
+    sw.close()
+
+
 def test_two_optimizer_swappers_one_path_and_cleanup(tmp_path):
     a = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3})
     b = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-3})
