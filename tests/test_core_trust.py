@@ -456,3 +456,25 @@ def test_read_of_what_an_unfinished_write_appends_waits_for_it(engine, fpath):
         assert (out == i + 1).all(), f"round {i}: the read missed the write"
     with pytest.raises(OSError, match="past end of file"):
         h.submit(READ, out.ctypes.data, out.nbytes, fpath, -1, size)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_small_unaligned_transfer_at_a_huge_block_size_stages_only_its_size(engine, fpath):
+    """Memory not aligned for O_DIRECT goes through staging of chunk x
+    queue_depth bytes; the chunk was block_size whatever the transfer, so an
+    8 KiB read at block_size 1 GiB and queue_depth 256 asked for 256 GiB
+    (ENOMEM on the queued engines). The chunk is now at most the slice."""
+    data = np.arange(8192, dtype=np.uint8)
+    data.tofile(fpath)
+    h = _C.Handle(1 << 30, 256, False, True, 1, engine)
+    raw = np.zeros(8192 + 1, np.uint8)
+    out = raw[1:]  # one byte off: staged
+    r = h.submit(READ, out.ctypes.data, out.nbytes, fpath, -1, 0)
+    assert r.wait(60.0)
+    r.result()
+    assert (out == data).all()
+    back = np.full(8192 + 1, 7, np.uint8)[1:]
+    w = h.submit(WRITE, back.ctypes.data, back.nbytes, fpath, -1, 0)
+    assert w.wait(60.0)
+    w.result()
+    assert (np.fromfile(fpath, np.uint8) == 7).all()

@@ -99,6 +99,10 @@ void QueuedEngine::start(const Slice& s) {
   j.chunk = std::max<uint64_t>(
       j.align,
       std::min<uint64_t>(s_.block_size, max_chunk_ / j.align * j.align) / j.align * j.align);
+  // No chunk larger than the slice: staging is chunk x queue_depth, which at a
+  // large block_size would be GiBs for a small unaligned transfer.
+  j.chunk = std::min<uint64_t>(
+      j.chunk, std::max<uint64_t>(j.align, (s.len + j.align - 1) / j.align * j.align));
   try {
     // Opening the buffered descriptor may fail: nothing is in flight for it.
     j.fd = s.direct ? s.file->direct_fd() : s.file->buffered_fd();
