@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _C, pinned
 from ._args import PathArg, check_bool, check_int, check_path
-from ._buffers import MAX_OFFSET, ResolvedBuffer, resolve, track_inflight, untrack_inflight
+from ._buffers import MAX_OFFSET, ResolvedBuffer, resolve, track_inflight, untrack_inflight, wait_sliced
 from ._errors import HandleStateError
 from .future import AioFuture, collectable, first_untold_error, wait_all
 
@@ -414,7 +414,9 @@ class AsyncIOHandle:
                 futs = list(self._pending)
             wait_all(futs)
             first = first_untold_error(futs)
-        self._drain()
+            # Requests whose futures were dropped too (a sync call Ctrl-C'd on a
+            # hung file system): waited for interruptibly as well.
+            wait_sliced(self._c.drain_for, None)
         self._closed = True
         if os.getpid() == self._pid:
             self._c = None

@@ -680,3 +680,40 @@ def test_an_interrupt_right_after_the_core_submitted_keeps_the_memory(tmp_path):
         assert len(_buffers._inflight) == before + 1  # given back
     finally:
         h.close()
+
+
+def test_ctrl_c_interrupts_close_waiting_for_requests_nobody_holds(tmp_path):
+    """close() waits for every request, also those whose futures were dropped
+    (a sync call interrupted on a hung file system): interruptibly, leaving
+    the handle open and intact, as its wait for held futures does."""
+    import _thread
+    import time
+
+    h = aio.AsyncIOHandle()
+    real = h._c
+
+    class _Stuck:  # a core whose last request never finishes
+        def drain_for(self, seconds):
+            time.sleep(min(seconds, 0.05))
+            return False
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    h._c = _Stuck()
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            h.close()
+    finally:
+        timer.cancel()
+    assert not h._closed  # open and intact: close() again finishes it
+    h._c = real
+    src = tmp_path / "x.bin"
+    src.write_bytes(b"\1" * 4096)
+    buf = np.zeros(4096, np.uint8)
+    h.sync_pread(buf, str(src))
+    assert (buf == 1).all()
+    h.close()
+    assert h._closed

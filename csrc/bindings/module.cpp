@@ -215,6 +215,8 @@ void bind_handle(py::module_& m) {
       .def("submit_pieces", &submit_pieces, py::arg("op"), py::arg("ptr"), py::arg("piece"),
            py::arg("offsets_ptr"), py::arg("count"), py::arg("path"), py::arg("fd"))
       .def("drain", &aio::Handle::drain, py::call_guard<py::gil_scoped_release>())
+      .def("drain_for", &aio::Handle::drain_for, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
       .def("stats", [](aio::Handle& h) { return stats_dict(h.stats()); })
       .def_property_readonly("engine", &aio::Handle::engine_name)
       .def_property_readonly("engine_reason", &aio::Handle::engine_reason)

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <functional>
 #include <list>
@@ -399,6 +400,13 @@ void Handle::drain() {
   if (forked()) return;
   std::unique_lock<std::mutex> lk(mu_);
   idle_cv_->wait(lk, [&] { return outstanding_ == 0; });
+}
+
+bool Handle::drain_for(double seconds) {
+  if (forked()) return true;
+  std::unique_lock<std::mutex> lk(mu_);
+  const auto limit = std::chrono::duration<double>(seconds > 0 ? seconds : 0.0);
+  return idle_cv_->wait_for(lk, limit, [&] { return outstanding_ == 0; });
 }
 
 std::vector<std::string> Handle::take_notices() {

@@ -57,6 +57,8 @@ class Handle {
                                               const std::string& path, int fd);
   // Waits until no request of this handle is in flight.
   void drain();
+  // drain() for at most `seconds`: whether nothing is outstanding now.
+  bool drain_for(double seconds);
 
   Stats stats() const;
   const Settings& settings() const { return settings_; }
