@@ -76,6 +76,9 @@ class Fp16Config(PrecisionConfig):
     loss_scale_window: Int = Field(1000, ge=1, description="clean steps before the scale doubles")
     hysteresis: Int = Field(2, ge=1, description="overflows before the scale halves")
     min_loss_scale: Float = Field(1.0, ge=0, description="the dynamic scale never goes below this")
+    consecutive_hysteresis: Bool = Field(
+        False, description="restore the hysteresis at every clean step, not only when the scale doubles"
+    )
 
 
 class OptimizerConfig(BaseModel):

@@ -1,8 +1,10 @@
-"""Clipping and loss scaling. fp16 loss scaling has DeepSpeed's semantics: a
-static scale, or a dynamic one that halves on overflow (after `hysteresis`
-overflows) and doubles after `loss_scale_window` clean steps, never below
-`min_loss_scale`. Gradient clipping scales the step's gradients so that their
-global norm is at most ``gradient_clipping``."""
+"""Clipping and loss scaling. fp16 loss scaling has DeepSpeed's semantics
+(its DynamicLossScaler, step for step): a static scale, or a dynamic one that
+halves on an overflow once `hysteresis` overflows have used up the
+hysteresis (and then at every overflow until the scale grows again), and
+doubles after `loss_scale_window` clean steps since the last overflow,
+never below `min_loss_scale`. Gradient clipping scales the step's gradients
+so that their global norm is at most ``gradient_clipping``."""
 
 from __future__ import annotations
 
@@ -22,26 +24,33 @@ class LossScaler:
         self.hysteresis_left = cfg.hysteresis
 
     def update(self, overflow: bool) -> None:
-        """Record one step's outcome; a static scale never changes. Dynamic: an
-        overflow resets the clean-step count and, at the `hysteresis`-th since the
-        scale last changed, halves the scale (not below `min_loss_scale`); every
-        `loss_scale_window` consecutive clean steps double it."""
+        """Record one step's outcome, as DeepSpeed's DynamicLossScaler does; a
+        static scale never changes. An overflow halves the scale (not below
+        `min_loss_scale`) when the hysteresis left is 1, else uses one up;
+        it stays at 1 after halving, so the next overflow halves again. A clean
+        step with `loss_scale_window` clean steps before it since the last
+        overflow (a multiple of them) doubles the scale and restores the
+        hysteresis (every clean step restores it with `consecutive_hysteresis`)."""
         if not self.dynamic:
             return
+        cfg = self.cfg
         if overflow:
+            if cfg.hysteresis == 1 or self.hysteresis_left == 1:
+                self.scale = max(self.scale / 2, cfg.min_loss_scale)
+            else:
+                self.hysteresis_left -= 1
             self.good_steps = 0
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
-                self.scale = max(self.scale / 2, self.cfg.min_loss_scale)
-                self.hysteresis_left = self.cfg.hysteresis
             return
-        self.good_steps += 1
-        if self.good_steps % self.cfg.loss_scale_window == 0:
+        if cfg.consecutive_hysteresis:
+            self.hysteresis_left = cfg.hysteresis
+        if self.good_steps > 0 and self.good_steps % cfg.loss_scale_window == 0:
+            self.hysteresis_left = cfg.hysteresis
             self.scale *= 2
-            self.hysteresis_left = self.cfg.hysteresis
+        self.good_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """The scale, clean-step count and hysteresis left, as plain data for a checkpoint."""
+        """The scale, clean steps since the last overflow and hysteresis left, as
+        plain data for a checkpoint."""
         return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis_left": self.hysteresis_left}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
