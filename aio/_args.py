@@ -52,3 +52,24 @@ def check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
     return v
+
+
+def same_kind(have: Any, got: Any) -> bool:
+    """Whether a loaded value `got` (a checkpoint's hyper-parameter, a
+    scheduler's or a loss scaler's state) can stand where the live object has
+    `have`: numbers for numbers (not bool for a number), sequences of such of
+    the same length, None or a bool where it has None, else the same type."""
+    num = (int, float)
+    if isinstance(have, bool) or isinstance(got, bool):
+        return isinstance(have, bool) and isinstance(got, bool)
+    if isinstance(have, num):
+        return isinstance(got, num)
+    if isinstance(have, (tuple, list)):
+        return (
+            isinstance(got, (tuple, list))
+            and len(got) == len(have)
+            and all(same_kind(a, b) for a, b in zip(have, got, strict=True))
+        )
+    if have is None or got is None:  # flags such as foreach, fused: None or a bool
+        return got is None or (have is None and isinstance(got, bool))
+    return type(have) is type(got)

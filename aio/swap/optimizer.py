@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._args import same_kind
 from .._buffers import MAX_OFFSET
 from ..config import discover_state_spec
 from ..pinned import Lease, Register
@@ -859,7 +860,7 @@ class OptimizerSwapper:
             )
         for k, (now, got) in enumerate(zip(current, saved, strict=False)):
             for key, v in got.items():
-                if key in now and not _same_kind(now[key], v):
+                if key in now and not same_kind(now[key], v):
                     raise ValueError(f"scalars.pt: param group {k}'s {key!r} is {v!r}, not like {now[key]!r}")
 
     def _chunks(self, g: _SubGroup, path: str, to_checkpoint: bool | None) -> list[Chunk]:
@@ -1270,26 +1271,6 @@ class _StepIO:
         self.carried.clear()
         self.kept.clear()
         self.partial.clear()
-
-
-def _same_kind(have: Any, got: Any) -> bool:
-    """Whether a saved hyper-parameter `got` can stand where the optimizer has
-    `have`: numbers for numbers (not bool for a number), sequences of such of
-    the same length, None or a bool where it has None, else the same type."""
-    num = (int, float)
-    if isinstance(have, bool) or isinstance(got, bool):
-        return isinstance(have, bool) and isinstance(got, bool)
-    if isinstance(have, num):
-        return isinstance(got, num)
-    if isinstance(have, (tuple, list)):
-        return (
-            isinstance(got, (tuple, list))
-            and len(got) == len(have)
-            and all(_same_kind(a, b) for a, b in zip(have, got, strict=True))
-        )
-    if have is None or got is None:  # flags such as foreach, fused: None or a bool
-        return got is None or (have is None and isinstance(got, bool))
-    return type(have) is type(got)
 
 
 def _land_initial(entry: tuple[_SubGroup, Lease, IOFuture]) -> None:

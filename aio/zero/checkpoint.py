@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._args import same_kind
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain, write_json_durably
 
 if TYPE_CHECKING:
@@ -207,11 +208,27 @@ def _verify_schedule(trainer: OffloadTrainer, path: str) -> dict[str, Any] | Non
         raise ValueError(f"{path}: the checkpoint's param groups do not match this optimizer's")
     if not all(isinstance(g, dict) for g in groups):
         raise ValueError(f"{path}: the checkpoint's param groups are malformed")
+    for k, (now, saved_group) in enumerate(zip(trainer.optimizer.param_groups, groups, strict=True)):
+        bad = [
+            key
+            for key, v in saved_group.items()
+            if key in now and key != "params" and not same_kind(now[key], v)
+        ]
+        if bad:
+            raise ValueError(
+                f"{path}: param group {k}'s {', '.join(map(repr, bad))} are not of the kind it has"
+            )
     sched, saved = trainer.lr_scheduler, state.get("lr_scheduler")
     if sched is not None and saved is not None:
         # Loaded only after the parameters and the optimizer state: a scheduler
-        # of another kind must be refused here, while nothing has changed yet.
-        if not isinstance(saved, dict) or set(saved) != set(sched.state_dict()):
+        # of another kind (or a malformed state) must be refused here, while
+        # nothing has changed yet.
+        mine = sched.state_dict()
+        if (
+            not isinstance(saved, dict)
+            or set(saved) != set(mine)
+            or not all(same_kind(mine[k], v) for k, v in saved.items())
+        ):
             raise ValueError(
                 f"{path}: the checkpoint's lr scheduler state does not fit this trainer's "
                 f"{type(sched).__name__} (saved with another kind of scheduler?)"
@@ -286,8 +303,12 @@ def verify_meta(trainer: OffloadTrainer, path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: engine.json lacks its step counters")
     sc = meta.get("scaler")
     scaler = trainer.scaling.scaler
-    if scaler is not None and sc and not (isinstance(sc, dict) and set(scaler.state_dict()) <= set(sc)):
-        raise ValueError(f"{path}: engine.json has a malformed loss-scaler state")
+    if scaler is not None and sc:
+        mine = scaler.state_dict()
+        if not (
+            isinstance(sc, dict) and set(mine) <= set(sc) and all(same_kind(mine[k], sc[k]) for k in mine)
+        ):
+            raise ValueError(f"{path}: engine.json has a malformed loss-scaler state")
     return meta
 
 

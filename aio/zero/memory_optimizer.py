@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._args import same_kind
 from ..swap.param_groups import TorchGroups
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain
 from .malloc import long_lived_zeros
@@ -147,22 +148,54 @@ class MemoryOptimizer:
     def verify_checkpoint(self, directory: str) -> dict[str, Any]:
         """Load and check a checkpoint without changing anything (tensors and
         plain data only: a tampered file cannot run code)."""
+        import torch
+
         require_complete(directory)
         saved = load_plain(os.path.join(directory, "optimizer.pt"))
         if not isinstance(saved, dict) or not isinstance(saved.get("master"), dict):
             raise ValueError(f"{directory}: optimizer.pt is not an aio.zero optimizer checkpoint")
-        if set(saved["master"]) != set(self.master) or any(
-            saved["master"][i].shape != self.master[i].shape for i in self.master
+        masters = saved["master"]
+        if set(masters) != set(self.master) or any(
+            not torch.is_tensor(masters[i]) or masters[i].dtype != t.dtype or masters[i].shape != t.shape
+            for i, t in self.master.items()
         ):
             raise ValueError(f"{directory}: optimizer sub-groups do not match this model")
         opt_state = saved.get("optimizer")
-        groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
-        if not isinstance(groups, list) or not isinstance(saved.get("steps"), int):
+        if (
+            not isinstance(opt_state, dict)
+            or not isinstance(opt_state.get("param_groups"), list)
+            or not all(isinstance(g, dict) for g in opt_state["param_groups"])
+            or not isinstance(opt_state.get("state"), dict)
+            or not isinstance(saved.get("steps"), int)
+        ):
             raise ValueError(f"{directory}: optimizer.pt has no optimizer state or step count")
-        mine = [len(pg["params"]) for pg in self._optimizer().param_groups]
-        if [len(pg.get("params", ())) for pg in groups] != mine:
-            raise ValueError(f"{directory}: the optimizer's parameter groups do not match this model")
+        self._check_optimizer_state(directory, opt_state)
         return saved
+
+    def _check_optimizer_state(self, directory: str, opt_state: dict[str, Any]) -> None:
+        """ValueError unless the saved torch optimizer state fits this one: its
+        groups' parameter counts and hyper-parameters' kinds, and each state
+        entry a dict of scalars and tensors (of its parameter's shape) by name."""
+        import torch
+
+        current = self._optimizer().param_groups
+        groups = opt_state["param_groups"]
+        if [len(pg.get("params", ())) for pg in groups] != [len(pg["params"]) for pg in current]:
+            raise ValueError(f"{directory}: the optimizer's parameter groups do not match this model")
+        shapes: dict[Any, Any] = {}
+        for now, got in zip(current, groups, strict=True):
+            if any(k in now and k != "params" and not same_kind(now[k], v) for k, v in got.items()):
+                raise ValueError(f"{directory}: a parameter group's hyper-parameters are of another kind")
+            shapes.update(zip(got["params"], (p.shape for p in now["params"]), strict=True))
+        for key, st in opt_state["state"].items():
+            ok = key in shapes and isinstance(st, dict)
+            ok = ok and all(
+                isinstance(v, (int, float))
+                or (torch.is_tensor(v) and (v.dim() == 0 or v.shape == shapes[key]))
+                for v in st.values()
+            )
+            if not ok:
+                raise ValueError(f"{directory}: optimizer.pt's state for parameter {key!r} does not fit it")
 
     def apply_checkpoint(self, directory: str, verified: dict[str, Any]) -> None:
         """Load a checkpoint verify_checkpoint() accepted."""

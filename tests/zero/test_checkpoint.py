@@ -39,6 +39,11 @@ def _replace(path, obj):
     """What an attacker who can write the checkpoint does: swap in a file
     and fix up the size listed in every enclosing ``complete`` marker."""
     torch.save(obj, path)
+    _remark(path)
+
+
+def _remark(path):
+    """Fix up every ``complete`` marker enclosing `path` after it changed."""
     d = os.path.dirname(path)
     while os.path.exists(os.path.join(d, "latest")) is False and d != "/":
         marker = os.path.join(d, "complete")
@@ -71,6 +76,62 @@ def test_tampered_pickle_does_not_run(tmp_path, param, opt, victim):
         with pytest.raises(ValueError, match="refusing to load"):
             engine.load_checkpoint(str(ckpt))
         assert not ran.exists()
+
+
+def _tamper(path, what):
+    """Change one saved value of the checkpoint at `path` as `what` says."""
+    if what == "scaler":
+        f = os.path.join(path, "engine.json")
+        with open(f) as fh:
+            meta = json.load(fh)
+        meta["scaler"]["scale"] = "big"
+        with open(f, "w") as fh:
+            json.dump(meta, fh)
+        _remark(f)
+        return
+    if what == "group lr":
+        f = os.path.join(path, "schedule.pt")
+        state = torch.load(f, weights_only=True)
+        state["param_groups"][0]["lr"] = "oops"
+        return _replace(f, state)
+    f = os.path.join(path, "optimizer", "optimizer.pt")
+    saved = torch.load(f, weights_only=True)
+    if what == "master dtype":
+        saved["master"][0] = saved["master"][0].double()
+    elif what == "no state":
+        del saved["optimizer"]["state"]
+    elif what == "state shape":
+        st = next(iter(saved["optimizer"]["state"].values()))
+        st["exp_avg"] = st["exp_avg"][:1]
+    else:
+        saved["optimizer"]["param_groups"][0]["betas"] = 0.9
+    _replace(f, saved)
+
+
+@pytest.mark.parametrize(
+    "what", ["scaler", "group lr", "master dtype", "no state", "state shape", "betas a number"]
+)
+def test_a_malformed_value_in_a_checkpoint_is_refused_before_anything_changes(tmp_path, what):
+    """Values of the wrong kind (a loss scale that is a string, an lr that is
+    one, master weights in float64, an optimizer state missing or of another
+    shape, betas that are no pair) are a ValueError at load, raised before
+    anything changes: training goes on as if no load had been tried (they
+    were applied, and failed in the next step or corrupted it)."""
+    extra = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}} if what == "scaler" else {}
+    opt = "nvme" if what in ("scaler", "group lr") else "cpu"
+    ckpt = tmp_path / "ckpt"
+    cfg = cfg_for(tmp_path / "a", "cpu", opt, **extra)
+    with aio.zero.initialize(gpt(), cfg) as engine:
+        train_engine(engine, 1)
+        path = engine.save_checkpoint(str(ckpt))
+        _tamper(path, what)
+        with pytest.raises(ValueError):
+            engine.load_checkpoint(str(ckpt))
+        got = train_engine(engine, 2, start=1)
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "b", "cpu", opt, **extra)) as engine:
+        train_engine(engine, 1)
+        want = train_engine(engine, 2, start=1)
+    assert got == want
 
 
 def test_client_state_must_be_plain_data(tmp_path):
