@@ -262,12 +262,19 @@ def checkpoint_dir(directory: str) -> Iterator[str]:
     if os.path.exists(directory) and os.listdir(directory):
         raise FileExistsError(17, "checkpoint directory exists and is not empty", directory)
     parent = os.path.dirname(os.path.abspath(directory))
+    reclaim_killed_saves(parent)
     tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{uuid.uuid4().hex[:8]}")
     # Private (0700 whatever the umask): nobody else can plant a file or a
     # symlink in it for a write to follow; the checkpoint keeps that mode.
     os.mkdir(tmp, 0o700)
     try:
+        # Who is writing it: a save killed part-way leaves the folder, which
+        # the next save beside it removes once this process is gone (not
+        # fsynced: after a power cut the boot differs and the owner is unknown).
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(_identity(), f)
         yield tmp
+        os.unlink(os.path.join(tmp, MARKER))
         sizes = _sync_tree(tmp)
         crcs = {rel: _crc32_file(os.path.join(tmp, rel)) for rel in sizes if not rel.endswith(".bin")}
         write_json_durably(os.path.join(tmp, COMPLETE), {"files": sizes, "crc32": crcs})
@@ -279,6 +286,36 @@ def checkpoint_dir(directory: str) -> Iterator[str]:
     except BaseException:
         _remove_tree(tmp)
         raise
+
+
+_SAVE_TMP = re.compile(r"^\..+\.tmp-[0-9a-f]{8}$")
+
+
+def reclaim_killed_saves(parent: str) -> list[str]:
+    """Remove the temporary folders that checkpoint saves killed part-way
+    (SIGKILL, a power cut) left in `parent`: only those whose owner marker
+    says this host, boot and pid namespace and a process that is gone; a
+    save still running, on another host or unknown is left alone."""
+    removed: list[str] = []
+    try:
+        fd = os.open(parent, _DIR_FLAGS)
+    except OSError:
+        return removed
+    try:
+        me = _identity()
+        for name in os.listdir(fd):
+            if not _SAVE_TMP.match(name):
+                continue
+            with contextlib.suppress(OSError):
+                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    continue
+                owner = _read_marker(fd, name)
+                if owner is not None and _owner_is_dead(owner, me):
+                    _remove_tree(os.path.join(parent, name))
+                    removed.append(name)
+    finally:
+        os.close(fd)
+    return removed
 
 
 def _remove_tree(path: str) -> None:

@@ -289,3 +289,35 @@ def test_a_checkpoint_with_anything_but_its_listed_regular_files_is_refused(tmp_
         match = "symbolic link"
     with pytest.raises(ValueError, match=match):
         require_complete(str(ck))
+
+
+def test_a_save_killed_part_way_leaves_a_folder_the_next_save_removes(tmp_path):
+    """A checkpoint save killed inside its temporary folder (SIGKILL: no
+    cleanup runs) left it for good, as big as the checkpoint. The next save
+    beside it removes it once its process is gone; a save still running, and
+    a folder whose owner is unknown, are left alone."""
+    from aio.swap.storage import checkpoint_dir, reclaim_killed_saves
+
+    script = textwrap.dedent(
+        f"""
+        import os
+        from aio.swap.storage import checkpoint_dir
+        with checkpoint_dir({str(tmp_path / "killed")!r}) as tmp:
+            open(os.path.join(tmp, "big.bin"), "wb").write(b"x" * 4096)
+            os.kill(os.getpid(), 9)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    (stale,) = [n for n in os.listdir(tmp_path) if n.startswith(".killed.tmp-")]
+    unknown = tmp_path / ".other.tmp-0123abcd"
+    unknown.mkdir()  # no owner marker: cannot tell, kept
+    with checkpoint_dir(str(tmp_path / "running")) as tmp:
+        (tmp_path / "x").mkdir()  # not a save's folder
+        assert reclaim_killed_saves(str(tmp_path)) == []  # the first save above removed it already
+        assert not (tmp_path / stale).exists()
+        assert os.path.isdir(tmp) and unknown.is_dir()  # a save running, an unknown owner: kept
+        with open(os.path.join(tmp, "data"), "w") as f:
+            f.write("ok")
+    assert (tmp_path / "running" / "data").read_text() == "ok"
+    assert sorted(os.listdir(tmp_path / "running")) == ["complete", "data"]  # no owner marker left in it
