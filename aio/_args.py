@@ -57,19 +57,29 @@ def check_bool(name: str, v: Any) -> bool:
 def same_kind(have: Any, got: Any) -> bool:
     """Whether a loaded value `got` (a checkpoint's hyper-parameter, a
     scheduler's or a loss scaler's state) can stand where the live object has
-    `have`: numbers for numbers (not bool for a number), sequences of such of
-    the same length, None or a bool where it has None, else the same type."""
-    num = (int, float)
+    `have`: numbers for numbers (int, float or a one-element tensor; not bool),
+    sequences of such of the same length, None or a bool where it has None or
+    a bool, else the same type."""
+    if have is None:  # flags such as foreach, fused: None or a bool
+        return got is None or isinstance(got, bool)
+    if got is None:
+        return isinstance(have, bool)  # a flag saved unset
     if isinstance(have, bool) or isinstance(got, bool):
         return isinstance(have, bool) and isinstance(got, bool)
-    if isinstance(have, num):
-        return isinstance(got, num)
+    if _number(have):
+        return _number(got)  # a float lr where a tensor one was built, or back
     if isinstance(have, (tuple, list)):
         return (
             isinstance(got, (tuple, list))
             and len(got) == len(have)
             and all(same_kind(a, b) for a, b in zip(have, got, strict=True))
         )
-    if have is None or got is None:  # flags such as foreach, fused: None or a bool
-        return got is None or (have is None and isinstance(got, bool))
     return type(have) is type(got)
+
+
+def _number(v: Any) -> bool:
+    """An int or float (not bool), or a tensor of one element (a tensor lr)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return True
+    numel = getattr(v, "numel", None)
+    return callable(numel) and hasattr(v, "dtype") and numel() == 1

@@ -393,10 +393,10 @@ def _read_complete(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def require_complete(directory: str) -> None:
     """Raise unless `directory` is a whole checkpoint: its ``complete``
-    marker exists and lists exactly the files there (regular files only: a
-    symbolic link, a FIFO or a device is refused, as is a file the marker
-    does not list), each with the listed size, and every file it has a CRC32
-    for still has that checksum."""
+    marker exists and lists exactly the files there besides hidden ones
+    (regular files only: a symbolic link, a FIFO or a device is refused, as
+    is a file the marker does not list), each with the listed size, and every
+    file it has a CRC32 for still has that checksum."""
     files, crcs = _read_complete(directory)
     there = _files_in(directory)
     there.pop(COMPLETE, None)
@@ -405,7 +405,9 @@ def require_complete(directory: str) -> None:
             raise ValueError(f"{directory} is incomplete: {rel} is missing")
         if there[rel] != size:
             raise ValueError(f"{directory} is damaged: {rel} has {there[rel]} bytes, {size} were written")
-    unlisted = sorted(set(there) - set(files))
+    # Hidden files are no part of a checkpoint (none is written, none read):
+    # a file browser's .DS_Store or NFS's .nfsXXXX do not damage it.
+    unlisted = sorted(r for r in set(there) - set(files) if not os.path.basename(r).startswith("."))
     if unlisted:
         raise ValueError(
             f"{directory} holds files its '{COMPLETE}' marker does not list: {', '.join(unlisted)}"

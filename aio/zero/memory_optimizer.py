@@ -127,11 +127,12 @@ class MemoryOptimizer:
             self.proxies[i].grad = self.grads[i]
         lowp_out = {self.proxies[i]: t for i, t in (lowp or {}).items()}
         step_scaled(self.optimizer, [self.grads[i] for i in order], grad_scale, lowp_out)
+        self.steps += 1  # stepped, whatever `after` then raises
         for i in order:
             self.proxies[i].grad = None
-            if after is not None:
+        if after is not None:
+            for i in order:
                 after(i, self.master[i])
-        self.steps += 1
 
     def export_checkpoint(self, directory: str) -> None:
         """Write the master weights, the torch optimizer state and the step count to

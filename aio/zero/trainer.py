@@ -246,6 +246,7 @@ class OffloadTrainer:
         # through backward(), which scales the loss); see _check_plain_backward.
         self._in_backward_call = False
         self._plain_backward = False
+        self._updated = False  # this step's optimizer update has (partly) happened
 
     def _build(self, plan: Plan) -> None:
         """Allocate: parameters into the store, the optimizer's sub-groups with
@@ -519,19 +520,19 @@ class OffloadTrainer:
         self.grads.end_window()
 
     def _check_plain_backward(self) -> None:
-        """A plain ``loss.backward()`` works where backward() would not change
-        the loss (one micro-step a window, no fp16 loss scale); elsewhere its
-        gradients would be wrong (gas times too large, or never unscaled), so
-        the window is dropped with a ValueError saying what to call."""
+        """A plain ``loss.backward()`` is the caller's to scale, as in PyTorch
+        (``(loss / gradient_accumulation_steps).backward()``), except under
+        fp16's loss scale, which only backward() knows: its gradients would
+        never be unscaled right, so the window is dropped with a ValueError
+        saying what to call."""
         plain, self._plain_backward = self._plain_backward, False
-        if not plain or (self.gas == 1 and self.scaling.scaler is None):
+        if not plain or self.scaling.scaler is None:
             return
         self._abandon_window()
-        why = [f"divides it by gradient_accumulation_steps ({self.gas})"] if self.gas > 1 else []
-        why += ["multiplies it by fp16's loss scale"] if self.scaling.scaler is not None else []
         raise ValueError(
-            "gradients came from a plain loss.backward(): call engine.backward(loss) instead, which "
-            f"{' and '.join(why)}; this accumulation window's gradients were dropped"
+            "gradients came from a plain loss.backward() under fp16 loss scaling: call "
+            "engine.backward(loss) instead, which multiplies the loss by the current loss scale (and "
+            "divides it by gradient_accumulation_steps); this accumulation window's gradients were dropped"
         )
 
     def _step_through_torch_optimizer(self, grad_scale: Any) -> None:
@@ -563,10 +564,10 @@ class OffloadTrainer:
         # Packed sub-groups (memory backend, low precision) get their new
         # parameters written by the update itself.
         lowp = {gi: flat for gi, (flat, _) in self.store.packed.items()}
-        updated = False
+        self._updated = False  # set by _store_params: some sub-group's update is in
         try:
             self.zero_optimizer.step(after=self._store_params, grad_scale=grad_scale, lowp=lowp)
-            updated = True
+            self._updated = True
             if self.mirrored:  # the next forward reads parameters from the drive's master weights
                 self.zero_optimizer.flush()
         except BaseException:
@@ -582,7 +583,7 @@ class OffloadTrainer:
                 # Once the optimizer has stepped the step happened, whatever fails
                 # after it (a parameter not stored refuses to be read until a
                 # checkpoint is loaded); step() then spends its gradients.
-                if updated:
+                if self._updated:
                     self.global_steps += 1
 
     def _abandon_window(self) -> None:
@@ -602,6 +603,7 @@ class OffloadTrainer:
             s.param.grad = None
 
     def _store_params(self, gi: int, master: Any) -> None:
+        self._updated = True
         # The previous sub-group's parameter writes had this sub-group's step
         # to land; wait for them now, so at most two sub-groups of parameter
         # copies are ever held (not the whole model until the next forward).

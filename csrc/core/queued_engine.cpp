@@ -99,10 +99,12 @@ void QueuedEngine::start(const Slice& s) {
   j.chunk = std::max<uint64_t>(
       j.align,
       std::min<uint64_t>(s_.block_size, max_chunk_ / j.align * j.align) / j.align * j.align);
-  // No chunk larger than the slice: staging is chunk x queue_depth, which at a
-  // large block_size would be GiBs for a small unaligned transfer.
-  j.chunk = std::min<uint64_t>(
-      j.chunk, std::max<uint64_t>(j.align, (s.len + j.align - 1) / j.align * j.align));
+  // No chunk larger than the slice (nor smaller than 1 MiB, so that staging is
+  // not made again for each larger transfer): staging is chunk x queue_depth,
+  // which at a large block_size would be GiBs for a small unaligned transfer.
+  const uint64_t floor_chunk = std::max<uint64_t>(j.align, (uint64_t{1} << 20) / j.align * j.align);
+  const uint64_t slice_chunk = (s.len + j.align - 1) / j.align * j.align;
+  j.chunk = std::min<uint64_t>(j.chunk, std::max<uint64_t>(floor_chunk, slice_chunk));
   try {
     // Opening the buffered descriptor may fail: nothing is in flight for it.
     j.fd = s.direct ? s.file->direct_fd() : s.file->buffered_fd();

@@ -264,6 +264,8 @@ def test_a_checkpoint_with_anything_but_its_listed_regular_files_is_refused(tmp_
     ck = tmp_path / "ck"
     _small_checkpoint(ck)
     require_complete(str(ck))  # whole as written
+    (ck / ".DS_Store").write_bytes(b"x")  # hidden files are no part of it (a file browser's)
+    require_complete(str(ck))
     if how == "symlink":
         elsewhere = tmp_path / "elsewhere.json"
         elsewhere.write_text('{"a": 2}')

@@ -483,3 +483,16 @@ def test_checkpoint_folder_is_private_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(path).st_mode & 0o777 == 0o700
+
+
+def test_same_kind_takes_what_a_save_gives_back():
+    """The kinds checked on load (aio._args.same_kind): numbers for numbers,
+    a float lr where the optimizer was built with a tensor one (set_lr writes
+    floats), tuples for lists of the same length, None or a bool for None."""
+    from aio._args import same_kind
+
+    assert same_kind(torch.tensor(1e-3), 2e-3) and same_kind(1e-3, torch.tensor(2e-3)) and same_kind(1, 0.5)
+    assert same_kind((0.9, 0.999), [0.8, 0.99]) and same_kind(None, True) and same_kind(None, None)
+    assert not same_kind(1e-3, "1e-3") and not same_kind(0.9, True) and not same_kind((0.9, 0.999), 0.9)
+    assert not same_kind((0.9, 0.999), (0.9,)) and not same_kind(1e-3, None)
+    assert not same_kind(torch.tensor([1.0, 2.0]), 1.0)

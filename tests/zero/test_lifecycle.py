@@ -206,17 +206,26 @@ def test_an_interrupted_close_frees_no_buffer_a_device_copy_still_reads(tmp_path
         assert queued_when_freed == [0]
 
 
-def test_a_parameter_write_failing_after_the_update_counts_the_step_once(tmp_path, reference):  # noqa: F811
-    """The optimizer has stepped when the last sub-group's parameter writes
-    fail (or a Ctrl-C ends the wait for them): the step counts, its
-    gradients are spent (step() again without a backward() is refused: the
-    same gradients never apply twice), the parameter that was not stored
-    refuses to be read, and a checkpoint restores exact training."""
+@pytest.mark.parametrize(
+    "opt,groups",
+    [("nvme", "one"), ("cpu", "one"), ("cpu", "several")],
+    ids=["swapped", "memory", "memory-mid"],
+)
+def test_a_parameter_write_failing_after_the_update_counts_the_step_once(tmp_path, reference, opt, groups):  # noqa: F811
+    """The optimizer has stepped when a sub-group's parameter writes fail (or
+    a Ctrl-C ends the wait for them): after the last sub-group's, or (the
+    optimizer in memory, which updates every sub-group first) after the
+    first of several. The step counts, its gradients are spent (step() again
+    without a backward() is refused: the same gradients never apply twice),
+    the parameter that was not stored refuses to be read, and a checkpoint
+    restores exact training."""
     ckpt = str(tmp_path / "ck")
-    one_group = {"params_from_master": False}  # parameters written back by every step
-    cfg = cfg_for(tmp_path / "d", aio_zero=one_group)
-    cfg["zero_optimization"]["sub_group_size"] = 10**9  # one sub-group: its writes end the step
+    not_mirrored = {"params_from_master": False}  # parameters written back by every step
+    cfg = cfg_for(tmp_path / "d", opt=opt, aio_zero=not_mirrored)
+    if groups == "one":
+        cfg["zero_optimization"]["sub_group_size"] = 10**9  # its writes end the step
     with aio.zero.initialize(gpt(), cfg) as engine:
+        assert (len(engine.layout.groups) > 1) == (groups == "several")
         first = train_engine(engine, 5)
         engine.save_checkpoint(ckpt)
         engine.backward(loss_of(engine, 5, 0))
