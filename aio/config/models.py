@@ -130,7 +130,10 @@ def strict_float(v: Any) -> float:
         raise ValueError(f"expected a number, got the string {v!r}; write the number without quotes")
     if not isinstance(v, numbers.Real):
         raise ValueError(f"expected a number, got {type(v).__name__}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an integer past any float
+        raise ValueError(f"out of range: {str(v)[:12]}... has {len(str(v))} digits") from None
     if not math.isfinite(f):
         raise ValueError(f"expected a finite number, got {f}")
     return f

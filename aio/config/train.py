@@ -469,11 +469,18 @@ class TrainConfig(BaseModel):
         top = [k for k in self.model_extra or {} if k not in _QUIET_KEYS]
         zero = self.zero_optimization.model_extra or {}
         opt = (self.optimizer.model_extra or {}) if self.optimizer is not None else {}
+        precision = [
+            f"{name}.{k}"
+            for name in ("bf16", "bfloat16", "fp16")
+            if (block := getattr(self, name)) is not None
+            for k in block.model_extra or {}
+        ]
         return tuple(
             sorted(
                 top
                 + [f"zero_optimization.{k}" for k in zero if k not in _NOOP_ZERO_KEYS]
                 + [f"optimizer.{k}" for k in opt]
+                + precision
             )
         )
 

@@ -87,6 +87,19 @@ def test_errors_name_the_key_path(cfg, path):
     assert path in [p for p, _ in ei.value.problems], ei.value.problems
 
 
+@pytest.mark.parametrize("key", ["aio_zero.host_memory_budget", "gradient_clipping", "fp16.loss_scale"])
+def test_an_integer_past_any_float_is_out_of_range_by_key(key):
+    """A JSON integer too large for a float (400 digits) is a ConfigError
+    naming the key, not a bare OverflowError."""
+    top, _, leaf = key.rpartition(".")
+    cfg = (
+        {leaf: 10**400} if not top else {top: {leaf: 10**400, **({"enabled": True} if top == "fp16" else {})}}
+    )
+    with pytest.raises(ConfigError) as ei:
+        load_train_config(cfg)
+    assert [p for p, m in ei.value.problems if "out of range" in m] == [key], ei.value.problems
+
+
 def test_ignored_keys_one_notice():
     with pytest.warns(UserWarning, match="ignores these config keys") as rec:
         c = load_train_config(
@@ -105,17 +118,20 @@ def test_an_ignored_key_like_a_read_one_is_named_with_it():
         "gradient_clippin": 1.0,
         "zero_optimization": {"offload_optimizr": {"device": "nvme"}},
         "scheduler": {},
+        "fp16": {"enabled": True, "loss_scale_windw": 500},
     }
     with pytest.warns(UserWarning) as rec:
         c = load_train_config(cfg)
     assert len(rec) == 1
     assert c.ignored == (
+        "fp16.loss_scale_windw",
         "gradient_clippin",
         "optimizer.parms",
         "scheduler",
         "zero_optimization.offload_optimizr",
     )
     msg = str(rec[0].message)
+    assert "fp16.loss_scale_windw (did you mean fp16.loss_scale_window?)" in msg
     assert "gradient_clippin (did you mean gradient_clipping?)" in msg
     assert "optimizer.parms (did you mean optimizer.params?)" in msg
     assert "zero_optimization.offload_optimizr (did you mean zero_optimization.offload_optimizer?)" in msg
