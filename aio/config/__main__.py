@@ -223,13 +223,15 @@ def _add_gradients(est: MemoryEstimate, path: str) -> None:
     data, _ = read_config_data(path)
     data, _ = stand_in_autos(data)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # validate's notes are validate's to print
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
             train = load_train_config(data)
     except ConfigError as e:
         note = f"gradient placement not estimated, not an aio.zero config: {e}"
         print(f"aio-config: note: {note}", file=sys.stderr)
         return
+    for n in notes:  # a misspelt key (sub_grup_size) changes the estimate: say so
+        print(f"aio-config: note: {n.message}", file=sys.stderr)
     est.add_gradients(place_gradients(train, est.num_params, est.held_bytes))
 
 

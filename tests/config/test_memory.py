@@ -385,3 +385,16 @@ def test_cli_param_numels_with_a_huge_count_is_quick(tmp_path):
     assert json.loads(r.stdout)["pinned_bytes"] == same.pinned_bytes
     with pytest.raises(SystemExit):
         config_main(["estimate", str(p), "--param-numels", "1e400x2"])  # was an OverflowError traceback
+
+
+def test_cli_estimate_names_a_misspelt_key_it_did_not_read(tmp_path, capsys):
+    """A misspelt key changes the estimate (sub_grup_size: the default
+    sub-group size, 1000x the buffers): estimate says it ignored it and
+    what it looks like, as validate does."""
+    cfg = json.loads(json.dumps(CFG))
+    cfg["zero_optimization"]["sub_grup_size"] = cfg["zero_optimization"].pop("sub_group_size", 10**6)
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(cfg))
+    assert config_main(["estimate", str(p), "--params", "1e9"]) == 0
+    err = capsys.readouterr().err
+    assert "zero_optimization.sub_grup_size (did you mean zero_optimization.sub_group_size?)" in err
