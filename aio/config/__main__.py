@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import warnings
 
@@ -193,6 +194,13 @@ def _validate(a: argparse.Namespace) -> int:
         print(f"aio-config: note: {n.message}", file=sys.stderr)
     for key in ("offload_param", "offload_optimizer"):
         blk = getattr(cfg.offload, key)
+        for d in blk.nvme_dirs() if blk is not None and blk.device == "nvme" else []:
+            if not os.path.isdir(d):  # a config for another machine may name its drives
+                print(
+                    f"aio-config: note: zero_optimization.{key}.nvme_path {d} is not an existing "
+                    "directory here: aio.zero and aio-train refuse it on this machine",
+                    file=sys.stderr,
+                )
         if blk is not None and len(blk.nvme_dirs()) > 1:
             print(
                 f"aio-config: note: zero_optimization.{key}.nvme_path lists "

@@ -398,3 +398,22 @@ def test_cli_estimate_names_a_misspelt_key_it_did_not_read(tmp_path, capsys):
     assert config_main(["estimate", str(p), "--params", "1e9"]) == 0
     err = capsys.readouterr().err
     assert "zero_optimization.sub_grup_size (did you mean zero_optimization.sub_group_size?)" in err
+
+
+def test_cli_validate_notes_an_nvme_path_missing_here(tmp_path, capsys):
+    """validate accepts a config naming another machine's drives, but says
+    when an nvme_path is no directory here (aio.zero would refuse it)."""
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nope")},
+        }
+    }
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(cfg))
+    assert config_main(["validate", str(p)]) == 0
+    err = capsys.readouterr().err
+    assert f"offload_optimizer.nvme_path {tmp_path / 'nope'} is not an existing directory here" in err
+    (tmp_path / "nope").mkdir()
+    assert config_main(["validate", str(p)]) == 0
+    assert "not an existing directory" not in capsys.readouterr().err
