@@ -66,6 +66,9 @@ class Init:
             return self
         import torch
 
+        if self._guard is not None:
+            # Its second entry would save its own patches as torch's originals.
+            raise RuntimeError("this aio.zero.Init is already active: enter it once (a new Init nests)")
         if self.store is None:
             self.store = ParamStore(self.cfg, self.device)
         store = self.store
@@ -161,12 +164,21 @@ class Init:
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
+        guard, self._guard = self._guard, None
+        try:
+            if guard is not None:
+                guard.__exit__(None, None, None)
+                guard.close_opened()
+        finally:
+            self._restore_torch()  # whatever closing the build raised
+        trim_malloc()
+        if self.store is not None and exc[0] is None:
+            self.store.finish_adoption()  # a failed write raises here, not at first use
+
+    def _restore_torch(self) -> None:
+        """Undo __enter__'s patches of torch.nn.Module."""
         import torch
 
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
-            guard.close_opened()
         if self.store is not None:
             self.store.on_host -= 1
         if self._orig_register is not None:
@@ -180,6 +192,3 @@ class Init:
         else:
             torch.nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[method-assign]
         torch.nn.Module.apply = self._orig_apply  # type: ignore[method-assign]
-        trim_malloc()
-        if self.store is not None and exc[0] is None:
-            self.store.finish_adoption()  # a failed write raises here, not at first use

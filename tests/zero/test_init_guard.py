@@ -70,3 +70,46 @@ def test_running_out_of_buffers_is_loud_and_leaves_nothing_fetched(tmp_path):
         assert init.store.refs == {}  # nothing left counted as in use
         torch.nn.init.ones_(ls[4].weight)
     assert torch.equal(_stored(init, ls[4].weight), torch.ones(8, 8))
+
+
+def _torch_as_it_was():
+    """Module.apply, register_parameter and Linear.__init__ are torch's own."""
+    return (
+        not getattr(torch.nn.Linear.__init__, "_aio_wrapped", False)
+        and torch.nn.Module.apply.__module__.startswith("torch")
+        and torch.nn.Module.register_parameter.__module__.startswith("torch")
+    )
+
+
+def test_entering_one_init_twice_is_refused_and_torch_is_restored(tmp_path):
+    """A second entry of the same Init saved its own patches as torch's
+    originals: torch stayed patched after the block. It is refused now."""
+    init = aio.zero.Init(_cfg(tmp_path))
+    with init:
+        with pytest.raises(RuntimeError, match="already active"):
+            init.__enter__()
+        torch.nn.Linear(4, 4)
+    assert _torch_as_it_was()
+    built_after = torch.nn.Linear(4, 4)
+    assert not hasattr(built_after.weight, "aio_id")  # not adopted
+    init.store.close()
+
+
+def test_a_failure_closing_the_build_still_restores_torch(tmp_path, monkeypatch):
+    """Whatever ending the build raises (a write that failed, say), torch's
+    Module is restored: a Linear built afterwards is a plain one, not a
+    placeholder adopted into the store."""
+    from aio.zero.init_guard import PlaceholderGuard
+
+    def fails(self, build_only=False):
+        raise OSError(5, "write failed")
+
+    init = aio.zero.Init(_cfg(tmp_path))
+    with pytest.raises(OSError, match="write failed"):
+        with init:
+            torch.nn.Linear(4, 4)
+            monkeypatch.setattr(PlaceholderGuard, "close_opened", fails)
+    monkeypatch.undo()
+    assert _torch_as_it_was()
+    assert torch.nn.Linear(4, 4).weight.numel() == 16
+    init.store.close()
