@@ -77,6 +77,12 @@ def same_kind(have: Any, got: Any) -> bool:
     return type(have) is type(got)
 
 
+def mismatched(have: Any, got: Any) -> list[str]:
+    """The keys of mapping `got` (loaded) that `have` (live) also has, other
+    than ``params``, whose values are not of the same kind (:func:`same_kind`)."""
+    return [k for k, v in got.items() if k in have and k != "params" and not same_kind(have[k], v)]
+
+
 def _number(v: Any) -> bool:
     """An int or float (not bool), or a tensor of one element (a tensor lr)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._args import same_kind
+from .._args import mismatched
 from .._buffers import MAX_OFFSET
 from ..config import discover_state_spec
 from ..pinned import Lease, Register
@@ -787,7 +787,7 @@ class OptimizerSwapper:
                 manifest = json.load(f)
             self._check_manifest(manifest)
             extra = load_plain(os.path.join(directory, "scalars.pt"))
-            self._check_extra(manifest, extra)
+            self._check_extra(extra)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"{directory}: not a checkpoint of this optimizer: {e}") from None
         chunks = []
@@ -827,16 +827,18 @@ class OptimizerSwapper:
             if not isinstance(meta["crc32"], int):
                 raise ValueError(f"checkpoint sub-group {i} has no integer checksum")
 
-    def _check_extra(self, manifest: dict[str, Any], extra: Any) -> None:
+    def _check_extra(self, extra: Any) -> None:
         """ValueError unless scalars.pt holds, for every sub-group, None (never
         stepped) or its optimizer's scalar entries (tensors or numbers, no state
         tensor's name), and one dict of hyper-parameters per param group, each
         of the kind the optimizer's own has (a number where it has a number)."""
         import torch
 
-        if not isinstance(extra, dict) or not isinstance(extra.get("scalars"), dict):
-            raise ValueError("scalars.pt does not describe these sub-groups")
-        if set(extra["scalars"]) != set(self.groups):
+        if (
+            not isinstance(extra, dict)
+            or not isinstance(extra.get("scalars"), dict)
+            or set(extra["scalars"]) != set(self.groups)
+        ):
             raise ValueError("scalars.pt does not describe these sub-groups")
         states = {n for n, _ in self.spec} | {"param"}
         for i, sc in extra["scalars"].items():
@@ -859,9 +861,11 @@ class OptimizerSwapper:
                 f"scalars.pt has hyper-parameters for {len(saved)} param groups, not {len(current)}"
             )
         for k, (now, got) in enumerate(zip(current, saved, strict=False)):
-            for key, v in got.items():
-                if key in now and not same_kind(now[key], v):
-                    raise ValueError(f"scalars.pt: param group {k}'s {key!r} is {v!r}, not like {now[key]!r}")
+            if bad := mismatched(now, got):
+                key = bad[0]
+                raise ValueError(
+                    f"scalars.pt: param group {k}'s {key!r} is {got[key]!r}, not like {now[key]!r}"
+                )
 
     def _chunks(self, g: _SubGroup, path: str, to_checkpoint: bool | None) -> list[Chunk]:
         """The copy of sub-group `g`'s saved tensors (master weights, then the

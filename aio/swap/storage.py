@@ -30,7 +30,7 @@ import threading
 import uuid
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._buffers import MAX_OFFSET as MAX_FILE_BYTES
@@ -201,10 +201,19 @@ def _remove_folder(root_fd: int, name: str) -> None:
         os.rmdir(name, dir_fd=root_fd)
 
 
-def _reclaim_dead(root_fd: int, me: dict[str, Any]) -> list[str]:
-    """Remove the folders of this user's jobs that died without cleaning up."""
+def _reclaim_dead(
+    root_fd: int,
+    me: dict[str, Any],
+    remove: Callable[[int, str], None] | None = None,
+    match: Callable[[str], Any] | None = None,
+) -> list[str]:
+    """Remove the folders in `root_fd` (those whose name passes `match`) whose
+    owner marker names a process that died without cleaning up: by default
+    this user's job folders, flat (_remove_folder)."""
     removed = []
     for name in os.listdir(root_fd):
+        if match is not None and not match(name):
+            continue
         try:
             if not stat.S_ISDIR(os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode):
                 continue
@@ -212,7 +221,7 @@ def _reclaim_dead(root_fd: int, me: dict[str, Any]) -> list[str]:
             continue
         owner = _read_marker(root_fd, name)
         if owner is not None and _owner_is_dead(owner, me):
-            _remove_folder(root_fd, name)
+            (remove or _remove_folder)(root_fd, name)
             removed.append(name)
     return removed
 
@@ -296,26 +305,17 @@ def reclaim_killed_saves(parent: str) -> list[str]:
     (SIGKILL, a power cut) left in `parent`: only those whose owner marker
     says this host, boot and pid namespace and a process that is gone; a
     save still running, on another host or unknown is left alone."""
-    removed: list[str] = []
     try:
         fd = os.open(parent, _DIR_FLAGS)
     except OSError:
-        return removed
+        return []
     try:
-        me = _identity()
-        for name in os.listdir(fd):
-            if not _SAVE_TMP.match(name):
-                continue
-            with contextlib.suppress(OSError):
-                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    continue
-                owner = _read_marker(fd, name)
-                if owner is not None and _owner_is_dead(owner, me):
-                    _remove_tree(os.path.join(parent, name))
-                    removed.append(name)
+        remove_tree = lambda _fd, name: _remove_tree(os.path.join(parent, name))  # noqa: E731 - nested folders
+        return _reclaim_dead(fd, _identity(), remove_tree, _SAVE_TMP.match)
+    except OSError:  # the folder unreadable: nothing reclaimed, the save goes on
+        return []
     finally:
         os.close(fd)
-    return removed
 
 
 def _remove_tree(path: str) -> None:

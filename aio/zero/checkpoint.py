@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._args import same_kind
+from .._args import mismatched
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain, write_json_durably
 
 if TYPE_CHECKING:
@@ -209,12 +209,7 @@ def _verify_schedule(trainer: OffloadTrainer, path: str) -> dict[str, Any] | Non
     if not all(isinstance(g, dict) for g in groups):
         raise ValueError(f"{path}: the checkpoint's param groups are malformed")
     for k, (now, saved_group) in enumerate(zip(trainer.optimizer.param_groups, groups, strict=True)):
-        bad = [
-            key
-            for key, v in saved_group.items()
-            if key in now and key != "params" and not same_kind(now[key], v)
-        ]
-        if bad:
+        if bad := mismatched(now, saved_group):
             raise ValueError(
                 f"{path}: param group {k}'s {', '.join(map(repr, bad))} are not of the kind it has"
             )
@@ -224,11 +219,7 @@ def _verify_schedule(trainer: OffloadTrainer, path: str) -> dict[str, Any] | Non
         # of another kind (or a malformed state) must be refused here, while
         # nothing has changed yet.
         mine = sched.state_dict()
-        if (
-            not isinstance(saved, dict)
-            or set(saved) != set(mine)
-            or not all(same_kind(mine[k], v) for k, v in saved.items())
-        ):
+        if not isinstance(saved, dict) or set(saved) != set(mine) or mismatched(mine, saved):
             raise ValueError(
                 f"{path}: the checkpoint's lr scheduler state does not fit this trainer's "
                 f"{type(sched).__name__} (saved with another kind of scheduler?)"
@@ -305,9 +296,7 @@ def verify_meta(trainer: OffloadTrainer, path: str) -> dict[str, Any]:
     scaler = trainer.scaling.scaler
     if scaler is not None and sc:
         mine = scaler.state_dict()
-        if not (
-            isinstance(sc, dict) and set(mine) <= set(sc) and all(same_kind(mine[k], sc[k]) for k in mine)
-        ):
+        if not (isinstance(sc, dict) and set(mine) <= set(sc) and not mismatched(mine, sc)):
             raise ValueError(f"{path}: engine.json has a malformed loss-scaler state")
     return meta
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._args import same_kind
+from .._args import mismatched
 from ..swap.param_groups import TorchGroups
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain
 from .malloc import long_lived_zeros
@@ -185,7 +185,7 @@ class MemoryOptimizer:
             raise ValueError(f"{directory}: the optimizer's parameter groups do not match this model")
         shapes: dict[Any, Any] = {}
         for now, got in zip(current, groups, strict=True):
-            if any(k in now and k != "params" and not same_kind(now[k], v) for k, v in got.items()):
+            if mismatched(now, got):
                 raise ValueError(f"{directory}: a parameter group's hyper-parameters are of another kind")
             shapes.update(zip(got["params"], (p.shape for p in now["params"]), strict=True))
         for key, st in opt_state["state"].items():
