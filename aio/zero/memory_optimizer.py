@@ -55,7 +55,7 @@ class MemoryOptimizer:
         """False: master weights in memory are set at once (initialize_many())."""
         return False
 
-    def reserve_memory(self) -> None:
+    def reserve_memory(self, background: bool = False) -> None:
         """Nothing to do: register_subgroup() allocated every gradient."""
 
     def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:

@@ -95,10 +95,11 @@ class ZeroOptimizer(Protocol):
         wait (the caller initializes the sub-group itself then)."""
         ...
 
-    def reserve_memory(self) -> None:
+    def reserve_memory(self, background: bool = False) -> None:
         """Allocate (and fault in) now what the first step would: swap buffers
         and every gradient buffer kept in memory (thread-safe beside
-        initialize_many())."""
+        initialize_many()); with `background`, the swap buffers now and the
+        gradients in a thread, while the first forward runs."""
         ...
 
     def update_master(self, index: int, edit: Callable[[Any], Any]) -> None:

@@ -5,6 +5,7 @@ optimizer's sub-groups (model order, each sub-group at most
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +189,18 @@ class SubGroupLayout:
         if widen:
             widen_bf16_threaded(out.view(torch.uint8), out.numel())
 
+    def start_widened_reads(self, gi: int, start_read_into: Any, out: Any) -> list[Any]:
+        """start_master_reads() for bfloat16 parameters: read into the front of
+        `out` (float32, the sub-group's size), widened in place by whoever
+        first waits for the one future returned (a :class:`WidenedReads`).
+        Set-up then neither reads nor writes their master weights: the first
+        step reads half their bytes from the parameters instead of all of
+        them from the drive."""
+        import torch
+
+        narrow = out.view(torch.bfloat16)[: out.numel()]
+        return [WidenedReads(self.start_master_reads(gi, start_read_into, narrow), out)]
+
     def start_master_reads(self, gi: int, start_read_into: Any, out: Any) -> list[Any]:
         """fill_master() without waiting: ``start_read_into(param, view)`` starts
         each parameter's read (returning its future, or None once `view` holds
@@ -204,6 +217,52 @@ class SubGroupLayout:
                 fut.exception()
             raise
         return futs
+
+
+class WidenedReads:
+    """Reads of bfloat16 values into the front of a float32 buffer `out`, as one
+    future: waiting for it waits for them all, then widens them in place
+    (:func:`aio.swap.lowp.widen_bf16_threaded`) once, in whichever thread
+    waits first; the first read's error instead, after all have ended."""
+
+    def __init__(self, futs: list[Any], out: Any) -> None:
+        self._futs = futs
+        self._out = out
+        self._lock = threading.Lock()
+        self._settled = False
+        self._exc: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the reads move (bfloat16: half the float32 bytes they fill)."""
+        return sum(int(f.nbytes) for f in self._futs)
+
+    def done(self) -> bool:
+        """Whether every read has ended (the widening waits for exception())."""
+        return all(f.done() for f in self._futs)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for every read (`timeout` for each), widen once they all
+        landed; the first read's error, or None."""
+        import torch
+
+        from ..swap.lowp import widen_bf16_threaded
+
+        with self._lock:
+            if not self._settled:
+                errors = [f.exception(timeout) for f in self._futs]
+                self._exc = next((e for e in errors if e is not None), None)
+                if self._exc is None:
+                    widen_bf16_threaded(self._out.view(torch.uint8), self._out.numel())
+                self._settled = True
+        return self._exc
+
+    def result(self, timeout: float | None = None) -> int:
+        """exception(), raised; else the bytes read."""
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return self.nbytes
 
 
 def _same_device(a: Any, b: Any) -> bool:

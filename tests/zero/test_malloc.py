@@ -82,3 +82,52 @@ def test_long_lived_zeros_stay_off_huge_pages():
     if plain == 0:
         pytest.skip("torch's allocations get no huge pages here (THP off)")
     assert small == 0, (plain, small)
+
+
+MAPPED_CHILD = textwrap.dedent(
+    """
+    import gc
+    import torch
+    from aio.zero import malloc
+
+    def mapping(ptr):
+        # (Rss kB, whether the mapping still exists) of the mapping holding ptr.
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    a, b = (int(x, 16) for x in head.split("-"))
+                    inside = a <= ptr < b
+                    size = b - a
+                elif inside and head == "Rss:":
+                    return int(line.split()[1]), size
+        return None, None
+
+    n = 16 << 20  # 64 MiB
+    t = malloc.long_lived_zeros(n)
+    rss, size = mapping(t.data_ptr())
+    assert t.dtype == torch.float32 and t.shape == (n,) and not t.any()
+    assert size == 4 * n, size  # a mapping of its own
+    assert rss >= 4 * n // 1024, rss  # faulted in at once, not by the first backward
+    ptr = t.data_ptr()
+    t += 1
+    assert float(t.sum()) == n
+    del t
+    gc.collect()
+    assert mapping(ptr)[1] != 4 * n  # unmapped with the tensor
+    small = malloc.long_lived_zeros(1000)
+    assert small.shape == (1000,) and not small.any() and malloc.long_lived_zeros(0).shape == (0,)
+    malloc._madvise = lambda *a: False  # a kernel without MADV_POPULATE_WRITE: zero_() touches
+    t = malloc.long_lived_zeros(n)
+    assert not t.any() and mapping(t.data_ptr())[0] >= 4 * n // 1024
+    print("OK")
+    """
+)
+
+
+def test_long_lived_zeros_are_a_mapping_of_their_own_faulted_in_at_once():
+    # The kernel zeroes fresh anonymous memory: MADV_POPULATE_WRITE faults it
+    # in from one thread, where zero_() wrote every byte again on every core.
+    out = subprocess.run([sys.executable, "-c", MAPPED_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr

@@ -177,3 +177,65 @@ def test_gradient_slot_on_the_drive_only_with_gradients_there(tmp_path, gradient
 
     est.add_gradients(place_gradients(cfg, 10**6, est.held_bytes))
     assert full - sum(est.nvme.values()) == (4 * 10**6 if gradients == "cpu" else 0)
+
+
+def _slow_zeros(monkeypatch, made, gate):
+    """long_lived_zeros that records each allocation and waits for `gate`."""
+    import aio.zero.swapped_optimizer as so
+
+    real = so.long_lived_zeros
+
+    def slow(numel):
+        gate.wait(timeout=30)
+        made.append(numel)
+        return real(numel)
+
+    monkeypatch.setattr(so, "long_lived_zeros", slow)
+
+
+def test_gradients_reserved_in_the_background_last_first_and_once(tmp_path, monkeypatch):
+    """reserve_memory(background=True) allocates the gradients kept in memory
+    in a thread, the last sub-groups' first; open_gradient() of one it has
+    not reached allocates it itself, and none is allocated twice; step()
+    waits for the thread."""
+    import threading
+
+    made, gate = [], threading.Event()
+    _slow_zeros(monkeypatch, made, gate)
+    opt = make_optimizer(_cfg(tmp_path, "nvme"), torch.optim.SGD, {"lr": 1.0})
+    try:
+        sizes = [4, 5, 6, 7]
+        for i, n in enumerate(sizes):
+            opt.register_subgroup(i, n)
+            opt.initialize(i, torch.zeros(n))
+        opt.reserve_memory(background=True)
+        gate.set()
+        buf = opt.open_gradient(0, 4, resume=False)  # reached last by the thread, maybe not yet
+        buf.tensor.fill_(1.0)
+        assert opt.close_gradient(0, buf) is None
+        opt.wait_reserved()
+        assert sorted(made) == sorted(sizes)  # each once
+        assert made[0] == 7  # the last sub-group first
+        for i, n in enumerate(sizes[1:], 1):
+            opt.open_gradient(i, n, resume=False).tensor.fill_(2.0)
+        opt.step()
+        assert torch.equal(opt.read_master(0), torch.full((4,), -1.0))
+        assert torch.equal(opt.read_master(3), torch.full((7,), -2.0))
+    finally:
+        opt.close()
+
+
+def test_close_stops_the_background_reservation(tmp_path, monkeypatch):
+    import threading
+
+    made, gate = [], threading.Event()
+    _slow_zeros(monkeypatch, made, gate)
+    opt = make_optimizer(_cfg(tmp_path, "nvme"), torch.optim.SGD, {"lr": 1.0})
+    for i in range(50):
+        opt.register_subgroup(i, 1000)
+    opt.reserve_memory(background=True)
+    threads = [t for t in threading.enumerate() if t.name == "aio-reserve"]
+    assert len(threads) == 1
+    threading.Timer(0.2, gate.set).start()
+    opt.close()  # stops the thread (at most the allocation under way ends), then frees the rest
+    assert not threads[0].is_alive() and len(made) <= 1

@@ -94,3 +94,51 @@ def test_sub_group_layout_packs_in_model_order():
     # bfloat16 parameters are put in the front of the buffer and widened there
     layout.fill_master(1, lambda p, out: (out.fill_(p.aio_id + 0.5), None)[1], master, dtype=torch.bfloat16)
     assert master.tolist() == [3.5] * 60 + [4.5] * 10
+
+
+class _Read:
+    """A finished read: its bytes, or its error."""
+
+    def __init__(self, nbytes, exc=None):
+        self.nbytes, self._exc, self.waits = nbytes, exc, 0
+
+    def done(self):
+        return True
+
+    def exception(self, timeout=None):
+        self.waits += 1
+        return self._exc
+
+
+def test_widened_reads_widen_once_after_every_read_and_keep_the_first_error():
+    import errno
+    import threading
+
+    from aio.zero.placement import SubGroupLayout, WidenedReads, pack_subgroups
+
+    ps = [_P(i, n) for i, n in enumerate([30, 50, 20])]
+    sizes = {str(i): p.aio_numel for i, p in enumerate(ps)}
+    layout = SubGroupLayout(pack_subgroups([(str(i), p) for i, p in enumerate(ps)], sizes, 100))
+    master = torch.full((100,), 7.0)
+    reads = []
+
+    def start(p, out):
+        out.fill_(p.aio_id + 0.5)  # what the read brings, as bfloat16
+        reads.append(_Read(out.numel() * 2))
+        return reads[-1]
+
+    (fut,) = layout.start_widened_reads(0, start, master)
+    assert isinstance(fut, WidenedReads) and fut.nbytes == 200 and fut.done()
+    threads = [threading.Thread(target=fut.result) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert master.tolist() == [0.5] * 30 + [1.5] * 50 + [2.5] * 20  # widened once
+    assert fut.result() == 200 and [r.waits for r in reads] == [1, 1, 1]
+    bad = OSError(errno.EIO, "read failed")
+    futs = [_Read(8), _Read(8, bad), _Read(8, OSError(errno.EIO, "later"))]
+    failed = WidenedReads(futs, torch.zeros(8))
+    assert failed.exception() is bad and [r.waits for r in futs] == [1, 1, 1]  # every read waited for
+    with pytest.raises(OSError, match="read failed"):
+        failed.result()

@@ -99,6 +99,46 @@ def test_bf16_params_packed_in_memory_train_identically(tmp_path):
     assert runs["cpu", "cpu"] == runs["nvme", "cpu"] == runs["cpu", "nvme"] == runs["nvme", "nvme"]
 
 
+def _bf16_run(d, gradients):
+    """Set-up's optimizer bytes, losses (a parameter changed and a checkpoint
+    saved before the first step, 2 steps, the checkpoint loaded, 2 more) and
+    final weights of bf16 parameters and optimizer on the drive."""
+    cfg = cfg_for(d, bf16={"enabled": True}, aio_zero={"gradients": gradients})
+    with aio.zero.initialize(gpt().to(torch.bfloat16), cfg) as engine:
+        set_up = engine.io_bytes_by_category()
+        params = list(engine.module.parameters())
+        with engine.gathered([params[3]], modify=True):
+            params[3].data.mul_(0.5)
+        engine.save_checkpoint(str(d / "ck"))
+        losses = train_engine(engine, 2)
+        engine.load_checkpoint(str(d / "ck"))
+        losses += train_engine(engine, 2)
+        return set_up, losses, engine.state_dict()
+
+
+@pytest.mark.parametrize("gradients", ["cpu", "nvme"])
+def test_bf16_master_weights_are_widened_by_the_first_step(tmp_path, monkeypatch, gradients):
+    """bf16 parameters: set-up reads and writes no master weights (each
+    sub-group's first step reads the parameters and widens them, half the
+    bytes of reading float32 master weights); the same bits as widening them
+    at set-up, with a change and a checkpoint before the first step."""
+    from aio.zero.trainer import OffloadTrainer
+
+    set_up, losses, weights = _bf16_run(tmp_path / "first-step", gradients)
+    assert set_up["written"].get("master", 0) == set_up["read"].get("master", 0) == 0
+    if gradients == "nvme":  # (in memory, the test model's sub-groups stay in the buffers)
+        cfg = cfg_for(tmp_path / "bytes", bf16={"enabled": True}, aio_zero={"gradients": gradients})
+        with aio.zero.initialize(gpt().to(torch.bfloat16), cfg) as engine:
+            train_engine(engine, 1)
+            step_1 = engine.io_bytes_by_category()  # bf16 reads (2 bytes) of float32 writes (4)
+            assert 0 < step_1["read"]["master"] <= step_1["written"]["master"] / 2
+    monkeypatch.setattr(OffloadTrainer, "_initialize_in_place", lambda *a: False)
+    set_up, want_losses, want = _bf16_run(tmp_path / "set-up", gradients)
+    assert set_up["written"]["master"] > 0  # widened at set-up and written
+    assert losses == want_losses
+    assert all(torch.equal(weights[k], want[k]) for k in want)
+
+
 def test_nvme_path_list_errors_name_the_drive(tmp_path):
     cfg = cfg_for(tmp_path)
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = [str(tmp_path), str(tmp_path / "nope")]
@@ -616,10 +656,12 @@ def test_param_swap_buffers_allocated_at_set_up(tmp_path, threshold, allocated):
 @pytest.mark.parametrize("grads", ["cpu", "nvme"])
 def test_gradients_in_memory_allocated_at_set_up(tmp_path, grads, reference):
     # Held in memory, every sub-group's fp32 gradient is allocated (and
-    # faulted in) by set-up: the first backward did it, 11 s of a 2B model's
-    # first step on the dev box's VM. On the drive, none is.
+    # faulted in) by a thread set-up starts (the first backward did it, 11 s
+    # of a 2B model's first step on the dev box's VM; set-up itself, most of
+    # a 2B bf16 set-up). On the drive, none is.
     cfg = cfg_for(tmp_path, aio_zero={"gradients": grads})
     with aio.zero.initialize(gpt(), cfg) as engine:
+        engine.opt.wait_reserved()
         held = [g.grad_mem is not None for g in engine.opt.groups.values()]
         assert held == [grads == "cpu"] * len(held) and len(held) > 1
         assert train_engine(engine, 20) == reference
