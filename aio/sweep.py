@@ -6,9 +6,10 @@
 
 Runs in-process: one AsyncIOHandle per directory and configuration, O_DIRECT,
 one file per directory preallocated once and reused, removed at the end (also
-on Ctrl-C). The smart search measures block_size x queue_depth first, then
-threads and submission modes around the best two, then re-measures the top
-five with more repeats; it visits about a fifth of the full grid.
+on Ctrl-C). The smart search measures block_size x queue_depth x
+single_submit first, then threads, overlap_events and engines around the
+four best, then the six leaders head to head in paired rounds; it visits
+about a fifth of the full grid.
 
 With several directories (one per drive) the search measures them together,
 each drive with its own handle and queue, and then, at the chosen settings,
@@ -206,6 +207,7 @@ class Drive:
         self.paths: list[str] = []
         self.fds: list[int] = []
         self.direct: list[bool] = []  # per directory, from the O_DIRECT probe
+        self.memory: list[bool] = []  # per directory: on a filesystem in memory (tmpfs)
         self.buffered = False  # some directory has no O_DIRECT
         self.locked = True
         self.buf: Any = None
@@ -215,7 +217,7 @@ class Drive:
         """Every check that can fail before any I/O; nothing is written until
         every directory has passed the path and space checks."""
         self._check_paths()
-        self.direct = []
+        self.direct, self.memory = [], []
         for d in self.dirs:
             try:
                 with signals_deferred():
@@ -223,14 +225,14 @@ class Drive:
                     remove_scratch(fd, probe)
             except CliError as e:
                 raise SweepError(str(e)) from None
+            # tmpfs takes O_DIRECT since Linux 6.6: the probe passes, yet every
+            # "read" is a memory copy (4 GB/s read here, and a best block).
+            kind = fs_type(d)
             self.direct.append(direct)
-            if not direct:
+            self.memory.append(kind in MEMORY_FILESYSTEMS)
+            if not direct or self.memory[-1]:
                 if not self.allow_buffered:
-                    raise SweepError(
-                        f"{d}: the filesystem does not support O_DIRECT, so results would measure "
-                        "the page cache, not the drive. Use a directory on the drive itself, or "
-                        "pass --allow-buffered to sweep buffered I/O anyway"
-                    )
+                    raise SweepError(_not_a_drive(d, kind, direct))
                 self.buffered = True
         try:
             check_memory(self.io_size * len(self.dirs), "--io-size")
@@ -330,6 +332,22 @@ def same_filesystem(dirs: Sequence[str]) -> list[list[str]]:
     for d in dirs:
         groups.setdefault(os.stat(d).st_dev, []).append(d)
     return list(groups.values())
+
+
+# Filesystems in memory: what a sweep there measures is memory copies.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def _not_a_drive(d: str, kind: str, direct: bool) -> str:
+    """Why Drive.check refuses directory `d` without --allow-buffered."""
+    if kind in MEMORY_FILESYSTEMS:
+        why = f"{d} is on {kind}, in memory, so results would measure memory copies, not a drive"
+    else:
+        why = (
+            f"{d}: the filesystem does not support O_DIRECT, so results would measure the page "
+            "cache, not the drive"
+        )
+    return f"{why}. Use a directory on the drive itself, or pass --allow-buffered to sweep it anyway"
 
 
 def fs_type(path: str) -> str:
@@ -841,6 +859,9 @@ def validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Space:
             ap.error(f"--threads: {t} is outside 1..256")
     if a.io_size < 1 << 20 or a.io_size % 4096:
         ap.error("--io-size must be at least 1M and a multiple of 4096")
+    for b in a.block_sizes:
+        if b > a.io_size:  # one request per transfer: every larger block measures the same
+            ap.error(f"--block-sizes: {b} is larger than --io-size {a.io_size}, the bytes each trial moves")
     if a.repeats < 1:
         ap.error("--repeats must be >= 1")
     dedup = lambda xs: list(dict.fromkeys(xs))  # noqa: E731
@@ -855,6 +876,7 @@ def validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Space:
     if not engines:
         ap.error("; ".join(notes))
     a.engine_notes = notes  # said before measuring
+    _check_aio_events(ap, a, engines)
     return Space(
         sorted(set(a.block_sizes)),
         sorted(set(a.queue_depths)),
@@ -863,6 +885,33 @@ def validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Space:
         dedup(a.overlap_events),
         engines,
     )
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_aio_events(ap: argparse.ArgumentParser, a: argparse.Namespace, engines: list[str]) -> None:
+    """kernel_aio: each handle's threads take queue_depth events each from
+    the system-wide fs.aio-max-nr. Refuse a space whose largest setting
+    cannot be set up now, before measuring for minutes (io_setup failed
+    with EAGAIN mid-sweep and every measurement was lost)."""
+    limit, used = _read_int("/proc/sys/fs/aio-max-nr"), _read_int("/proc/sys/fs/aio-nr")
+    if "kernel_aio" not in engines or limit is None:
+        return
+    dirs = max(1, len(a.dirs))
+    need = max(a.queue_depths) * max(a.threads) * dirs
+    if need > limit - (used or 0):
+        ap.error(
+            f"--queue-depths {max(a.queue_depths)} x --threads {max(a.threads)} x {dirs} "
+            f"director{'y' if dirs == 1 else 'ies'} take {need} kernel AIO events; fs.aio-max-nr is "
+            f"{limit} ({used or 0} in use now): lower them, raise it (sysctl -w fs.aio-max-nr=1048576), "
+            "or sweep --engines io_uring"
+        )
 
 
 def _check_output(ap: argparse.ArgumentParser, flag: str, path: str | None) -> None:
@@ -888,6 +937,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("aio-sweep", lambda: _sweep(a, space), "sweep files removed")
 
 
+def _warn_not_drives(drive: Drive, log: Any) -> None:
+    """Say which directories --allow-buffered let through: in memory, or
+    without O_DIRECT (their figures are memory copies, not the drive)."""
+    in_memory = [d for d, m in zip(drive.dirs, drive.memory, strict=True) if m]
+    buffered = [
+        d for d, m, ok in zip(drive.dirs, drive.memory, drive.direct, strict=True) if not ok and not m
+    ]
+    if in_memory:
+        log(
+            f"aio-sweep: WARNING: {', '.join(in_memory)} in memory (tmpfs/ramfs): its figures are memory "
+            "copies, not a drive (--allow-buffered)"
+        )
+    if buffered:
+        where = "here" if len(drive.dirs) == 1 else "in " + ", ".join(buffered)
+        log(f"aio-sweep: WARNING: no O_DIRECT {where}; measuring buffered I/O (--allow-buffered)")
+
+
 def _sweep(a: argparse.Namespace, space: Space) -> int:
     directions = ["read"] if a.read_only else ["write"] if a.write_only else ["read", "write"]
     log = (lambda *x: print(*x, file=sys.stderr)) if a.emit_config else print
@@ -899,13 +965,7 @@ def _sweep(a: argparse.Namespace, space: Space) -> int:
     drive = Drive(a.dirs, a.io_size, a.allow_buffered)
     try:
         drive.check()
-        if drive.buffered and len(drive.dirs) == 1:
-            log("aio-sweep: WARNING: no O_DIRECT here; measuring buffered I/O (--allow-buffered)")
-        elif drive.buffered:
-            which = ", ".join(d for d, ok in zip(drive.dirs, drive.direct, strict=True) if not ok)
-            log(
-                f"aio-sweep: WARNING: no O_DIRECT in {which}; measuring buffered I/O there (--allow-buffered)"
-            )
+        _warn_not_drives(drive, log)
         mode = "exhaustive" if a.exhaustive else "smart"
         for note in getattr(a, "engine_notes", []):
             log(f"aio-sweep: {note}")

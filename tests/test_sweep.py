@@ -259,6 +259,55 @@ def test_bad_arguments(tmp_path, argv):
     assert ei.value.code == 2
 
 
+def test_block_size_larger_than_a_trial_refused(tmp_path, capsys):
+    # Every block size past --io-size moves the trial in one request: they
+    # measured the same, and one of them could be printed as the best.
+    with pytest.raises(SystemExit) as ei:
+        sw.main([str(tmp_path), "--io-size", "1M", "--block-sizes", "4M"])
+    assert ei.value.code == 2 and "larger than --io-size" in capsys.readouterr().err
+
+
+def test_space_past_the_system_aio_limit_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    # io_setup failed with EAGAIN mid-sweep (queue depth x threads past
+    # fs.aio-max-nr) and exit 2 lost every measurement: refused up front.
+    limits = {"/proc/sys/fs/aio-max-nr": 65536, "/proc/sys/fs/aio-nr": 1000}
+    monkeypatch.setattr(sw, "_read_int", limits.get)
+    argv = [str(tmp_path), "--queue-depths", "16384", "--threads", "1,4", "--engines", "kernel_aio"]
+    with pytest.raises(SystemExit) as ei:
+        sw.main(argv)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "65536 kernel AIO events" in err and "fs.aio-max-nr is 65536" in err
+    assert _leftovers(tmp_path) == []
+    ns = sw.build_parser().parse_args([str(tmp_path), "--queue-depths", "16384", "--threads", "1,3"])
+    sw._check_aio_events(sw.build_parser(), ns, ["kernel_aio"])  # 49152 fits
+    ns.threads = [4]
+    sw._check_aio_events(sw.build_parser(), ns, ["io_uring"])  # takes none
+
+
+def test_tmpfs_refused_unless_allowed_and_warned(tmp_path, monkeypatch, capsys):
+    # tmpfs takes O_DIRECT since Linux 6.6: the probe passed, and a sweep
+    # there printed memory-copy rates as a drive's best block, with no word.
+    monkeypatch.setattr(sw, "fs_type", lambda p: "tmpfs")
+    assert sw.main([str(tmp_path), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "is on tmpfs, in memory" in err and "--allow-buffered" in err
+    assert _leftovers(tmp_path) == []
+    assert sw.main([str(tmp_path), *TINY, "--allow-buffered", "--no-fio"]) == 0
+    assert "in memory (tmpfs/ramfs): its figures are memory copies" in capsys.readouterr().out
+    d = sw.Drive([str(tmp_path)], 1 << 20, allow_buffered=True)
+    d.check()
+    assert d.memory == [True] and d.buffered
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_dev_shm_is_not_a_drive():
+    if sw.fs_type("/dev/shm") not in sw.MEMORY_FILESYSTEMS:
+        pytest.skip("/dev/shm is not tmpfs here")
+    d = sw.Drive(["/dev/shm"], 1 << 20, allow_buffered=False)
+    with pytest.raises(sw.SweepError, match="in memory"):
+        d.check()
+
+
 def test_interrupt_cleans_up(tmp_path, monkeypatch, capsys):
     calls = {"n": 0}
     real = sw.Drive.run

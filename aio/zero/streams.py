@@ -205,6 +205,12 @@ class PinnedRing:
         self.head = start + n
         return self.buf[start : start + nbytes]
 
+    def untake(self) -> None:
+        """Free the newest region, which nothing used (its upload failed before
+        its copy was queued): the next take may hand out its bytes again."""
+        self.live.pop()
+        self.head = self.live[-1][1] if self.live else 0
+
     def give_back(self) -> None:
         """Free the oldest region still taken."""
         self.live.popleft()
@@ -290,11 +296,18 @@ class DeviceCopies:
             offsets.append(total)
             total += -(-h.nbytes // _ALIGN) * _ALIGN
         stage = self._take_up(total)
-        for h, off in zip(hosts, offsets, strict=True):
-            stage[off : off + h.nbytes].view(h.dtype).copy_(h.reshape(-1))
+        try:
+            for h, off in zip(hosts, offsets, strict=True):
+                stage[off : off + h.nbytes].view(h.dtype).copy_(h.reshape(-1))
+            with b.on(b.side):
+                flat = b.empty(total, torch.uint8)  # out of device memory: nothing queued
+                b.copy(flat, stage)
+        except BaseException:
+            # No ticket will free this region: a region held for good made
+            # every later one wait for the upload after it.
+            self.up.untake()
+            raise
         with b.on(b.side):
-            flat = b.empty(total, torch.uint8)
-            b.copy(flat, stage)
             ev = b.event()
             ev.record(b.side)
         ticket = _EventTicket(ev)

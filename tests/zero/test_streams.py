@@ -134,3 +134,43 @@ def test_cuda_round_trip():
         assert torch.equal(h, o.cpu())
         copies.recycle()
     ticket.wait()
+
+
+def test_packed_upload_out_of_device_memory_gives_its_staging_back():
+    """Device memory running out in a packed upload (a retry loop catches
+    it): its staging region goes back at once. It was held with no ticket,
+    so every later region was freed one upload late."""
+
+    class OutOfMemoryOnce(FakeBackend):
+        fail = False
+
+        def empty(self, numel, dtype):
+            if self.fail:
+                self.fail = False
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return super().empty(numel, dtype)
+
+    b = OutOfMemoryOnce()
+    c = DeviceCopies(b)
+    hosts = [torch.ones(1000), torch.full((1000,), 2.0)]  # small: one packed upload
+    c.upload(hosts)
+    b.run_all()
+    b.fail = True
+    with pytest.raises(torch.OutOfMemoryError):
+        c.upload(hosts)
+    assert len(c.up.live) == len(c.up_tickets)  # none held without a ticket
+    devs, _ticket = c.upload(hosts)
+    b.run_all()
+    assert len(c.up.live) == len(c.up_tickets) and [d.tolist() for d in devs] == [h.tolist() for h in hosts]
+
+
+def test_ring_untake_frees_the_newest_region_for_the_next_take():
+    b = FakeBackend()
+    ring = PinnedRing(b, 4096 * 4)
+    first, second = ring.take(4096), ring.take(4096)
+    ring.untake()
+    again = ring.take(4096)
+    assert again.data_ptr() == second.data_ptr() != first.data_ptr() and len(ring.live) == 2
+    ring.untake()
+    ring.untake()
+    assert not ring.live and ring.take(4096).data_ptr() == first.data_ptr()
