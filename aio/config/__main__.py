@@ -31,6 +31,21 @@ def _finite(text: str) -> float:
     return v
 
 
+# The most elements --params and --largest-subgroup take: the largest count a
+# float holds exactly (9.0e15, thousands of times today's largest models);
+# past it the estimate printed 1e30 as 1,000,000,000,000,000,019,884,... and
+# drive space in exabytes instead of saying the number is wrong.
+MAX_ELEMENTS = 2**53
+
+
+def _count(text: str) -> float:
+    """A positive finite element count up to :data:`MAX_ELEMENTS`."""
+    v = _finite(text)
+    if v > MAX_ELEMENTS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_ELEMENTS:.1e} (2**53) elements, got {text!r}")
+    return v
+
+
 def _numels(text: str) -> list[tuple[int, int]]:
     """``1048576x8,1024`` -> [(1048576, 8), (1024, 1)]: parameter sizes in model
     order, as (size, count) runs (a count of 3e8 costs no more than 1)."""
@@ -44,6 +59,8 @@ def _numels(text: str) -> list[tuple[int, int]]:
         if n <= 0 or k <= 0 or float(size) != n:
             raise argparse.ArgumentTypeError(f"sizes and counts must be positive whole numbers: {item!r}")
         out.append((n, k))
+    if sum(n * k for n, k in out) > MAX_ELEMENTS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_ELEMENTS:.1e} (2**53) elements in all, got {text!r}")
     return out
 
 
@@ -132,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="pinned memory and drive space for a model size")
     e.add_argument("config")
     size = e.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=_finite, help="parameters per process, e.g. 7e9")
+    size.add_argument("--params", type=_count, help="parameters per process, e.g. 7e9")
     size.add_argument(
         "--param-numels",
         type=_numels,
@@ -140,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--largest-subgroup",
-        type=_finite,
+        type=_count,
         help="elements in the largest optimizer sub-group (default: from --param-numels, "
         "else min(sub_group_size, params))",
     )

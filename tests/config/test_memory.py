@@ -186,6 +186,15 @@ def test_cli_estimate_and_validate(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config_main(["estimate", str(p)])  # a size is required
     capsys.readouterr()
+    too_many = (
+        ["--params", "1e30"],
+        ["--params", "1e9", "--largest-subgroup", "1e30"],
+        ["--param-numels", "1e15x10"],
+    )
+    for args in too_many:  # printed exabytes of drive space
+        with pytest.raises(SystemExit):
+            config_main(["estimate", str(p), *args])
+        assert "at most 9.0e+15 (2**53) elements" in capsys.readouterr().err
     p.write_text(json.dumps({"aio": {"queue_depth": 0}}))
     assert config_main(["validate", str(p)]) == 2
     assert "aio.queue_depth" in capsys.readouterr().err
