@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,10 +58,15 @@ class Fetcher:
             "guess_misses": 0,
             "recompute_fetches": 0,
         }
+        # Per module, a call's forward in progress: the exception being handled
+        # when it began (see _post_forward).
+        self._open: dict[int, list[BaseException | None]] = {}
         self.handles: list[Any] = []
         for m in self.mods:
             self.handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(m.register_forward_hook(self._post_forward))
+            # always_call: also when the forward raises (a device out of memory
+            # in a retry loop), so its parameters are not left acquired.
+            self.handles.append(m.register_forward_hook(self._post_forward, always_call=True))
 
     # -- passes ----------------------------------------------------------------------------
     def _begin(self, phase: str) -> None:
@@ -202,6 +208,7 @@ class Fetcher:
         if self.phase != "fw":
             self._begin("fw")
         self.fetch(module, "fw")
+        self._open.setdefault(id(module), []).append(sys.exc_info()[1])
         params = self.mparams[self.index[id(module)]]
         if torch.is_grad_enabled():
             count_call(params)
@@ -220,6 +227,15 @@ class Fetcher:
         if self.phase == "bw" and _in_non_reentrant_checkpoint():
             return output  # its parameters stay held: see _hold_for_recompute
         params = self.mparams[self.index[id(module)]]
+        calls = self._open.get(id(module))
+        if not calls:
+            return output  # its pre-forward hook did not acquire them
+        # torch calls always_call hooks from the except clause around a forward
+        # that raised: a different exception is being handled than when the
+        # call began (user code may retry inside its own except clause).
+        if calls.pop() is not sys.exc_info()[1]:
+            self._forward_failed(params)
+            return None
         new_output = output
         if torch.is_grad_enabled():
             # Also a module whose parameters are all frozen: a gradient passing
@@ -234,6 +250,18 @@ class Fetcher:
                         self.store.acquire([p])
         self.store.drop(params, keep=self.soon)
         return new_output
+
+    def _forward_failed(self, params: list[Any]) -> None:
+        """A module's forward raised: its parameters go back now, and its call
+        is not counted (no backward will come through it). Left acquired, an
+        out-of-memory retry loop kept them, and their buffers, until the next
+        backward or for good under no_grad."""
+        import torch
+
+        if torch.is_grad_enabled():
+            for p in params:
+                p.aio_calls = max(0, getattr(p, "aio_calls", 0) - 1)
+        self.store.drop(params, keep=self.soon)
 
     def remove(self) -> None:
         """Take every hook off the modules (idempotent); parameters still held are not released."""

@@ -65,3 +65,44 @@ def test_the_first_step_prefetches_along_a_guessed_order(tmp_path):
     assert st["params"]["prefetch"] > 10 and st["params"]["hits"] == st["params"]["prefetch"]
     assert st["fetcher"]["guess_misses"] == 0 and st["fetcher"]["trace_misses"] == 0
     assert got == train_in_memory(1, gas=1)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_forward_that_raises_releases_what_it_acquired(tmp_path, grad):
+    """A module whose forward raises (out of memory, caught by a retry loop
+    that runs the forward again inside its except clause): its parameters,
+    and those of the modules around it, go back at once; the retry and then
+    training give the same losses as a run without the failure."""
+    from aio.zero.params import module_params
+
+    from .common import gpt, train_engine
+
+    def losses(fail):
+        model = gpt()
+        block = model.blocks[1].fc  # a module with parameters of its own
+        real = block.forward
+        state = {"fail": fail}
+
+        def flaky(*args, **kwargs):
+            if state["fail"]:
+                state["fail"] = False
+                raise torch.OutOfMemoryError("out of memory (simulated)")
+            return real(*args, **kwargs)
+
+        block.forward = flaky
+        with aio.zero.initialize(model, cfg_for(tmp_path / str(fail), gas=1, clip=0)) as engine:
+            x = torch.randint(0, 64, (2, 8))
+            with torch.set_grad_enabled(grad):
+                try:
+                    engine(x)
+                except torch.OutOfMemoryError:
+                    assert dict(engine.store.refs) == {}  # nothing left acquired
+                    out = engine(x)  # the retry, inside the except clause
+                    assert out.shape[0] == 2
+            engine.fetcher.end_backward() if grad else None
+            assert dict(engine.store.refs) == {}
+            # The failed call is not counted, the retry's is (until backward).
+            assert [getattr(p, "aio_calls", 0) for p in module_params(block)] == [int(grad)] * 2
+            return train_engine(engine, 2, gas=1)
+
+    assert losses(True) == losses(False)
