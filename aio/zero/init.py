@@ -19,6 +19,7 @@ A parameter's real shape is ``param.aio_shape`` (inside the block its
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 from .config import check_drive_paths, load_train_config
@@ -38,6 +39,11 @@ def _subclasses(cls: type) -> list[type]:
     return out
 
 
+# The Inits whose patches are in force (at most one: an Init entered inside
+# another does nothing, see Init).
+_ACTIVE: list[Init] = []
+
+
 class Init:
     """Context manager; pass the same config to :func:`aio.zero.initialize`.
 
@@ -46,7 +52,10 @@ class Init:
     weight initialisation inside the block sees host tensors and draws from
     the host RNG, so a model built for a GPU has the values of the same
     model built in memory with the same seed. ``enabled=False`` makes it a no-op (handy for
-    one code path with and without offload).
+    one code path with and without offload). So is an Init entered inside
+    another, as DeepSpeed's ``zero.Init`` is: the modules built in it go to
+    the outer one's store (a warning says so when its config differs), so
+    one model never spans two stores.
     """
 
     def __init__(self, config: Any, device: Any = None, enabled: bool = True) -> None:
@@ -60,15 +69,25 @@ class Init:
         self._orig_apply: Any = None
         self._orig_register: Any = None
         self._guard: PlaceholderGuard | None = None
+        self._nested = False  # entered inside another Init: a no-op
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
         import torch
 
-        if self._guard is not None:
+        if self._guard is not None or self._nested:
             # Its second entry would save its own patches as torch's originals.
-            raise RuntimeError("this aio.zero.Init is already active: enter it once (a new Init nests)")
+            raise RuntimeError("this aio.zero.Init is already active: enter it once")
+        if _ACTIVE:
+            self._nested = True
+            if _ACTIVE[-1].cfg != self.cfg:
+                warnings.warn(
+                    "aio.zero.Init inside another Init does nothing (as DeepSpeed's zero.Init): the "
+                    "modules built in it are stored by the outer Init, under its config",
+                    stacklevel=2,
+                )
+            return self
         if self.store is None:
             self.store = ParamStore(self.cfg, self.device)
         store = self.store
@@ -128,6 +147,7 @@ class Init:
         torch.nn.Module.apply = apply  # type: ignore[method-assign,assignment]
         self._patch_register_parameter(store)
         guard.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def _patch_register_parameter(self, store: ParamStore) -> None:
@@ -164,6 +184,9 @@ class Init:
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
+        if self._nested:
+            self._nested = False
+            return
         guard, self._guard = self._guard, None
         try:
             if guard is not None:
@@ -179,6 +202,8 @@ class Init:
         """Undo __enter__'s patches of torch.nn.Module."""
         import torch
 
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self.store is not None:
             self.store.on_host -= 1
         if self._orig_register is not None:

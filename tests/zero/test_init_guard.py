@@ -95,6 +95,43 @@ def test_entering_one_init_twice_is_refused_and_torch_is_restored(tmp_path):
     init.store.close()
 
 
+def test_an_init_inside_another_does_nothing_so_one_store_holds_the_model(tmp_path):
+    """As DeepSpeed's zero.Init: an Init entered inside another (a library
+    wrapping its own build in one) is a no-op, with a warning when its config
+    differs. Before, modules built in it went to the outer store while
+    parameters assigned in it (register_parameter) went to the inner one:
+    one model in two stores, which initialize() then refused."""
+    import warnings
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    outer = aio.zero.Init(_cfg(tmp_path / "a"))
+    other = _cfg(tmp_path / "b")
+    other["zero_optimization"]["stage3_param_persistence_threshold"] = 7
+    inner, same = aio.zero.Init(other), aio.zero.Init(_cfg(tmp_path / "a"))
+    with outer:
+        with pytest.warns(UserWarning, match="does nothing"):
+            inner.__enter__()
+        a = torch.nn.Linear(4, 4)
+        a.weight = torch.nn.Parameter(torch.ones(4, 4))  # register_parameter's path
+        inner.__exit__(None, None, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same config: no warning
+            with same:
+                b = torch.nn.Linear(4, 4)
+        c = torch.nn.Linear(4, 4)  # the outer Init still builds
+    assert inner.store is None and same.store is None
+    assert all(p._aio_store is outer.store for m in (a, b, c) for p in m.parameters())
+    assert torch.equal(_stored(outer, a.weight), torch.ones(4, 4))
+    assert _torch_as_it_was()
+    with inner:  # on its own, later, it builds into its own store
+        d = torch.nn.Linear(4, 4)
+    assert d.weight._aio_store is inner.store is not None
+    assert _torch_as_it_was()
+    outer.store.close()
+    inner.store.close()
+
+
 def test_a_failure_closing_the_build_still_restores_torch(tmp_path, monkeypatch):
     """Whatever ending the build raises (a write that failed, say), torch's
     Module is restored: a Linear built afterwards is a plain one, not a
