@@ -21,6 +21,7 @@ Three ways in:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -28,6 +29,8 @@ import os
 import sys
 import threading
 import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .._log import log_swap_handle, logger, swap_line_pending
@@ -39,6 +42,10 @@ SUPPORTED_TEXT = "deepspeed>=0.19,<0.20"
 
 _lock = threading.Lock()
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+# DeepSpeed's AsyncIOBuilder as deepspeed.ops.op_builder exports it, kept at
+# the first enable(): modules imported while enabled bind aio's class from
+# there, and disable() gives them this one back.
+_ds_builder: Any = None
 
 
 def _file_or_fd(filename: Any, fd: Any) -> Any:
@@ -237,8 +244,15 @@ class DeepSpeedAioHandle:
         Requests started with ``validate=True`` are checked here, once their
         I/O is done.
         """
+        try:
+            n = self._h.wait()
+        except Exception:
+            # The failed batch was collected and its error is raised: its
+            # checks go with it. A Ctrl-C (BaseException) collects nothing, so
+            # the checks stay for the wait() that collects those requests.
+            self._to_validate = []
+            raise
         checks, self._to_validate = self._to_validate, []
-        n = self._h.wait()
         for buffer, filename, offset, what in checks:
             self._h.verify(buffer, filename, offset, what)
         return n
@@ -396,6 +410,7 @@ def enable() -> None:
         _patch_accelerator()
         _patch_load_checkpoint()
         _patch_engine_start()
+        _patch_engine_destroy()
     if not was_enabled:
         _log_enabled(version)
 
@@ -430,11 +445,15 @@ _SWAPPER_MODULES = (
 
 def _patch_builders() -> None:
     """Replace ``AsyncIOBuilder`` in every DeepSpeed module that imported it."""
+    global _ds_builder
     for name in _SWAPPER_MODULES:
         try:
             importlib.import_module(name)
         except ImportError:  # pragma: no cover - layout differs; the scan below still runs
             pass
+    exported = getattr(sys.modules.get("deepspeed.ops.op_builder"), "AsyncIOBuilder", None)
+    if _ds_builder is None and _is_ds_builder(exported):
+        _ds_builder = exported
     for name, mod in list(sys.modules.items()):
         if not name.startswith("deepspeed") or mod is None:
             continue
@@ -507,10 +526,126 @@ def _patch_engine_start() -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
         warn_if_params_stay_in_cpu(getattr(self, "optimizer", None))
+        _register_swap_cleanup(self)
 
     __init__._aio_wrapped = True  # type: ignore[attr-defined]
     _patched.append((DeepSpeedEngine, "__init__", orig_init))
     DeepSpeedEngine.__init__ = __init__
+
+
+def _patch_engine_destroy() -> None:
+    """``engine.destroy()`` also removes the engine's optimizer swap files."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    orig_destroy = DeepSpeedEngine.destroy
+    if getattr(orig_destroy, "_aio_wrapped", False):
+        return
+
+    @functools.wraps(orig_destroy)
+    def destroy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig_destroy(self, *args, **kwargs)
+        cleanup = getattr(self, "_aio_swap_cleanup", None)
+        if cleanup is not None:
+            cleanup()  # a weakref.finalize: runs once, then never again at exit
+        return result
+
+    destroy._aio_wrapped = True  # type: ignore[attr-defined]
+    _patched.append((DeepSpeedEngine, "destroy", orig_destroy))
+    DeepSpeedEngine.destroy = destroy
+
+
+_SWP = ".tensor.swp"
+
+
+def _optimizer_swap_file(ids: frozenset[str], name: str) -> bool:
+    """Whether `name` is a file DeepSpeed's optimizer swapper writes for one
+    of the sub-groups `ids` (their fp32 partitions' ``ds_id``, e.g. ``7_10``):
+    ``7_10.tensor.swp`` (fp32 weights), ``exp_avg-7_10.tensor.swp`` (state),
+    ``7_10_gradient_0_262144.tensor.swp`` (gradients; optimizer_utils.py)."""
+    if not name.endswith(_SWP):
+        return False
+    stem = name[: -len(_SWP)].split("_gradient_", 1)[0]
+    return stem.rsplit("-", 1)[-1] in ids
+
+
+def _param_swap_file(id_to_path: dict[Any, str], name: str) -> bool:
+    """Whether `name` is a file DeepSpeed's parameter swapper wrote
+    (``{ds_id}_param.tensor.swp``, recorded in its ``id_to_path``)."""
+    head, sep, _ = name.partition("_param" + _SWP)
+    if not sep or not head.isdigit():
+        return False
+    path = id_to_path.get(int(head))
+    return path is not None and os.path.basename(path) == name
+
+
+def remove_swap_files(folder: str, owned: Callable[[str], bool]) -> int:
+    """Delete the regular files directly in `folder` whose names `owned`
+    accepts, then `folder` if that left it empty; returns how many went.
+
+    Follows no symbolic link: a folder that is a link, or a link inside it,
+    is left alone. Runs at engine teardown and at exit, so a file it cannot
+    remove is logged, not raised.
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone already, or a link: not ours to touch
+        return 0
+    removed = 0
+    try:
+        with os.scandir(fd) as entries:
+            names = [e.name for e in entries if e.is_file(follow_symlinks=False) and owned(e.name)]
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=fd)
+                removed += 1
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                logger.getChild("deepspeed").warning("cannot remove swap file %s: %s", e.filename or name, e)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # not empty: another rank's or the user's files
+        os.rmdir(folder)
+    return removed
+
+
+def _register_swap_cleanup(engine: Any) -> None:
+    """Remove the engine's swap files when it is destroyed (optimizer) or its
+    swappers are collected or the process exits (optimizer and parameters).
+
+    DeepSpeed never removes its optimizer swap files (every swapped
+    sub-group's fp32 weights, Adam moments and gradients), and its parameter
+    swapper only clears its folder when the next one starts. Only files named
+    after this engine's own tensors go: never another job's or rank's.
+    """
+    opt = getattr(engine, "optimizer", None)
+    swapper = getattr(opt, "optimizer_swapper", None)
+    folder = getattr(swapper, "swap_folder", None)
+    if swapper is not None and isinstance(folder, str):
+        groups = getattr(opt, "fp32_partitioned_groups_flat", None) or []
+        ids = frozenset(str(g.ds_id) for g in groups if hasattr(g, "ds_id"))
+        owned = functools.partial(_optimizer_swap_file, ids)
+        engine._aio_swap_cleanup = weakref.finalize(swapper, remove_swap_files, folder, owned)
+    module = getattr(engine, "module", None)
+    if module is not None:
+        _register_param_swap_cleanup(module)
+
+
+def _register_param_swap_cleanup(module: Any) -> None:
+    """Once per parameter swapper: remove its files when it is collected or
+    at exit. Not at destroy(): the module's parameters may still be read."""
+    swapper = next(
+        (p.nvme_swapper for p in module.parameters() if getattr(p, "nvme_swapper", None) is not None), None
+    )
+    id_to_path = getattr(swapper, "id_to_path", None)
+    folder = getattr(swapper, "swap_folder", None)
+    if getattr(swapper, "_aio_cleanup", False):
+        return
+    if not isinstance(id_to_path, dict) or not isinstance(folder, str):
+        return
+    swapper._aio_cleanup = True  # type: ignore[union-attr]
+    owned = functools.partial(_param_swap_file, id_to_path)
+    weakref.finalize(swapper, remove_swap_files, folder, owned)
 
 
 def warn_if_params_stay_in_cpu(optimizer: Any) -> bool:
@@ -538,7 +673,8 @@ def warn_if_params_stay_in_cpu(optimizer: Any) -> bool:
 
 
 def disable() -> None:
-    """Undo :func:`enable` (DeepSpeed's own op is used again)."""
+    """Undo :func:`enable` (DeepSpeed's own op is used again), also in
+    DeepSpeed modules imported while it was enabled."""
     with _lock:
         while _patched:
             owner, attr, orig = _patched.pop()
@@ -549,6 +685,21 @@ def disable() -> None:
                     setattr(owner, attr, orig)
             else:
                 setattr(owner, attr, orig)
+        _unbind_late_imports()
+
+
+def _unbind_late_imports() -> None:
+    """A DeepSpeed module imported while enabled (``deepspeed.nvme``'s fast
+    checkpoint engine, say) bound aio's builder from the patched op_builder
+    and is in no record of enable(): give it DeepSpeed's class back."""
+    if _ds_builder is None:
+        return
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("deepspeed") or mod is None:
+            continue
+        for attr, value in list(getattr(mod, "__dict__", {}).items()):
+            if value is AioAsyncIOBuilder:
+                setattr(mod, attr, _ds_builder)
 
 
 def is_enabled() -> bool:

@@ -2,7 +2,10 @@
 integration tests and bench/deepspeed_step.py.
 
     python ds_train.py --io aio|dsop --offload nvme|cpu --nvme DIR --steps 10 --out losses.json
-                       [--pipeline] [--save CKPT --save-at N] [--load CKPT]
+                       [--pipeline] [--save CKPT --save-at N [--reload]] [--load CKPT]
+
+--reload: after the last step, load CKPT back into the same (trained) engine
+and replay the steps after N (their losses: "replay_losses").
 
 Rank and world size come from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
 (defaults: one process). Prints nothing on success but the JSON it writes.
@@ -78,6 +81,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--save")
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--load")
+    ap.add_argument("--reload", action="store_true")
+    ap.add_argument("--sub-group-size", type=int, default=400_000)
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -88,7 +93,7 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
     # ("param already assigned swap buffer") on its own op as well.
     zero: dict = {
         "stage": 3,
-        "sub_group_size": 400_000,
+        "sub_group_size": a.sub_group_size,
         "stage3_param_persistence_threshold": 0,
         "stage3_prefetch_bucket_size": 0,
     }
@@ -130,6 +135,16 @@ def ds_config(a: argparse.Namespace, world: int) -> dict:
     }
 
 
+def one_step(torch, engine, batch, rank: int) -> float:
+    """Forward, backward and step on this rank's slice of `batch`; the loss."""
+    x, y = batch
+    x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
 def train(a: argparse.Namespace, torch, deepspeed, rank: int, world: int) -> dict:
     """Train for a.steps steps (resuming from a.load); the results to write."""
     model = build_model(torch, a.width, a.layers)
@@ -146,21 +161,22 @@ def train(a: argparse.Namespace, torch, deepspeed, rank: int, world: int) -> dic
     ]
     losses, times = [], []
     for step in range(start, a.steps):
-        x, y = batches[step]
-        x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
         t0 = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
+        losses.append(one_step(torch, engine, batches[step], rank))
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
         if a.save and step + 1 == a.save_at:
             engine.save_checkpoint(a.save, client_state={"step": step + 1})
+    replay = []
+    if a.reload:
+        engine.load_checkpoint(a.save)
+        replay = [one_step(torch, engine, batches[step], rank) for step in range(a.save_at, a.steps)]
     from deepspeed.runtime.swap_tensor import partitioned_param_swapper as pps
 
     out = {
         "rank": rank,
         "losses": losses,
+        "replay_losses": replay,
+        "loss_scale": float(engine.optimizer.loss_scaler.cur_scale),
         "step_s": times,
         "start": start,
         "aio_served": pps.AsyncIOBuilder.__module__.startswith("aio"),

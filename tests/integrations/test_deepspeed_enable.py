@@ -134,3 +134,29 @@ def test_enable_and_first_io_each_log_one_info_line(caplog, tmp_path):
     finally:
         aio_ds.disable()
         _log._reset_for_tests()
+
+
+def test_disable_also_restores_modules_imported_while_enabled():
+    """A DeepSpeed module imported after enable() binds aio's builder from the
+    patched op_builder; disable() gives it DeepSpeed's class back."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import aio.integrations.deepspeed as d
+        d.enable()
+        assert "deepspeed.nvme.torch_fastio_engine" not in sys.modules
+        import deepspeed.nvme.torch_fastio_engine as fe
+        print("WHILE", fe.AsyncIOBuilder is d.AioAsyncIOBuilder)
+        d.disable()
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        print("AFTER", fe.AsyncIOBuilder is AsyncIOBuilder, d.is_enabled())
+        d.enable()
+        print("AGAIN", fe.AsyncIOBuilder is d.AioAsyncIOBuilder)
+        d.disable()
+        print("UNDONE", fe.AsyncIOBuilder is AsyncIOBuilder)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [x for x in r.stdout.splitlines() if x.split(" ")[0] in ("WHILE", "AFTER", "AGAIN", "UNDONE")]
+    assert lines == ["WHILE True", "AFTER True False", "AGAIN True", "UNDONE True"]

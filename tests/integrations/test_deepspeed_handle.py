@@ -2,6 +2,7 @@
 the return codes they assert on. Needs no DeepSpeed install."""
 
 import errno
+import functools
 import os
 
 import numpy as np
@@ -109,3 +110,61 @@ def test_builder_stand_in():
     assert b.is_compatible() and b.NAME == "async_io"
     op = b.load(verbose=False)
     assert op.aio_handle is DeepSpeedAioHandle
+
+
+def test_validations_survive_an_interrupted_wait(tmp_path, monkeypatch):
+    """Ctrl-C during wait() collects nothing: the validate=True checks of the
+    pending requests are done by the wait() that does collect them."""
+    h = DeepSpeedAioHandle()
+    p = str(tmp_path / "v.bin")
+    checked = []
+    monkeypatch.setattr(h.handle, "verify", lambda buf, f, off, what: checked.append((f, off, what)))
+    assert h.pwrite(torch.ones(1000), p, True, True, 0) == 0  # async, validated at wait()
+    real_wait = h.handle.wait
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(h.handle, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        h.wait()
+    monkeypatch.setattr(h.handle, "wait", real_wait)
+    assert h.wait() == 1 and checked == [(p, 0, "write")]
+
+
+def test_failed_wait_drops_the_failed_batchs_validations(tmp_path):
+    h = DeepSpeedAioHandle()
+    p = str(tmp_path / "f.bin")
+    h.handle._c.inject_fault("error", errno.EIO, "write", 1, 1)
+    h.pwrite(torch.zeros(1000), p, True, True, 0)
+    with pytest.raises(OSError):
+        h.wait()
+    assert h.wait() == 0  # the failed write is not checked again
+
+
+def test_remove_swap_files_takes_only_this_engines_files(tmp_path):
+    from aio.integrations.deepspeed import _optimizer_swap_file, remove_swap_files
+
+    folder = tmp_path / "rank0"
+    folder.mkdir()
+    ours = ["7_10.tensor.swp", "exp_avg-7_10.tensor.swp", "7_10_gradient_0_262144.tensor.swp"]
+    theirs = ["17_10.tensor.swp", "exp_avg-7_100.tensor.swp", "notes.txt", "7_10.tensor.swp.bak"]
+    for name in ours + theirs:
+        (folder / name).write_bytes(b"x")
+    outside = tmp_path / "outside.tensor.swp"
+    outside.write_bytes(b"keep")
+    (folder / "3_4.tensor.swp").symlink_to(outside)  # a link named like ours: not followed, not removed
+
+    owned = functools.partial(_optimizer_swap_file, frozenset({"7_10", "3_4"}))
+    assert remove_swap_files(str(folder), owned) == 3
+    assert sorted(os.listdir(folder)) == sorted([*theirs, "3_4.tensor.swp"])
+    assert outside.read_bytes() == b"keep"
+    for name in theirs + ["3_4.tensor.swp"]:
+        (folder / name).unlink()
+    assert remove_swap_files(str(folder), owned) == 0 and not folder.exists()  # empty: removed
+    link = tmp_path / "linked"
+    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "7_10.tensor.swp").write_bytes(b"x")
+    assert remove_swap_files(str(link), owned) == 0  # a folder that is a link is left alone
+    assert (tmp_path / "elsewhere" / "7_10.tensor.swp").exists()
