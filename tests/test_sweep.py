@@ -259,12 +259,18 @@ def test_bad_arguments(tmp_path, argv):
     assert ei.value.code == 2
 
 
-def test_block_size_larger_than_a_trial_refused(tmp_path, capsys):
+def test_block_sizes_larger_than_a_trial_left_out(tmp_path, capsys):
     # Every block size past --io-size moves the trial in one request: they
     # measured the same, and one of them could be printed as the best.
     with pytest.raises(SystemExit) as ei:
-        sw.main([str(tmp_path), "--io-size", "1M", "--block-sizes", "4M"])
-    assert ei.value.code == 2 and "larger than --io-size" in capsys.readouterr().err
+        sw.main([str(tmp_path), "--io-size", "1M", "--block-sizes", "4M,2M"])
+    assert ei.value.code == 2 and "each is larger than --io-size" in capsys.readouterr().err
+    argv = [str(tmp_path), "--io-size", "1M", "--block-sizes", "512K,1M,2M,4M"]
+    ap = sw.build_parser()
+    ns = ap.parse_args(argv)
+    space = sw.validate_args(ap, ns)
+    assert space.block_sizes == [512 << 10, 1 << 20]
+    assert any("2097152, 4194304 left out: larger than --io-size" in n for n in ns.engine_notes)
 
 
 def test_space_past_the_system_aio_limit_refused_before_measuring(tmp_path, monkeypatch, capsys):
