@@ -59,20 +59,26 @@ class SwappedOptimizer(OptimizerSwapper):
         aio.zero.malloc.long_lived_zeros; on the dev box's VM this took 11 s
         of a 2B model's first backward). Thread-safe beside initialize_many().
 
-        With `background`, the gradients are allocated in a thread, the last
-        sub-groups' first (backward needs them first), while the first
-        forward runs: fresh memory cost 0.5-0.9 s per GiB on the dev box's
-        VM, most of a 2B bf16 model's set-up. open_gradient() allocates one
-        the thread has not reached itself; step() and close() wait for it."""
-        self.reserve_buffers()
-        if self.gradients_on_drive:
-            return
+        With `background`, they are allocated in a thread while the first
+        forward runs (fresh memory cost 0.5-0.9 s per GiB on the dev box's
+        VM, most of a 2B bf16 model's set-up): the gradients first, the last
+        sub-groups' first (backward needs them first), then the buffers (the
+        step needs them), or with gradients on the drive the buffers alone
+        (backward gathers gradients in them). open_gradient() allocates a
+        gradient the thread has not reached itself, a first acquire waits
+        for the buffers; step() and close() wait for the thread."""
         if not background:
-            self._reserve_gradients()
+            self.reserve_buffers()
+            if not self.gradients_on_drive:
+                self._reserve_gradients()
             return
+        self._check_usable()
+        pool = self._pool() if self.groups else None  # made here: only its memory in the thread
         self.wait_reserved()
         self._stop_reserving.clear()
-        self._reserving = threading.Thread(target=self._reserve_quietly, name="aio-reserve", daemon=True)
+        self._reserving = threading.Thread(
+            target=self._reserve_quietly, args=(pool,), name="aio-reserve", daemon=True
+        )
         self._reserving.start()
 
     def _reserve_gradients(self) -> None:
@@ -81,11 +87,14 @@ class SwappedOptimizer(OptimizerSwapper):
                 return
             self._held_gradient(index, self.groups[index].numel)
 
-    def _reserve_quietly(self) -> None:
+    def _reserve_quietly(self, pool: Any) -> None:
         try:
-            self._reserve_gradients()
-        except Exception as e:  # noqa: BLE001 - open_gradient() meets it where it matters
-            logger.debug("allocating gradients ahead stopped: %r", e)
+            if not self.gradients_on_drive:
+                self._reserve_gradients()
+            if pool is not None and not self._stop_reserving.is_set():
+                pool.allocate()
+        except Exception as e:  # noqa: BLE001 - open_gradient() or the first acquire meets it again
+            logger.debug("allocating ahead stopped: %r", e)
 
     def wait_reserved(self, stop: bool = False) -> None:
         """Wait for reserve_memory(background=True)'s thread, if any (`stop`:

@@ -214,6 +214,7 @@ def test_gradients_reserved_in_the_background_last_first_and_once(tmp_path, monk
         buf.tensor.fill_(1.0)
         assert opt.close_gradient(0, buf) is None
         opt.wait_reserved()
+        assert opt.pool.allocated  # the swap buffers after the gradients
         assert sorted(made) == sorted(sizes)  # each once
         assert made[0] == 7  # the last sub-group first
         for i, n in enumerate(sizes[1:], 1):
