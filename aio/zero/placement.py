@@ -174,20 +174,15 @@ class SubGroupLayout:
         sub-group's size) from its parameters, stored in `dtype`: every
         parameter's read started at once (start_master_reads); bfloat16 ones
         read into the front of `out` and widened in place
-        (:func:`aio.swap.lowp.widen_bf16_threaded`), others converted one by
-        one. Returns once all have landed, raising the first failure."""
+        (start_widened_reads), others converted one by one. Returns once all
+        have landed, raising the first failure."""
         import torch
 
-        from ..swap.lowp import widen_bf16_threaded
-
-        widen = dtype == torch.bfloat16
-        into = out.view(torch.bfloat16)[: out.numel()] if widen else out
-        errors = [fut.exception() for fut in self.start_master_reads(gi, start_read_into, into)]
+        start = self.start_widened_reads if dtype == torch.bfloat16 else self.start_master_reads
+        errors = [fut.exception() for fut in start(gi, start_read_into, out)]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
-        if widen:
-            widen_bf16_threaded(out.view(torch.uint8), out.numel())
 
     def start_widened_reads(self, gi: int, start_read_into: Any, out: Any) -> list[Any]:
         """start_master_reads() for bfloat16 parameters: read into the front of

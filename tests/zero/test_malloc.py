@@ -43,7 +43,27 @@ def test_trim_gives_back_the_holes_of_freed_activations():
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
 
 
-HUGE_CHILD = textwrap.dedent(
+# For the children below: a field of the mapping holding an address.
+SMAPS = textwrap.dedent(
+    """
+    def smaps_field(ptr, field):
+        # (the field's kB, the mapping's bytes) of the mapping holding ptr,
+        # or (None, None) when no mapping holds it.
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    a, b = (int(x, 16) for x in head.split("-"))
+                    inside = a <= ptr < b
+                    size = b - a
+                elif inside and head == field + ":":
+                    return int(line.split()[1]), size
+        return None, None
+    """
+)
+
+HUGE_CHILD = SMAPS + textwrap.dedent(
     """
     import os
     os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # as aio-train sets it
@@ -52,17 +72,10 @@ HUGE_CHILD = textwrap.dedent(
 
     def huge_kib(t):
         # AnonHugePages of the mapping holding t's first byte.
-        lo = t.data_ptr()
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    a, b = (int(x, 16) for x in head.split("-"))
-                    inside = a <= lo < b
-                elif inside and head == "AnonHugePages:":
-                    return int(line.split()[1])
-        raise SystemExit("mapping not found")
+        kib, _size = smaps_field(t.data_ptr(), "AnonHugePages")
+        if kib is None:
+            raise SystemExit("mapping not found")
+        return kib
 
     n = 16 << 20  # 64 MiB
     plain, small = torch.zeros(n), long_lived_zeros(n)
@@ -84,25 +97,15 @@ def test_long_lived_zeros_stay_off_huge_pages():
     assert small == 0, (plain, small)
 
 
-MAPPED_CHILD = textwrap.dedent(
+MAPPED_CHILD = SMAPS + textwrap.dedent(
     """
     import gc
     import torch
     from aio.zero import malloc
 
     def mapping(ptr):
-        # (Rss kB, whether the mapping still exists) of the mapping holding ptr.
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    a, b = (int(x, 16) for x in head.split("-"))
-                    inside = a <= ptr < b
-                    size = b - a
-                elif inside and head == "Rss:":
-                    return int(line.split()[1]), size
-        return None, None
+        # (Rss kB, the mapping's bytes) of the mapping holding ptr.
+        return smaps_field(ptr, "Rss")
 
     n = 16 << 20  # 64 MiB
     t = malloc.long_lived_zeros(n)
