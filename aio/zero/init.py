@@ -26,6 +26,7 @@ from .config import check_drive_paths, load_train_config
 from .init_guard import PlaceholderGuard
 from .malloc import trim_malloc
 from .params import ParamStore, module_params
+from .state_dict import watch
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -116,6 +117,7 @@ class Init:
                     del module.__dict__["_aio_init_depth"]
                     for name, p in module.named_parameters(recurse=False):
                         store.adopt(p, f"{type(module).__name__}.{name}")
+                    watch(store, module)  # state_dict() gives values, not placeholders
                     if guard.building == 0:  # the outermost module: no view of its build is still used
                         guard.close_opened(build_only=True)
 

@@ -100,6 +100,9 @@ class ParamStore:
         # > 0 while aio.zero.Init builds a model: parameters fetched then are
         # host tensors even for a GPU model (see _materialise_all).
         self.on_host = 0
+        # Counts changes of stored values (writes, refreshes, checkpoint loads):
+        # what was read before a change is not handed out after it (state_dict.py).
+        self.generation = 0
         self.closed = False
 
     # -- adoption ------------------------------------------------------------------------
@@ -183,6 +186,7 @@ class ParamStore:
         """`param`'s new values were written into its packed sub-group tensor,
         which the parameter already views (what write() counts after its copy)."""
         self.counters["writes"] += 1
+        self.generation += 1
 
     def _host(self, part_id: int) -> Any:
         if self.swapper is None:
@@ -415,6 +419,7 @@ class ParamStore:
         part_id = param.aio_id
         self.uploads.settle(part_id)  # an upload may still read the old values
         self.counters["writes"] += 1
+        self.generation += 1
         self.counters["write_copy_bytes"] += self._host(part_id).nbytes if self.swapper is None else 0
         if self.swapper is None:
             self.resident[part_id].copy_(flat)
@@ -450,6 +455,7 @@ class ParamStore:
             raise ValueError(f"parameter {param.aio_name!r} is not on the drive; write() it")
         part_id = param.aio_id
         self.uploads.settle(part_id)  # an upload may still read the old values
+        self.generation += 1
         self.swapper.owner_wrote(part_id, flat)
         if self.refs.get(part_id, 0) > 0 and self.swapper.parts[part_id].lease is not None:
             self._materialise(param, self._host(part_id))
@@ -458,6 +464,7 @@ class ParamStore:
         """The optimizer's write of the master weights failed: every mirrored
         parameter's drive copy is now untrusted and refuses to be read until
         new values are stored (loading a checkpoint does)."""
+        self.generation += 1
         if self.swapper is not None:
             self.swapper.invalidate_aliased()
 
@@ -517,6 +524,12 @@ class ParamStore:
         finally:
             self.drop(params)
 
+    def keeps_values_of(self, param: Any) -> bool:
+        """Whether `param` (one of this store's) shows values that stay its own
+        -- its CPU-resident partition on a CPU model -- rather than a
+        placeholder or a swap buffer that another parameter will reuse."""
+        return self._stays_materialised(param.aio_id)
+
     def is_placeholder(self, t: Any) -> bool:
         """Whether `t` is one of this store's parameters showing its empty
         placeholder right now (not materialised by acquire() or kept in memory)."""
@@ -559,6 +572,7 @@ class ParamStore:
     def apply_checkpoint(self, directory: str, verified: Any) -> None:
         """Load a checkpoint verify_checkpoint() accepted."""
         self.synchronize()  # no upload may read what is overwritten now
+        self.generation += 1
         if self.swapper is not None:
             self.swapper.apply_checkpoint(directory, verified)
         else:

@@ -40,6 +40,7 @@ from .optimizer import ZeroOptimizer, make_optimizer
 from .params import ParamStore
 from .placement import Plan, SubGroupLayout, place_gradients_for, plan_placement
 from .scaler import GradScaling
+from .state_dict import watch
 from .torch_optimizer import OffloadOptimizer, attach_scheduler, backend_group_hyper
 from .uploads import UploadPolicy
 
@@ -256,6 +257,8 @@ class OffloadTrainer:
         for n, p in plan.named:
             self.store.adopt(p, n)
         self.store.finish_adoption()
+        for m in self.module.modules():
+            watch(self.store, m)  # state_dict() gives values, not placeholders
         _warn_if_nothing_on_drive(self.store, [p for _n, p in plan.named], cfg)
         move_buffers(self.module, self.device)
         self.layout = layout = SubGroupLayout(plan.packed, plan.order)
