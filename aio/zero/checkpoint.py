@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._args import mismatched
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain, write_json_durably
+from .export import hf_files, state_dict_layout
 
 if TYPE_CHECKING:
     from .trainer import OffloadTrainer
@@ -43,6 +44,8 @@ def save(trainer: OffloadTrainer, save_dir: str, tag: str | None, client_state: 
             _schedule_state(trainer), os.path.join(tmp, "schedule.pt"), "the param groups and lr scheduler"
         )
         save_plain(_buffers(trainer), os.path.join(tmp, "buffers.pt"), "the module buffers")
+        for name, data in hf_files(trainer.module).items():  # for aio-export to write beside the weights
+            _write_new(os.path.join(tmp, "hf", name), data)
         write_json_durably(os.path.join(tmp, "engine.json"), _meta(trainer))
     _point_latest(save_dir, tag)
     return path
@@ -92,6 +95,25 @@ def _point_latest(save_dir: str, tag: str) -> None:
     fsync_dir(save_dir)
 
 
+def resolve(directory: str, tag: str | None = None) -> str:
+    """The checkpoint folder `directory` names: itself when it is one (holds
+    ``engine.json``) and no `tag` is given, else ``directory/tag`` or the
+    one ``directory/latest`` points at."""
+    if tag is None and os.path.exists(os.path.join(directory, "engine.json")):
+        return directory
+    return os.path.join(directory, _read_latest(directory) if tag is None else check_tag(tag))
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """A new file in a new checkpoint folder (its parent made here), fsynced."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _read_latest(load_dir: str) -> str:
     """The tag ``load_dir/latest`` names, read exactly (a trailing newline
     aside, as an editor leaves one) and checked like a tag to save; the
@@ -129,6 +151,12 @@ def _meta(trainer: OffloadTrainer) -> dict[str, Any]:
         "dtype": trainer.cfg.dtype,
         "optimizer": _optimizer_name(trainer),
         "params": _param_shapes(trainer),
+        # What aio-export needs to write the weights without the model: each
+        # state-dict key, the partition it holds (None: a buffer) and its shape.
+        "state_dict": [
+            [key, part, list(trainer.store.shape_of(part)) if part is not None else None]
+            for key, part in state_dict_layout(trainer.module, trainer.store)
+        ],
         "scaler": scaler.state_dict() if scaler else None,
     }
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any
 
 _M_TRIM_THRESHOLD = -1
@@ -121,19 +123,25 @@ def trim_if_fragmented(limit: int = TRIM_FREE_BYTES) -> bool:
 _libc_madvise: Any = None  # libc's madvise, bound once (False: not there)
 
 
-def _madvise(addr: int, length: int, advice: int) -> bool:
+def _madvise(addr: int, length: int, advice: int) -> int:
+    """madvise(): 0 when it succeeded, else its errno (ENOSYS where libc has
+    no madvise)."""
+    import ctypes
+
     global _libc_madvise
     if _libc_madvise is None:
         try:
-            import ctypes
-
             fn = ctypes.CDLL(None, use_errno=True).madvise
             fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             fn.restype = ctypes.c_int
             _libc_madvise = fn
         except (OSError, AttributeError):
             _libc_madvise = False
-    return bool(_libc_madvise) and _libc_madvise(addr, length, advice) == 0
+    if not _libc_madvise:
+        return errno.ENOSYS
+    if _libc_madvise(addr, length, advice) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EINVAL
 
 
 # madvise(MADV_POPULATE_WRITE) (Linux 5.14; not in Python's mmap module).
@@ -161,8 +169,10 @@ def long_lived_zeros(numel: int) -> Any:
     allocation wrote every byte a second time, on every core, beside the
     first forward that now runs while gradients are allocated; the faults
     themselves, 0.5-0.9 s per GiB of fresh memory on the dev box's VM, cost
-    the same either way). Where the kernel lacks the advice, the pages are
-    touched by ``zero_()`` instead."""
+    the same either way). Where the kernel lacks the advice (``EINVAL``), the
+    pages are touched by ``zero_()`` instead. ``MemoryError`` when the kernel
+    cannot back them (``ENOMEM``: a memory cgroup's limit), the mapping
+    freed; another refusal is an ``OSError`` with its errno."""
     import mmap
 
     import torch
@@ -175,6 +185,22 @@ def long_lived_zeros(numel: int) -> Any:
     advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if advice is not None:
         _madvise(t.data_ptr(), nbytes, advice)
-    if not _madvise(t.data_ptr(), nbytes, _MADV_POPULATE_WRITE):
-        t.zero_()  # zeros already: this only faults the pages in
-    return t
+    err = _madvise(t.data_ptr(), nbytes, _MADV_POPULATE_WRITE)
+    if err in (0, errno.EINVAL, errno.ENOSYS):
+        if err:
+            t.zero_()  # zeros already: this only faults the pages in
+        return t
+    # Touching the pages by hand after ENOMEM would fault them in one by one
+    # past the limit, and under a memory cgroup the OOM killer ends the
+    # process instead of an error being raised: give the mapping back.
+    del t
+    try:
+        m.close()
+    except BufferError:  # pragma: no cover - a view still exported: unmapped when it goes
+        pass
+    if err == errno.ENOMEM:
+        raise MemoryError(
+            f"cannot fault in {nbytes} bytes of zeros (madvise MADV_POPULATE_WRITE: ENOMEM); "
+            "the memory limit (a memory cgroup's, or the machine's) is reached"
+        )
+    raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {nbytes} bytes of zeros failed: {os.strerror(err)}")

@@ -498,7 +498,8 @@ class ParamStore:
             raise ValueError(
                 f"gathered() of {len(params)} parameters needs {need} parameter swap buffers at once "
                 f"and there are {self.swapper_buffer_count()}; gather fewer at a time (e.g. one module's), "
-                "or read the whole model with trainer.state_dict(), one parameter at a time"
+                "or read the whole model with model.state_dict() (one parameter at a time) or write it "
+                "with engine.save_pretrained(dir)"
             )
         self.acquire(params)
         try:
@@ -523,6 +524,13 @@ class ParamStore:
                     self.write(p, p.data.detach().reshape(-1).cpu(), async_op=False)
         finally:
             self.drop(params)
+
+    def shape_of(self, part_id: int) -> tuple[int, ...]:
+        """The shape of the parameter stored as `part_id`."""
+        p = self.params[part_id]()
+        if p is None:
+            raise ValueError(f"parameter partition {part_id} has no parameter any more")
+        return tuple(p.aio_shape)
 
     def keeps_values_of(self, param: Any) -> bool:
         """Whether `param` (one of this store's) shows values that stay its own

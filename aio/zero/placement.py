@@ -248,7 +248,15 @@ class WidenedReads:
                 errors = [f.exception(timeout) for f in self._futs]
                 self._exc = next((e for e in errors if e is not None), None)
                 if self._exc is None:
+                    # Settled (as failed) before widening: a widening cut
+                    # short (Ctrl-C between two of its chunks) leaves values
+                    # half widened, and running it again would read floats
+                    # as bfloat16. Either is an error from now on, never
+                    # success and never a second widening.
+                    self._exc = _interrupted_widening(self._out.numel())
+                    self._settled = True
                     widen_bf16_threaded(self._out.view(torch.uint8), self._out.numel())
+                    self._exc = None
                 self._settled = True
         return self._exc
 
@@ -258,6 +266,16 @@ class WidenedReads:
         if exc is not None:
             raise exc
         return self.nbytes
+
+
+def _interrupted_widening(n: int) -> BaseException:
+    """The error of WidenedReads whose widening did not run to its end."""
+    from ..swap.param import SwapStateError
+
+    return SwapStateError(
+        f"widening {n} bfloat16 values to float32 in place was interrupted part-way: the "
+        "buffer holds a mix of both and cannot be widened again; read the values again"
+    )
 
 
 def _same_device(a: Any, b: Any) -> bool:

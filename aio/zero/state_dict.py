@@ -58,9 +58,7 @@ class _Reader:
         if store is None or prefix or keep_vars or store.on_host:
             return
         _check_open(store)
-        need = sum(
-            p.aio_numel * p.element_size() for p in _unique_params(module) if store.is_placeholder(p)
-        )
+        need = sum(p.aio_numel * p.element_size() for p in _unique_params(module) if store.is_placeholder(p))
         _check_memory(need)
 
     def after(self, module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from ..config import ConfigError, TrainConfig, load_train_config
 from ..config.gradients import warn_if_over_budget
 from ..optim import CPUAdam, OpenMPThrottle, fast_cpu_optimizer
-from . import checkpoint
+from . import checkpoint, export
 from .grads import GradientAccumulator
 from .hooks import Fetcher
 from .init_guard import PlaceholderCheck
@@ -662,6 +662,27 @@ class OffloadTrainer:
         self._mirror()  # loading stored the parameters in their own copies
         return out
 
+    def save_pretrained(
+        self,
+        save_directory: str,
+        dtype: Any = None,
+        max_shard_size: int | str = "5GB",
+        progress: Any = None,
+    ) -> list[str]:
+        """Write the model's weights to `save_directory` as safetensors shards
+        in Hugging Face's layout, one tensor at a time (peak memory: the
+        largest tensor, not the model), plus ``config.json`` and
+        ``generation_config.json`` for a transformers model, so
+        ``from_pretrained(save_directory)`` loads it. Keys are
+        ``model.state_dict()``'s (persistent buffers included, a tied
+        parameter once). `dtype`: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a
+        torch dtype for the floating-point tensors (default: the training
+        dtype). `max_shard_size`: bytes or e.g. ``"5GB"``. `progress(done,
+        total)` is called with bytes after each tensor. Returns the weight
+        files written; a failure leaves the folder as it was."""
+        self._check_open()
+        return export.save_pretrained(self, save_directory, dtype, max_shard_size, progress)
+
     # -- access and accounting -------------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self, params: Any = None, modify: bool = False) -> Iterator[None]:
@@ -718,12 +739,15 @@ class OffloadTrainer:
             self.mirrored = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's parameters and buffers as CPU tensors, one parameter at a time."""
+        """The model's ``state_dict()`` as CPU tensors of their own (parameters
+        read one at a time; persistent buffers copied; the keys are torch's)."""
+        self._check_open()
         out: dict[str, Any] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            out[name] = self.store.read(p).view(p.aio_shape)
-        for name, b in self.module.named_buffers():
-            out[name] = b.detach().cpu().clone()
+        for key, v in self.module.state_dict(keep_vars=True).items():
+            if getattr(v, "_aio_store", None) is self.store:
+                out[key] = self.store.read(v).view(v.aio_shape)
+            else:
+                out[key] = v.detach().cpu().clone()
         return out
 
     def pinned_bytes(self) -> int:

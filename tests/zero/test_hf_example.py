@@ -53,3 +53,6 @@ def test_the_documented_recipe_trains_and_resumes(tmp_path):
     (tmp_path / "out" / "latest").write_text("global_step2")
     resumed = run(tmp_path, "--resume")
     assert resumed == full[2:]
+    # The recipe's last line wrote the trained weights where from_pretrained reads them.
+    final = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "final")
+    assert all(p.abs().sum() > 0 for p in final.parameters())
