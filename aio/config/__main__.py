@@ -46,6 +46,22 @@ def _count(text: str) -> float:
     return v
 
 
+# The most bytes --activations takes: 2**53 (8 PiB), the largest count a float
+# holds exactly, as for the element counts; past it 99999999999999999999999T
+# was printed as 99999999999999991611392.0 TiB of activations, exit 0.
+MAX_BYTES = 2**53
+
+
+def _bytes(text: str) -> int:
+    """A size like ``400M`` (:func:`aio._cli.parse_size`) up to :data:`MAX_BYTES`."""
+    from .._cli import parse_size
+
+    n = parse_size(text)
+    if n > MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"at most 8 PiB (2**53 bytes), got {text!r}")
+    return n
+
+
 def _numels(text: str) -> list[tuple[int, int]]:
     """``1048576x8,1024`` -> [(1048576, 8), (1024, 1)]: parameter sizes in model
     order, as (size, count) runs (a count of 3e8 costs no more than 1)."""
@@ -140,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``aio-config`` argument parser: ``validate CONFIG`` and ``estimate CONFIG
     (--params N | --param-numels SIZES) [--largest-subgroup N] [--dtype]
     [--optimizer-states] [--json] [--check]``."""
-    from .._cli import CliParser, int_in, parse_size
+    from .._cli import CliParser, int_in
 
     ap = CliParser(prog="aio-config", description=(__doc__ or "").splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -172,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--optimizer-states", type=int_in(0, 64), default=2)
     e.add_argument(
         "--activations",
-        type=parse_size,
+        type=_bytes,
         default=None,
         metavar="BYTES",
         help="what the model's forward saves for backward at the batch trained (e.g. 400M), counted "
@@ -190,8 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     status 2 from argument parsing (SystemExit)."""
     from .._cli import run_cli
 
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.cmd == "estimate":
+        _check_subgroup(ap, a)
     return run_cli("aio-config", lambda: _run(a))
+
+
+def _check_subgroup(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse (exit 2) a --largest-subgroup larger than the parameters given:
+    a sub-group holds some of them (9e15 of 1e9 printed 130967 TiB pinned)."""
+    if a.largest_subgroup is None:
+        return
+    total = a.params if a.params is not None else sum(n * k for n, k in a.param_numels)
+    if a.largest_subgroup > total:
+        ap.error(
+            f"--largest-subgroup {a.largest_subgroup:,.0f} is more than the {total:,.0f} parameters "
+            "given: a sub-group holds some of them"
+        )
 
 
 def _validate(a: argparse.Namespace) -> int:

@@ -363,6 +363,8 @@ def estimate_memory(
     z = cfg.zero_optimization
     if largest_subgroup_numel is not None:
         sub = _positive_int("largest_subgroup_numel", largest_subgroup_numel)
+        if sub > n:  # a sub-group holds some of the parameters: 9e15 of 1e9 was 130967 TiB pinned
+            raise ValueError(f"largest_subgroup_numel ({sub:,}) is more than num_params ({n:,})")
     elif numels is not None:
         sub = _largest_subgroup_runs(numels, z.sub_group_size)
     else:

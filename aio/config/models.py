@@ -188,6 +188,15 @@ Bool = Annotated[StrictBool, BeforeValidator(lambda v: (_unresolved_auto(v, "tru
 Ratio = Annotated[float, BeforeValidator(strict_float), Field(ge=0.0, le=1.0)]
 
 
+class _Disagree:
+    """``thread_count`` and ``intra_op_parallelism`` given with different
+    values, handed from AioConfig's block validator to the field's own."""
+
+    def __init__(self, thread_count: Any, intra_op_parallelism: Any) -> None:
+        self.thread_count = thread_count
+        self.intra_op_parallelism = intra_op_parallelism
+
+
 # The largest block_size the I/O core (csrc/core) takes: 1 TiB.
 MAX_BLOCK_SIZE = 1 << 40
 
@@ -225,14 +234,24 @@ class AioConfig(_Block):
     @classmethod
     def _one_thread_key(cls, data: Any) -> Any:
         if isinstance(data, dict) and "thread_count" in data and "intra_op_parallelism" in data:
+            rest = {k: v for k, v in data.items() if k not in ("thread_count", "intra_op_parallelism")}
             if data["thread_count"] != data["intra_op_parallelism"]:
-                raise ValueError(
-                    "thread_count and intra_op_parallelism are the same setting and disagree "
-                    f"({data['thread_count']} vs {data['intra_op_parallelism']}); keep one "
-                    "(intra_op_parallelism is the name DeepSpeed reads)"
-                )
-            data = {k: v for k, v in data.items() if k != "thread_count"}
+                # Raising here would stop pydantic before the block's other keys
+                # (only this conflict was reported): the field reports it instead.
+                return {**rest, "thread_count": _Disagree(data["thread_count"], data["intra_op_parallelism"])}
+            return {**rest, "intra_op_parallelism": data["intra_op_parallelism"]}
         return data
+
+    @field_validator("intra_op_parallelism", mode="before")
+    @classmethod
+    def _threads_agree(cls, v: Any) -> Any:
+        if isinstance(v, _Disagree):
+            raise ValueError(
+                "thread_count and intra_op_parallelism are the same setting and disagree "
+                f"({v.thread_count} vs {v.intra_op_parallelism}); keep one "
+                "(intra_op_parallelism is the name DeepSpeed reads)"
+            )
+        return v
 
     @field_validator("block_size")
     @classmethod
@@ -317,6 +336,20 @@ class OffloadOptimizerConfig(_OffloadBase):
     cpuadam_cores_perc: Ratio = 0.8
 
 
+class _NestedAio:
+    """An ``aio`` block inside ``zero_optimization``, marked by ZeroConfig's
+    block validator for its extra keys' validator to refuse."""
+
+
+def _not_nested_aio(v: Any) -> Any:
+    if isinstance(v, _NestedAio):
+        raise ValueError(
+            "the aio block belongs at the top level of the config, not inside "
+            "zero_optimization (DeepSpeed silently ignores it there)"
+        )
+    return v
+
+
 class ZeroConfig(BaseModel):
     """The parts of ``zero_optimization`` the offload path depends on; other
     ZeRO keys are DeepSpeed's business and pass through untouched."""
@@ -328,14 +361,16 @@ class ZeroConfig(BaseModel):
     offload_param: OffloadParamConfig | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
 
+    # Other keys pass through as they are; an ``aio`` block here is refused by
+    # its own validator, so pydantic still reports the block's other errors
+    # (a model validator raising stopped it before them).
+    __pydantic_extra__: dict[str, Annotated[Any, BeforeValidator(_not_nested_aio)]]
+
     @model_validator(mode="before")
     @classmethod
     def _no_nested_aio(cls, data: Any) -> Any:
         if isinstance(data, dict) and "aio" in data:
-            raise ValueError(
-                "aio: the aio block belongs at the top level of the config, not inside "
-                "zero_optimization (DeepSpeed silently ignores it there)"
-            )
+            return {**data, "aio": _NestedAio()}
         return data
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._buffers import MAX_OFFSET as MAX_FILE_BYTES
+from .._log import logger
 
 ROOT_PREFIX = "aio-swap-"
 MARKER = ".aio-swap-owner"
@@ -164,11 +166,28 @@ def _owner_is_dead(owner: dict[str, Any], me: dict[str, Any]) -> bool:
     return now is None or now[0] in ("Z", "X") or (now[1] != "?" and now[1] != start)
 
 
-def _read_marker(root_fd: int, name: str) -> dict[str, Any] | None:
+def _open_own_folder(parent_fd: int, name: str) -> int | None:
+    """A descriptor on the folder `name` in `parent_fd` if it is a real folder
+    (never through a symlink) owned by this user, else None. The owner is
+    read with fstat of the descriptor every later step goes through, so a
+    folder swapped in under that name after the check is never touched."""
     try:
-        dfd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
         return None
+    try:
+        mine = os.fstat(fd).st_uid == os.geteuid()
+    except OSError:
+        mine = False
+    if not mine:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_marker(dfd: int) -> dict[str, Any] | None:
+    """The owner marker in the folder open as `dfd`, or None when it is
+    missing, not a regular file or unreadable."""
     try:
         fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
         try:
@@ -177,52 +196,69 @@ def _read_marker(root_fd: int, name: str) -> dict[str, Any] | None:
             owner = json.loads(os.read(fd, _MARKER_MAX))
         finally:
             os.close(fd)
-    except (OSError, ValueError):
+    # RecursionError: 4 KiB of nested JSON lists ("[[[[...") is planted junk too.
+    except (OSError, ValueError, RecursionError):
         return None
-    finally:
-        os.close(dfd)
     return owner if isinstance(owner, dict) else None
 
 
+def _rmdir_held(parent_fd: int, name: str, fd: int) -> bool:
+    """Remove the (emptied) folder open as `fd` from `parent_fd`, where it was
+    opened as `name`; False when `name` now is another folder (renamed in
+    its place since: left alone)."""
+    held, now = os.fstat(fd), os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    if (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino):
+        return False
+    os.rmdir(name, dir_fd=parent_fd)
+    return True
+
+
+def _remove_flat(root_fd: int, name: str, dfd: int) -> bool:
+    """Remove a job folder (flat: marker and swap files) open as `dfd` without
+    following any symlink: entries are unlinked relative to the descriptors."""
+    for entry in os.listdir(dfd):
+        with contextlib.suppress(OSError):
+            os.unlink(entry, dir_fd=dfd)
+    with contextlib.suppress(OSError):
+        _rmdir_held(root_fd, name, dfd)
+    return True
+
+
 def _remove_folder(root_fd: int, name: str) -> None:
-    """Remove a job folder (flat: marker and swap files) without following
-    any symlink: entries are unlinked relative to the held descriptors."""
-    try:
-        dfd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
-    except OSError:
+    """Remove this user's job folder `name` in `root_fd` (see _remove_flat)."""
+    dfd = _open_own_folder(root_fd, name)
+    if dfd is None:
         return
     try:
-        for entry in os.listdir(dfd):
-            with contextlib.suppress(OSError):
-                os.unlink(entry, dir_fd=dfd)
+        _remove_flat(root_fd, name, dfd)
     finally:
         os.close(dfd)
-    with contextlib.suppress(OSError):
-        os.rmdir(name, dir_fd=root_fd)
 
 
 def _reclaim_dead(
     root_fd: int,
     me: dict[str, Any],
-    remove: Callable[[int, str], None] | None = None,
+    remove: Callable[[int, str, int], bool] = _remove_flat,
     match: Callable[[str], Any] | None = None,
 ) -> list[str]:
-    """Remove the folders in `root_fd` (those whose name passes `match`) whose
-    owner marker names a process that died without cleaning up: by default
-    this user's job folders, flat (_remove_folder)."""
+    """Remove the folders of this user in `root_fd` (those whose name passes
+    `match`) whose owner marker names a process that died without cleaning
+    up: by default job folders, flat. The folder is opened once: its owner,
+    marker and removal all go through that descriptor (`remove(root_fd,
+    name, dfd)`, True when it removed the folder)."""
     removed = []
     for name in os.listdir(root_fd):
         if match is not None and not match(name):
             continue
-        try:
-            if not stat.S_ISDIR(os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode):
-                continue
-        except OSError:
+        dfd = _open_own_folder(root_fd, name)
+        if dfd is None:  # not a folder, a symlink, or another user's: not ours to remove
             continue
-        owner = _read_marker(root_fd, name)
-        if owner is not None and _owner_is_dead(owner, me):
-            (remove or _remove_folder)(root_fd, name)
-            removed.append(name)
+        try:
+            owner = _read_marker(dfd)
+            if owner is not None and _owner_is_dead(owner, me) and remove(root_fd, name, dfd):
+                removed.append(name)
+        finally:
+            os.close(dfd)
     return removed
 
 
@@ -293,35 +329,139 @@ def checkpoint_dir(directory: str) -> Iterator[str]:
         os.rename(tmp, directory)
         _fsync_path(parent, os.O_DIRECTORY)
     except BaseException:
-        _remove_tree(tmp)
+        _discard_save(tmp)
         raise
 
 
 _SAVE_TMP = re.compile(r"^\..+\.tmp-[0-9a-f]{8}$")
+# How far reclaiming goes into one save's folder before it gives up on it (a
+# log line; the next save carries on): a save writes two levels (params/,
+# optimizer/) and a file or two per sub-group. Anyone who may write to a
+# shared checkpoint folder can plant a folder, so no tree may cost a save
+# more than this, nor fail it.
+RECLAIM_MAX_DEPTH = 32
+RECLAIM_MAX_ENTRIES = 1 << 18
+_PARENT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the user's own path: a symlink is theirs
+
+
+def _listed(fd: int) -> Iterator[str]:
+    """The names in the folder open as `fd`; `fd` is closed if listing fails."""
+    try:
+        return iter(os.listdir(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _empty_tree(top: int, max_entries: int | None) -> str | None:
+    """Remove everything in the folder open as `top`, without recursion and
+    relative to held descriptors (a symlink is unlinked, never followed; a
+    sub-folder not of this user is not entered). Its owner marker goes
+    last, so a folder given up on is still known to the next save. None when
+    emptied, else why it stopped: past RECLAIM_MAX_DEPTH levels or
+    `max_entries` entries."""
+    frames: list[tuple[int, str, Iterator[str]]] = [(top, "", iter(os.listdir(top)))]
+    budget = max_entries
+    try:
+        while frames:
+            fd, name, names = frames[-1]
+            entry = next(names, None)
+            if entry is None:
+                frames.pop()
+                if frames:  # the top is the caller's to remove
+                    try:
+                        _rmdir_held(frames[-1][0], name, fd)
+                    finally:
+                        os.close(fd)
+                continue
+            if len(frames) == 1 and entry == MARKER:
+                continue
+            if budget is not None:
+                budget -= 1
+                if budget < 0:
+                    return f"more than {max_entries} entries"
+            try:
+                os.unlink(entry, dir_fd=fd)
+                continue
+            except IsADirectoryError:
+                pass
+            if len(frames) > RECLAIM_MAX_DEPTH:
+                return f"folders nested more than {RECLAIM_MAX_DEPTH} deep"
+            child = _open_own_folder(fd, entry)
+            if child is None:
+                return f"{entry} is not a folder of this user"
+            frames.append((child, entry, _listed(child)))
+    finally:
+        for fd, _, _ in frames[1:]:
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(MARKER, dir_fd=top)
+    return None
+
+
+def _remove_save(
+    parent: str, parent_fd: int, name: str, dfd: int, max_entries: int | None = RECLAIM_MAX_ENTRIES
+) -> bool:
+    """Remove a save's temporary folder `name` in `parent` (open as
+    `parent_fd`), itself open as `dfd` (see _empty_tree). Never raises: a
+    folder it cannot remove is left with one log line, so reclaiming or
+    cleaning up never fails a save."""
+    try:
+        why = _empty_tree(dfd, max_entries)
+        if why is None:
+            if _rmdir_held(parent_fd, name, dfd):
+                return True
+            why = "another folder was renamed to its name"
+    # Anything (RecursionError, MemoryError, an OSError): cleaning up must not
+    # be what fails the save, and the folder is only disk space.
+    except Exception as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+    logger.getChild("swap").warning(
+        "checkpoint save: left the temporary folder %s: %s; remove it by hand",
+        os.path.join(parent, name),
+        why,
+    )
+    return False
 
 
 def reclaim_killed_saves(parent: str) -> list[str]:
     """Remove the temporary folders that checkpoint saves killed part-way
-    (SIGKILL, a power cut) left in `parent`: only those whose owner marker
-    says this host, boot and pid namespace and a process that is gone; a
-    save still running, on another host or unknown is left alone."""
+    (SIGKILL, a power cut) left in `parent`: only this user's folders whose
+    owner marker says this host, boot and pid namespace and a process that
+    is gone; a save still running, on another host, of another user or
+    unknown is left alone. Never raises: what it cannot do is logged (one
+    line) and the save goes on; see RECLAIM_MAX_DEPTH."""
     try:
-        fd = os.open(parent, _DIR_FLAGS)
-    except OSError:
+        fd = os.open(parent, _PARENT_FLAGS)
+    except OSError as e:
+        logger.getChild("swap").warning("checkpoint save: cannot look for killed saves in %s: %s", parent, e)
         return []
     try:
-        remove_tree = lambda _fd, name: _remove_tree(os.path.join(parent, name))  # noqa: E731 - nested folders
-        return _reclaim_dead(fd, _identity(), remove_tree, _SAVE_TMP.match)
-    except OSError:  # the folder unreadable: nothing reclaimed, the save goes on
+        return _reclaim_dead(fd, _identity(), functools.partial(_remove_save, parent), _SAVE_TMP.match)
+    except Exception as e:  # as in _remove_save: never what fails the save
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        logger.getChild("swap").warning("checkpoint save: looking for killed saves in %s: %s", parent, why)
         return []
     finally:
         os.close(fd)
 
 
-def _remove_tree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)  # never follows symlinks to folders
+def _discard_save(tmp: str) -> None:
+    """Remove this save's own temporary folder `tmp` after a failure
+    (bounded in depth only; never raises, as _remove_save)."""
+    try:
+        parent_fd = os.open(os.path.dirname(tmp), _PARENT_FLAGS)
+    except OSError:
+        return
+    try:
+        dfd = _open_own_folder(parent_fd, os.path.basename(tmp))
+        if dfd is not None:
+            try:
+                _remove_save(os.path.dirname(tmp), parent_fd, os.path.basename(tmp), dfd, max_entries=None)
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(parent_fd)
 
 
 MAX_MARKER_BYTES = 64 << 20  # a marker lists file names and numbers: far below this
@@ -350,20 +490,35 @@ def _crc32_file(path: str) -> int:
     return crc
 
 
+# Deeper than any checkpoint aio writes (two levels: params/, optimizer/): a
+# deeper folder is refused, not walked (a recursive walk of a 2000-deep one
+# raised RecursionError instead of saying the checkpoint is not one).
+MAX_CHECKPOINT_DEPTH = 32
+
+
 def _files_in(directory: str) -> dict[str, int]:
     """{relative path: size} of every file under `directory`; ValueError for
-    anything but regular files and folders (a symbolic link, a FIFO, a device)."""
+    anything but regular files and folders (a symbolic link, a FIFO, a
+    device) and for folders nested past MAX_CHECKPOINT_DEPTH."""
     found: dict[str, int] = {}
-    for d, dirs, files in os.walk(directory):
-        for name in dirs + files:
-            p = os.path.join(d, name)
-            st = os.lstat(p)
+    todo = [("", 0)]  # (folder relative to `directory`, its depth): no recursion
+    while todo:
+        folder, depth = todo.pop()
+        for name in os.listdir(os.path.join(directory, folder)):
+            rel = os.path.join(folder, name)
+            st = os.lstat(os.path.join(directory, rel))
             if stat.S_ISDIR(st.st_mode):
-                continue
-            if not stat.S_ISREG(st.st_mode):
+                if depth >= MAX_CHECKPOINT_DEPTH:
+                    raise ValueError(
+                        f"{directory}: {folder} holds folders nested more than {MAX_CHECKPOINT_DEPTH} "
+                        "deep: not a checkpoint aio writes; refusing it"
+                    )
+                todo.append((rel, depth + 1))
+            elif not stat.S_ISREG(st.st_mode):
                 kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-                raise ValueError(f"{directory}: {os.path.relpath(p, directory)} is {kind}: refusing it")
-            found[os.path.relpath(p, directory)] = st.st_size
+                raise ValueError(f"{directory}: {rel} is {kind}: refusing it")
+            else:
+                found[rel] = st.st_size
     return found
 
 

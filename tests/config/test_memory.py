@@ -426,3 +426,41 @@ def test_cli_validate_notes_an_nvme_path_missing_here(tmp_path, capsys):
     (tmp_path / "nope").mkdir()
     assert config_main(["validate", str(p)]) == 0
     assert "not an existing directory" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        # printed as 99999999999999991611392.0 TiB of activations, exit 0
+        (["--params", "1e9", "--activations", "99999999999999999999999T"], "--activations: at most 8 PiB"),
+        (["--params", "1e9", "--activations", str(2**53 + 1)], "--activations: at most 8 PiB"),
+        # a sub-group is some of the parameters: 130967.2 TiB of pinned buffers, exit 0
+        (
+            ["--params", "1e9", "--largest-subgroup", "9e15"],
+            "--largest-subgroup 9,000,000,000,000,000 is more than the 1,000,000,000",
+        ),
+        (
+            ["--param-numels", "1e6x3", "--largest-subgroup", "3000001"],
+            "--largest-subgroup 3,000,001 is more than the 3,000,000",
+        ),
+    ],
+)
+def test_cli_estimate_refuses_sizes_past_what_they_can_be(tmp_path, capsys, args, text):
+    """Every numeric option of aio-config estimate is bounded as --params is
+    (4c8a5b4): one line naming the option, exit 2, nothing estimated."""
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(CFG))
+    with pytest.raises(SystemExit) as ex:
+        config_main(["estimate", str(p), *args])
+    out = capsys.readouterr()
+    assert ex.value.code == 2 and out.out == ""
+    (line,) = out.err.splitlines()
+    assert line.startswith("aio-config") and text in line, line
+    assert config_main(["estimate", str(p), "--params", "1e9", "--activations", "8192T"]) == 0  # 8 PiB: taken
+    assert config_main(["estimate", str(p), "--params", "1e9", "--largest-subgroup", "1e9"]) == 0
+
+
+def test_a_largest_subgroup_past_the_parameters_is_refused():
+    with pytest.raises(ValueError, match="largest_subgroup_numel"):
+        estimate_memory(CFG, 1e9, largest_subgroup_numel=1e9 + 1)
+    estimate_memory(CFG, 1e9, largest_subgroup_numel=1e9)

@@ -110,7 +110,7 @@ BAD = [
     ({"aio": {"blocksize": 4096}}, "aio.blocksize", "did you mean 'block_size'"),
     ({"aio": {"single_submit": "yes"}}, "aio.single_submit", "boolean"),
     ({"aio": {"engine": "uring"}}, "aio.engine", "'io_uring'"),
-    ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, "aio", "disagree"),
+    ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, "aio.thread_count", "disagree"),
     ({"aio": {"block_size": 4096.5}}, "aio.block_size", "whole number"),
     ({"aio": 5}, "aio", "must be an object"),
     (
@@ -193,6 +193,60 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as ei:
         load_config({"aio": {"block_size": 1, "queue_depth": 0, "bogus": 1}})
     assert len(ei.value.problems) == 3
+
+
+def test_every_bad_aio_key_is_reported_with_the_thread_count_conflict():
+    """thread_count and intra_op_parallelism disagreeing was checked by a
+    validator of the whole block, which stopped pydantic before the block's
+    other keys: only the conflict was reported. Every bad key comes at
+    once, each with its key path and what is accepted."""
+    cfg = {
+        "aio": {
+            "thread_count": 2,
+            "intra_op_parallelism": 4,
+            "queue_depth": 0,
+            "block_size": 1000,
+            "engine": "uring",
+            "single_submit": "yes",
+            "blocksize": 4096,
+        },
+        "zero_optimization": {"stage": 7},
+    }
+    with pytest.raises(ConfigError) as ei:
+        load_config(cfg)
+    got = dict(ei.value.problems)
+    assert sorted(got) == [
+        "aio.block_size",
+        "aio.blocksize",
+        "aio.engine",
+        "aio.queue_depth",
+        "aio.single_submit",
+        "aio.thread_count",
+        "zero_optimization.stage",
+    ], str(ei.value)
+    assert "intra_op_parallelism" in got["aio.thread_count"] and "(2 vs 4)" in got["aio.thread_count"]
+    assert "greater than 0" in got["aio.queue_depth"] and "multiple of 4096" in got["aio.block_size"]
+    assert "'io_uring'" in got["aio.engine"] and "did you mean 'block_size'" in got["aio.blocksize"]
+    # the same value under both names is one setting, as before
+    assert load_config({"aio": {"thread_count": 3, "intra_op_parallelism": 3}}).aio.thread_count == 3
+    assert load_config({"aio": {"thread_count": 3}}).aio.intra_op_parallelism == 3
+
+
+def test_a_nested_aio_block_is_reported_with_the_other_zero_keys():
+    """An aio block inside zero_optimization was refused by a validator of the
+    whole block, which hid that block's other bad keys."""
+    cfg = {"zero_optimization": {"stage": 7, "sub_group_size": 0, "aio": {"block_size": 4096}}}
+    with pytest.raises(ConfigError) as ei:
+        load_config(cfg)
+    got = dict(ei.value.problems)
+    assert sorted(got) == [
+        "zero_optimization.aio",
+        "zero_optimization.stage",
+        "zero_optimization.sub_group_size",
+    ]
+    assert "top level" in got["zero_optimization.aio"]
+    extra = load_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5}}).zero_optimization
+    assert extra.model_extra == {"reduce_bucket_size": 5}  # other keys pass through as they are
 
 
 def test_bad_sources(tmp_path):
