@@ -56,6 +56,7 @@ class _Partition:
     releasing: bool = False  # release the buffer once the pending write lands
     # Read from another swapper's range instead of `offset` (see ParamSwapper.alias).
     alias: tuple[SwapSpace, int] | None = None
+    locked: int = 0  # bytes page-locked for a resident tensor (pinned_bytes)
 
 
 def _itemsize(dtype: Any) -> int:
@@ -146,19 +147,19 @@ class ParamSwapper:
 
     # -- registration ------------------------------------------------------------
     def _resident_tensor(self, numel: int, dtype: Any) -> Any:
-        """Memory for a CPU-resident partition: pinned through `register_host`
-        when given (a GPU's registration), else locked, or pageable without
-        ``pin_memory``."""
+        """Memory for a CPU-resident partition and the bytes it locks: pinned
+        through `register_host` when given (a GPU's registration), else
+        locked, or pageable without ``pin_memory``."""
         if not self.pin_memory:
-            return _empty(numel, dtype)
+            return _empty(numel, dtype), 0
         if self.register_host is not None:
             t, registered = registered_tensor(numel, dtype, self.register_host)
             if registered:
                 self._resident_locked += registered
-                return t
+                return t, registered
         t = new_locked_tensor(numel, dtype)
         self._resident_locked += locked_nbytes(t)
-        return t
+        return t, locked_nbytes(t)
 
     def register(self, part_id: Any, numel: int, dtype: Any | None = None) -> State:
         """Declare a partition; returns where it will live (RESIDENT or ON_DRIVE)."""
@@ -173,11 +174,13 @@ class ParamSwapper:
         if not small and not self._cpu_full and self.resident_numel + numel > self.max_in_cpu:
             self._cpu_full = True
         if small or not self._cpu_full:
-            t = self._resident_tensor(numel, dtype)
+            t, locked = self._resident_tensor(numel, dtype)
             if not small:
                 self.resident_numel += numel
             self.counters["resident_bytes"] += nbytes
-            self.parts[part_id] = _Partition(part_id, numel, dtype, nbytes, State.RESIDENT, tensor=t)
+            self.parts[part_id] = _Partition(
+                part_id, numel, dtype, nbytes, State.RESIDENT, tensor=t, locked=locked
+            )
             return State.RESIDENT
         if nbytes > self.pool.slot_bytes:
             need = -(-nbytes // _itemsize(self.dtype))
@@ -189,6 +192,25 @@ class ParamSwapper:
         off = self.space.allocate(nbytes)
         self.parts[part_id] = _Partition(part_id, numel, dtype, nbytes, State.ON_DRIVE, offset=off)
         return State.ON_DRIVE
+
+    def unregister(self, part_id: Any) -> None:
+        """Forget a partition nobody uses any more (a parameter replaced by a
+        tied one): its I/O is waited for (a failure is moot: nothing reads
+        it again), its buffer or resident memory given back. Its drive
+        extent stays allocated, unread, until the swapper closes."""
+        self._check_open()
+        p = self._part(part_id)
+        with contextlib.suppress(Exception):
+            self._settle(p)
+        if p.state == State.RESIDENT:
+            self._resident_locked -= p.locked
+            self.counters["resident_bytes"] -= p.nbytes
+            if p.nbytes >= self.min_swap_bytes and p.numel:
+                self.resident_numel -= p.numel
+            p.tensor = None
+        else:
+            self._drop_buffer(p)
+        del self.parts[part_id]
 
     # -- aliases -------------------------------------------------------------------
     def alias(self, part_id: Any, space: SwapSpace, offset: int) -> bool:
@@ -524,10 +546,12 @@ class ParamSwapper:
                 buffers = [memoryview(bytearray(max((c.nbytes for c in chunks), default=1)))]
             return copy_chunks(chunks, buffers)
 
-    def verify_checkpoint(self, directory: str) -> dict[Any, Any]:
+    def verify_checkpoint(self, directory: str, ids: dict[Any, Any] | None = None) -> dict[Any, Any]:
         """Check a checkpoint from export_checkpoint() completely -- marker,
         manifest, ids, sizes, dtypes, every checksum -- without changing
-        anything. Returns what apply_checkpoint() needs (the values of
+        anything. `ids` maps the checkpoint's partition ids to this
+        swapper's (default: the same ids; partitions it leaves out are not
+        loaded). Returns what apply_checkpoint() needs (the values of
         resident partitions, already read; drive partitions are read again)."""
         import json
         import os
@@ -538,7 +562,9 @@ class ParamSwapper:
             manifest = json.load(f)
         if manifest.get("kind") != "aio-params" or manifest.get("version") != 1:
             raise ValueError(f"{directory} is not an aio parameter checkpoint (version 1)")
-        entries = {e["id"]: e for e in manifest["partitions"]}
+        if ids is None:
+            ids = {part_id: part_id for part_id in self.parts}
+        entries = {ids[e["id"]]: e for e in manifest["partitions"] if e["id"] in ids}
         if set(entries) != set(self.parts):
             raise ValueError("checkpoint partitions do not match the registered partitions")
         plan: dict[Any, Any] = {}

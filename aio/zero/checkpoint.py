@@ -269,6 +269,47 @@ def _param_shapes(trainer: OffloadTrainer) -> list[list[Any]]:
     return [[s.param.aio_name, list(s.param.aio_shape)] for s in trainer.layout.ordered()]
 
 
+def _same_params(saved: Any, trainer: OffloadTrainer) -> bool:
+    """Whether the checkpoint's trainable parameters (names and shapes, in
+    order) are the trainer's. A checkpoint from before the model's own
+    names were kept names parameters built under Init by their build
+    name ("Linear.weight"): accepted for those."""
+    places = trainer.layout.ordered()
+    if not isinstance(saved, list) or len(saved) != len(places):
+        return False
+    for entry, s in zip(saved, places, strict=True):
+        names = {s.param.aio_name, getattr(s.param, "aio_build_name", s.param.aio_name)}
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in names):
+            return False
+        if entry[1] != list(s.param.aio_shape):
+            return False
+    return True
+
+
+def _part_ids(trainer: OffloadTrainer, meta: dict[str, Any], path: str) -> dict[int, int]:
+    """The checkpoint's parameter partition ids mapped to the trainer's, by
+    state-dict key (each partition's first key). A checkpoint without keys
+    (older aio) maps ids to themselves: they are the adoption order of the
+    same code; partitions it holds that the store gave back since (a
+    parameter replaced by a tied one) are left out."""
+    mine = state_dict_layout(trainer.module, trainer.store)
+    saved = meta.get("state_dict")
+    if saved is None:
+        return {part: part for _key, part in mine if part is not None}
+    if not isinstance(saved, list) or not all(isinstance(e, list) and len(e) == 3 for e in saved):
+        raise ValueError(f"{path}: engine.json has a malformed state_dict list")
+    saved_part = {key: part for key, part, _shape in saved}
+    out: dict[int, int] = {}
+    for key, part in mine:
+        if part is None or part in out.values():
+            continue
+        theirs = saved_part.get(key)
+        if not isinstance(theirs, int) or theirs in out:
+            raise ValueError(f"{path}: the checkpoint holds no parameter {key!r} of its own")
+        out[theirs] = part
+    return out
+
+
 def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, dict]:
     """See :meth:`aio.zero.OffloadTrainer.load_checkpoint`."""
     tag = _read_latest(load_dir) if tag is None else check_tag(tag)
@@ -276,7 +317,7 @@ def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, 
     require_complete(path)
     meta = verify_meta(trainer, path)
     client = load_plain(os.path.join(path, "client_state.pt"))
-    params = trainer.store.verify_checkpoint(os.path.join(path, "params"))
+    params = trainer.store.verify_checkpoint(os.path.join(path, "params"), _part_ids(trainer, meta, path))
     opt = trainer.zero_optimizer.verify_checkpoint(os.path.join(path, "optimizer"))
     schedule = _verify_schedule(trainer, path)
     buffers = _verify_buffers(trainer, path)
@@ -313,7 +354,7 @@ def verify_meta(trainer: OffloadTrainer, path: str) -> dict[str, Any]:
             f"{path}: saved with optimizer {meta.get('optimizer')}, this trainer steps with "
             f"{_optimizer_name(trainer)}: its state would not fit"
         )
-    if meta.get("params") != _param_shapes(trainer):
+    if not _same_params(meta.get("params"), trainer):
         raise ValueError(f"{path}: the checkpoint's parameters (names and shapes) do not match this model")
     dtype = trainer.cfg.dtype
     if meta.get("dtype") != dtype:

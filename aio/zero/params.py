@@ -115,6 +115,11 @@ class ParamStore:
         if getattr(param, "_aio_store", None) is not None:
             if param._aio_store is not self:
                 raise ValueError(f"parameter {name!r} already belongs to another aio.zero trainer")
+            if name and name != param.aio_name:  # adopted under Init as "Class.attr"
+                # Checkpoints written before the model's own names were kept
+                # hold the build name: still accepted at load (checkpoint.py).
+                param.aio_build_name = param.aio_name
+                param.aio_name = name
             return
         self._check_open()
         numel = param.numel()
@@ -153,6 +158,22 @@ class ParamStore:
             param.data = self._host(part_id).view(param.aio_shape)
         else:
             param.data = self.copies.placeholder(self.dtype)
+
+    def forget_orphans(self) -> list[int]:
+        """Give back the partitions of parameters that no longer exist (a
+        module's weight replaced by a tied one after it was adopted, as
+        transformers ties ``lm_head`` under Init): their drive copy is never
+        read again. Returns their part ids."""
+        gone = [part_id for part_id, ref in self.params.items() if ref() is None]
+        for part_id in gone:
+            if self.swapper is not None:
+                self.swapper.unregister(part_id)
+            else:
+                self.resident.pop(part_id, None)
+            del self.params[part_id]
+            self.refs.pop(part_id, None)
+            self.speculative.pop(part_id, None)
+        return gone
 
     def pack(self, groups: list[list[Any]]) -> None:
         """With the memory backend in bfloat16 or float16 on a CPU model, lay
@@ -562,15 +583,21 @@ class ParamStore:
         with checkpoint_dir(directory) as tmp:
             save_plain(dict(self.resident), f"{tmp}/params.pt", "the parameters")
 
-    def verify_checkpoint(self, directory: str) -> Any:
-        """Check a checkpoint completely without changing anything."""
+    def verify_checkpoint(self, directory: str, ids: dict[int, int] | None = None) -> Any:
+        """Check a checkpoint completely without changing anything. `ids` maps
+        the checkpoint's part ids to this store's (default: the same ids);
+        partitions of the checkpoint it does not map are not loaded."""
+        ids = ids if ids is not None else {i: i for i in self.params}
         if self.swapper is not None:
-            return self.swapper.verify_checkpoint(directory)
+            return self.swapper.verify_checkpoint(directory, ids)
         from ..swap.storage import load_plain, require_complete
 
         require_complete(directory)
         saved = load_plain(f"{directory}/params.pt")
-        if not isinstance(saved, dict) or set(saved) != set(self.resident):
+        if not isinstance(saved, dict):
+            raise ValueError(f"{directory}: checkpoint parameters do not match this model")
+        saved = {ids[k]: v for k, v in saved.items() if k in ids}
+        if set(saved) != set(self.resident):
             raise ValueError(f"{directory}: checkpoint parameters do not match this model")
         for part_id, t in saved.items():
             if not hasattr(t, "shape") or t.shape != self.resident[part_id].shape or t.dtype != self.dtype:

@@ -257,6 +257,8 @@ class OffloadTrainer:
         for n, p in plan.named:
             self.store.adopt(p, n)
         self.store.finish_adoption()
+        if orphans := self.store.forget_orphans():
+            logger.info("gave back %d stored partitions of parameters that were replaced", len(orphans))
         for m in self.module.modules():
             watch(self.store, m)  # state_dict() gives values, not placeholders
         _warn_if_nothing_on_drive(self.store, [p for _n, p in plan.named], cfg)
