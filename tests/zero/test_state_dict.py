@@ -104,8 +104,11 @@ def test_hf_model_state_dict_torch_save_and_save_pretrained_hold_the_trained_val
         torch.save(model.state_dict(), tmp_path / "sd.pt")
         _assert_same(torch.load(tmp_path / "sd.pt", weights_only=True), want)
         model.save_pretrained(tmp_path / "saved")
-    back = tf.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
-    _assert_same(back.state_dict(), want)
+        model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    for folder in ("saved", "sharded"):
+        back = tf.LlamaForCausalLM.from_pretrained(tmp_path / folder)
+        _assert_same(back.state_dict(), want)
 
 
 def test_plain_model_state_dict_equals_memory_for_each_placement(tmp_path):
