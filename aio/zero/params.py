@@ -103,6 +103,9 @@ class ParamStore:
         # Counts changes of stored values (writes, refreshes, checkpoint loads):
         # what was read before a change is not handed out after it (state_dict.py).
         self.generation = 0
+        # A trainer steps these parameters (master weights elsewhere decide
+        # their values): set by OffloadTrainer once built.
+        self.trained = False
         self.closed = False
 
     # -- adoption ------------------------------------------------------------------------

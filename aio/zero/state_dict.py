@@ -14,7 +14,9 @@ module ``state_dict()`` is called on refuses up front (a MemoryError naming
 the streamed ways: :meth:`OffloadTrainer.save_pretrained`, ``aio-export``)
 when that would not fit in the memory available.
 
-``state_dict(keep_vars=True)`` holds the parameters themselves (as
+``load_state_dict()`` stores the values it is given for the parameters
+(before a trainer steps them; then it is refused, naming the ways that
+work). ``state_dict(keep_vars=True)`` holds the parameters themselves (as
 ``named_parameters()`` does): nothing is read for them. Inside an ``Init``
 block nothing is read either: transformers' ``from_pretrained`` walks the
 state dict of the model it fills, and the Init guard answers its
@@ -42,6 +44,7 @@ def watch(store: Any, module: Any) -> None:
     # bound method cannot take.
     module.register_state_dict_pre_hook(functools.partial(_Reader.before, reader))
     module.register_state_dict_post_hook(functools.partial(_Reader.after, reader))
+    module.register_load_state_dict_pre_hook(functools.partial(_Reader.load, reader))
 
 
 class _Reader:
@@ -74,6 +77,47 @@ class _Reader:
                 continue  # keep_vars=True, or torch took values the parameter keeps
             _check_open(store)
             state_dict[key] = _read(store, p, state_dict)
+
+    def load(self, module: Any, state_dict: Any, prefix: str, local_metadata: Any, *rest: Any) -> None:
+        """``load_state_dict()``: the values of this module's stored parameters
+        go to the store (a placeholder cannot take them); torch then copies
+        an empty tensor into the placeholder. Once a trainer steps the
+        parameters, their master weights would overwrite such values:
+        refused there, naming the ways that work."""
+        store = self.store()
+        if store is None or store.on_host:
+            return
+        error_msgs = rest[-1]
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or key not in state_dict or not store.is_placeholder(p):
+                continue
+            _check_loadable(store, key, local_metadata)
+            v = state_dict[key]
+            if tuple(v.shape) != tuple(p.aio_shape):
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {tuple(v.shape)} from "
+                    f"checkpoint, the shape in current model is {tuple(p.aio_shape)}."
+                )
+            else:
+                store.write(p, v.detach().reshape(-1).cpu(), async_op=False)
+            state_dict[key] = p.detach()  # the placeholder: torch's copy moves nothing
+
+
+def _check_loadable(store: Any, key: str, local_metadata: Any) -> None:
+    _check_open(store)
+    if store.trained:
+        raise ValueError(
+            f"load_state_dict() into {key!r}, a parameter an aio.zero trainer steps: its fp32 master "
+            "weights would overwrite the values at the next step. Restore a checkpoint with "
+            "engine.load_checkpoint(dir), or change values inside `with engine.gathered(params, "
+            "modify=True):`, or load the weights before aio.zero.initialize()"
+        )
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError(
+            f"load_state_dict(assign=True) would replace {key!r}, a parameter aio.zero stores, "
+            "with a tensor it does not own; load without assign=True"
+        )
 
 
 def _needs_copy(store: Any, p: Any) -> bool:

@@ -261,6 +261,7 @@ class OffloadTrainer:
             logger.info("gave back %d stored partitions of parameters that were replaced", len(orphans))
         for m in self.module.modules():
             watch(self.store, m)  # state_dict() gives values, not placeholders
+        self.store.trained = True
         _warn_if_nothing_on_drive(self.store, [p for _n, p in plan.named], cfg)
         move_buffers(self.module, self.device)
         self.layout = layout = SubGroupLayout(plan.packed, plan.order)

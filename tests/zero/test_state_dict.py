@@ -181,3 +181,22 @@ def test_under_init_state_dict_reads_nothing(tmp_path):
         assert init.store.stats()["bytes_read"] == reads
     assert model.state_dict()["lm_head.weight"].abs().sum() > 0  # after the block: the values
     init.store.close()
+
+
+def test_load_state_dict_stores_values_before_training_and_is_refused_after(tmp_path):
+    ref = gpt()
+    want = {k: v + 1 for k, v in ref.state_dict().items()}
+    cfg = cfg_for(tmp_path, gas=1, clip=0)
+    with aio.zero.Init(cfg):
+        model = gpt()
+    with pytest.raises(RuntimeError, match=r"size mismatch for head.weight.*\(64, 64\)"):
+        model.load_state_dict({**want, "head.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="assign=True"):
+        model.load_state_dict(want, assign=True)
+    model.load_state_dict(want)  # built under Init, before initialize(): stored
+    with aio.zero.initialize(model, cfg) as engine:
+        _assert_same(model.state_dict(), want)
+        engine.backward(loss_of(engine, 0, 0))
+        engine.step()
+        with pytest.raises(ValueError, match="load_checkpoint"):
+            model.load_state_dict(want)
