@@ -171,19 +171,51 @@ _inflight: dict[int, tuple[int, int, Any, int, Any]] = {}
 _tokens = itertools.count(1)
 
 
-def track_inflight(ptr: int, nbytes: int, keepalive: Any) -> int:
-    """Record, before its request is submitted, that [ptr, ptr + nbytes) will
-    have I/O in flight, and hold `keepalive` (what owns that memory) until
-    untrack_inflight(); attach the request with attach_request(). Returns
-    the token both take. An entry whose request never got attached (the
-    submit interrupted right after it returned) keeps its memory for good:
-    a leak, never a write into freed memory."""
+class UnattachedSubmit:
+    """Stands in the registry for the request of a submit that has not handed
+    one over: still running, or cut short after it may have queued I/O (a
+    Ctrl-C handler that ran as the core returned, a MemoryError after some
+    pieces were queued). Its I/O, if any, belongs to the handle `core`, so
+    waiting for it means waiting until that handle is idle."""
+
+    __slots__ = ("_core", "ended")
+
+    def __init__(self, core: Any) -> None:
+        self._core = core  # None once the handle was idle after the submit ended
+        self.ended = False  # the submit is over: nothing more will be queued
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the handle was idle within `seconds` (the core's request wait)."""
+        core = self._core
+        if core is None:
+            return True
+        ended = self.ended
+        if not core.drain_for(seconds):
+            return False
+        if ended:
+            # Idle after the submit ended: whatever it queued is done for good.
+            self._core = None
+        return True
+
+    def done(self) -> bool:
+        """Whether the submit ended and everything it may have queued is done."""
+        return self.ended and self.wait(0.0)
+
+
+def track_inflight(ptr: int, nbytes: int, keepalive: Any, core: Any) -> int:
+    """Record, before its request is submitted on the core handle `core`, that
+    [ptr, ptr + nbytes) will have I/O in flight, and hold `keepalive` (what
+    owns that memory) until untrack_inflight(); attach the request with
+    attach_request(). Returns the token both take. Until a request is
+    attached, waiting for the range waits for `core` to be idle (see
+    UnattachedSubmit), so a submit cut short after it queued I/O never lets
+    the memory be reused under that I/O."""
     with _inflight_lock:
         if len(_inflight) >= 256:  # futures nobody collects: forget finished ones
-            for tok in [k for k, v in _inflight.items() if v[2] is not None and v[2].done()]:
+            for tok in [k for k, v in _inflight.items() if v[2].done()]:
                 del _inflight[tok]
         tok = next(_tokens)
-        _inflight[tok] = (ptr, ptr + nbytes, None, os.getpid(), keepalive)
+        _inflight[tok] = (ptr, ptr + nbytes, UnattachedSubmit(core), os.getpid(), keepalive)
     return tok
 
 
@@ -192,6 +224,16 @@ def attach_request(token: int, req: Any) -> None:
     with _inflight_lock:
         start, end, _, pid, keep = _inflight[token]
         _inflight[token] = (start, end, req, pid, keep)
+
+
+def abandon_inflight(token: int) -> None:
+    """The submit of a range registered by track_inflight() ended without a
+    future (interrupted, or failed after it may have queued I/O): the entry
+    keeps the memory until its handle has been idle, then may be forgotten."""
+    with _inflight_lock:
+        entry = _inflight.get(token)
+    if entry is not None and isinstance(entry[2], UnattachedSubmit):
+        entry[2].ended = True
 
 
 def untrack_inflight(token: int) -> None:
@@ -209,9 +251,15 @@ def wait_range_idle(start: int, nbytes: int) -> None:
         # there) and touch only the parent's copy of the memory: skip them.
         me = os.getpid()
         busy = [
-            req
-            for lo, hi, req, pid, _ in _inflight.values()
-            if lo < end and start < hi and pid == me and req is not None
+            (tok, req)
+            for tok, (lo, hi, req, pid, _) in _inflight.items()
+            if lo < end and start < hi and pid == me
         ]
-    for req in busy:
+    for _, req in busy:
         wait_sliced(req.wait, None)
+    # Abandoned submits have no future to untrack them: once done, their
+    # memory can go.
+    with _inflight_lock:
+        for tok, req in busy:
+            if isinstance(req, UnattachedSubmit) and req.done():
+                _inflight.pop(tok, None)

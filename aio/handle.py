@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import os
 import threading
 import warnings
@@ -14,16 +15,26 @@ import numpy as np
 
 from . import _C, pinned
 from ._args import PathArg, check_bool, check_int, check_path
-from ._buffers import MAX_OFFSET, ResolvedBuffer, resolve, track_inflight, untrack_inflight, wait_sliced
+from ._buffers import (
+    MAX_OFFSET,
+    ResolvedBuffer,
+    abandon_inflight,
+    resolve,
+    track_inflight,
+    untrack_inflight,
+    wait_sliced,
+)
 from ._errors import HandleStateError
+from ._log import logger
 from .future import AioFuture, collectable, first_untold_error, wait_all
 
 __all__ = ["AioFuture", "AsyncIOHandle", "PathArg"]
 
 _READ, _WRITE = 0, 1
-# What the core raises when it refuses a request before submitting it (its
-# one error translator's OSError subclasses, and argument errors).
-_REFUSED = (OSError, ValueError, TypeError, OverflowError, MemoryError)
+# What the core raises when it refuses a request before queueing anything (its
+# one error translator's OSError subclasses, and argument errors). Not
+# MemoryError: the core can run out of memory between two pieces it queues.
+_REFUSED = (OSError, ValueError, TypeError, OverflowError)
 
 
 def _check_offsets(file_offsets: Any) -> np.ndarray:
@@ -39,6 +50,44 @@ def _check_offsets(file_offsets: Any) -> np.ndarray:
     if int(arr.min()) < 0:
         raise ValueError(f"file_offsets: offsets must be >= 0, got {int(arr.min())}")
     return arr
+
+
+def _refuse_append(fd: int) -> None:
+    """ValueError for a write through a descriptor opened with O_APPEND: the
+    kernel puts every such write at the end of the file, whatever offset it
+    names, so the bytes would land elsewhere than asked."""
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        return  # not a descriptor: the core raises with its errno
+    if flags & os.O_APPEND:
+        raise ValueError(
+            f"fd {fd} is open with O_APPEND: every write through it would go to the end of "
+            "the file, not to file_offset; pass a descriptor opened without O_APPEND (or the path)"
+        )
+
+
+# Whether this process has logged why io_uring refused pinned-buffer
+# registrations (one line per process, however many handles see it).
+_refusal_logged = False
+_refusal_lock = threading.Lock()
+
+
+def _log_fixed_refusal(c: Any) -> None:
+    """Log once per process why the core handle `c`'s rings were refused
+    pinned-buffer registrations (stats()["fixed_refused"] counts them): the
+    I/O still works, as plain READ/WRITE, so nothing else would say so."""
+    global _refusal_logged
+    if _refusal_logged:
+        return
+    why = c.fixed_refusal()
+    if not why:
+        return
+    with _refusal_lock:
+        if _refusal_logged:
+            return
+        _refusal_logged = True
+    logger.warning("%s", why)
 
 
 _live_handles: weakref.WeakSet[AsyncIOHandle] = weakref.WeakSet()
@@ -100,6 +149,7 @@ class AsyncIOHandle:
         if engine == "auto" and self._c.engine == "posix":
             # Neither kernel queue works here: every I/O blocks a thread.
             warnings.warn(self._c.engine_reason, RuntimeWarning, stacklevel=2)
+        _log_fixed_refusal(self._c)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._pending: list[AioFuture] = []
@@ -160,6 +210,8 @@ class AsyncIOHandle:
         c = self._live()
         file_offset = check_int("file_offset", file_offset, minimum=0)
         spath, fd = check_path(path)
+        if op == _WRITE and fd >= 0:
+            _refuse_append(fd)
         buf = resolve(buffer, writable=(op == _READ))
         if file_offset + buf.nbytes > MAX_OFFSET:
             raise OverflowError(
@@ -181,22 +233,31 @@ class AsyncIOHandle:
         """``submit()`` the core's request for `buf` and wrap it in a future. The
         in-flight registry owns the memory from before the submit (see
         track_inflight), so no interruption in between can free it under a
-        worker; a submit that fails gives it back."""
-        token = track_inflight(buf.ptr, buf.nbytes, buf.keepalive)
+        worker, and until the future attaches the request, waiting for the
+        memory waits for the handle `c` to be idle; a submit the core refused
+        gives the memory back."""
+        token = track_inflight(buf.ptr, buf.nbytes, buf.keepalive, c)
         try:
             req = submit()
         except BaseException as e:
-            # Only a refusal by the core means nothing was submitted. A signal
+            # Only a refusal by the core means nothing was queued. A signal
             # handler's exception (Ctrl-C) can come right after the core's
-            # submit returned, the request using the memory and no future to
-            # say when it ends: that memory stays owned (a leak, never I/O
-            # into freed memory).
+            # submit returned, and a MemoryError part-way through
+            # submit_pieces comes after earlier pieces were queued: the entry
+            # keeps the memory, and a release waits for the handle's I/O.
             if isinstance(e, _REFUSED):
                 untrack_inflight(token)
+            else:
+                abandon_inflight(token)
             raise
-        fut = AioFuture(req, buf, finalize, token)
+        try:
+            fut = AioFuture(req, buf, finalize, token)
+        except BaseException:
+            abandon_inflight(token)  # Ctrl-C before or after attaching: kept all the same
+            raise
         for note in c.take_notices():
             warnings.warn(note, RuntimeWarning, stacklevel=4)
+        _log_fixed_refusal(c)
         return fut
 
     def _track(self, fut: AioFuture) -> AioFuture:
@@ -251,6 +312,8 @@ class AsyncIOHandle:
         c = self._live()
         offs = _check_offsets(file_offsets)
         spath, fd = check_path(path)
+        if op == _WRITE and fd >= 0:
+            _refuse_append(fd)
         buf = resolve(buffer, writable=(op == _READ))
         if buf.cuda_tensor is not None:
             raise ValueError("buffer: pieces of a CUDA tensor are not supported; use a host tensor")
@@ -451,6 +514,9 @@ def _after_fork_in_child() -> None:
     # worker threads: destroying one would join or detach threads that do
     # not exist here. Keep them (one reference each, never dropped) for the
     # life of the child; the Python objects refuse use via their pid check.
+    # The child's own rings log their own refusals.
+    global _refusal_logged
+    _refusal_logged = False
     for h in list(_live_handles):
         if h._c is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(h._c))

@@ -196,15 +196,20 @@ def new_locked_tensor(num_elem: int, dtype: Any) -> Any:
     # frombuffer keeps `owner` alive for as long as the tensor's storage lives.
     t = torch.frombuffer(owner, dtype=torch.uint8, count=nbytes).view(dtype)
     start = t.data_ptr()
+    entry = (nbytes, kind, counted)
     with _lock:
-        _regions[start] = (nbytes, kind, counted)
-    weakref.finalize(t, _forget, start)
+        _regions[start] = entry
+    weakref.finalize(t, _forget, start, entry)
     return t
 
 
-def _forget(start: int) -> None:
+def _forget(start: int, entry: tuple[int, str, int]) -> None:
+    # Only this tensor's own entry: once its memory is freed (after
+    # free_locked_tensor) a new tensor can be given the same address before
+    # this one is collected, and its entry must stay.
     with _lock:
-        _regions.pop(start, None)
+        if _regions.get(start) is entry:
+            del _regions[start]
 
 
 def pinned_kind(tensor: Any) -> str | None:
@@ -305,7 +310,9 @@ class Lease:
     def release(self) -> None:
         """Give the slot back to its pool (idempotent). I/O still in flight on
         the slot is waited for first, so the next lease never receives a late
-        read (Ctrl-C interrupts the wait and leaves the lease held)."""
+        read; after a submit cut short before its future came back (Ctrl-C),
+        until its handle has no I/O in flight. Ctrl-C interrupts the wait and
+        leaves the lease held."""
         if not self._released:
             wait_range_idle(self.ptr, self.nbytes)
             self._released = True

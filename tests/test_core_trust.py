@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ENGINES, MiB, aligned_empty
+from conftest import ENGINES, QUEUED_ENGINES, MiB, aligned_empty
 
 from aio import _C
 
@@ -478,3 +478,66 @@ def test_a_small_unaligned_transfer_at_a_huge_block_size_stages_only_its_size(en
     assert w.wait(60.0)
     w.result()
     assert (np.fromfile(fpath, np.uint8) == 7).all()
+
+
+@pytest.mark.parametrize("engine", QUEUED_ENGINES)
+def test_a_block_size_transfer_into_unaligned_memory_stages_what_can_be_in_flight(engine, tmp_path):
+    """Staging was chunk x queue_depth: one 8 MiB transfer at block_size 8 MiB
+    and queue_depth 32768 into unaligned memory asked for 256 GiB (ENOMEM).
+    It is now made as chunks are staged: no more than the slice's chunks,
+    queue_depth, or 64 MiB (one chunk if larger)."""
+    path = str(tmp_path / "f.bin")
+    n = 8 * MiB
+    data = (np.arange(3 * n) % 251).astype(np.uint8)
+    data.tofile(path)
+    h = _handle(engine, block_size=n, queue_depth=32768)
+    for size in (n, 3 * n):  # one chunk; three (a larger staging)
+        out = np.zeros(size + 1, np.uint8)[1:]  # one byte off: staged
+        _submit_and_wait(h, READ, out, path).result()
+        assert (out == data[:size]).all()
+        back = np.full(size + 1, 7, np.uint8)[1:]
+        _submit_and_wait(h, WRITE, back, path).result()
+        assert (np.fromfile(path, np.uint8)[:size] == 7).all()
+        data[:size] = 7
+    assert h.stats()["bounce_bytes"] == 2 * (n + 3 * n)
+
+
+@pytest.mark.parametrize("engine", QUEUED_ENGINES)
+def test_many_small_staged_requests_are_still_in_flight_together(engine, tmp_path):
+    """Staging made as chunks need it grows for every slice in flight: 64
+    unaligned 4 KiB reads at queue_depth 64 are not queued one at a time."""
+    path = str(tmp_path / "f.bin")
+    data = (np.arange(64 * 4096) % 241).astype(np.uint8)
+    data.tofile(path)
+    h = _handle(engine, block_size=MiB, queue_depth=64)
+    outs = [np.zeros(4096 + 1, np.uint8)[1:] for _ in range(64)]
+    reqs = [h.submit(READ, o.ctypes.data, 4096, path, -1, i * 4096) for i, o in enumerate(outs)]
+    for r in reqs:
+        assert r.wait(60.0)
+        r.result()
+    for i, o in enumerate(outs):
+        assert (o == data[i * 4096 : (i + 1) * 4096]).all(), i
+    assert h.stats()["max_inflight"] > 8
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_core_refuses_a_write_through_an_append_descriptor(engine, tmp_path):
+    """File::adopt on an O_APPEND descriptor: every write would be appended
+    whatever its offset (the core alone, without the Python check)."""
+    path = str(tmp_path / "a.bin")
+    old = (np.arange(16384) % 199).astype(np.uint8)
+    old.tofile(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        h = _handle(engine)
+        src = aligned_empty(4096)
+        src[:] = 1
+        with pytest.raises(OSError, match="O_APPEND") as ei:
+            h.submit(WRITE, src.ctypes.data, src.nbytes, "", fd, 0).wait(60.0)
+        assert ei.value.errno == errno.EINVAL and ei.value.filename == f"fd {fd}"
+        offs = np.array([4096], np.int64)
+        with pytest.raises(OSError, match="O_APPEND"):
+            h.submit_pieces(WRITE, src.ctypes.data, 4096, offs.ctypes.data, 1, "", fd).wait(60.0)
+    finally:
+        os.close(fd)
+    assert (np.fromfile(path, np.uint8) == old).all()

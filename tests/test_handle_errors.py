@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ENGINES, MiB, engine_unavailable, handle
+from conftest import ENGINES, MiB, aligned_empty, engine_unavailable, handle
 
 import aio
 
@@ -340,3 +340,33 @@ def test_directory_is_refused_without_a_false_fallback(tmp_path, op):
             (h.sync_pread if op == "read" else h.sync_pwrite)(buf, str(tmp_path))
     assert h.stats()["buffered_fallback"] is False
     h.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("direct", [False, True])
+def test_write_through_an_append_descriptor_is_refused(engine, direct, tmp_path):
+    """The kernel puts every write on an O_APPEND descriptor at the end of the
+    file, whatever its offset: a 16 KiB file grew to 20480, then 24576 bytes,
+    silently. Such a write is now refused (ValueError naming the fd); reads
+    through it still work."""
+    path = tmp_path / "a.bin"
+    old = (np.arange(16384) % 199).astype(np.uint8)
+    path.write_bytes(old.tobytes())
+    h = handle(engine=engine)
+    buf = aligned_empty(4096)
+    buf[:] = 1
+    flags = os.O_RDWR | os.O_APPEND | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags)
+    try:
+        with pytest.raises(ValueError, match=f"fd {fd} is open with O_APPEND"):
+            h.sync_pwrite(buf, fd, 0)
+        with pytest.raises(ValueError, match="O_APPEND"):
+            h.async_pwrite_pieces(buf, fd, [4096])
+        with pytest.raises(ValueError, match="O_APPEND"):
+            h.async_pwrite(buf, fd, 8192)
+        assert h.wait() == 0
+        h.sync_pread(buf, fd, 4096)
+        assert np.array_equal(buf, old[4096:8192])
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == old.tobytes()

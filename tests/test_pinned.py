@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import ENGINES
 
 import aio
 from aio import _C
@@ -194,6 +195,25 @@ def test_pool_release_waits_for_io_in_flight_on_the_slot(tmp_path):
     h.close()
 
 
+def test_a_freed_tensors_collection_does_not_forget_a_new_tensor_at_its_address():
+    """free_locked_tensor(t) then ``t = new_locked_tensor(...)``: the new
+    memory can get the old address, and the old tensor's finalizer (run as
+    the name is rebound) dropped the new tensor's record, so freeing it no
+    longer waited for its I/O (it returned False at once)."""
+    t = aio.new_locked_tensor(1 << 20, torch.uint8)
+    first = t.data_ptr()
+    assert aio.free_locked_tensor(t)
+    reused = 0
+    for _ in range(8):
+        t = aio.new_locked_tensor(1 << 20, torch.uint8)
+        reused += t.data_ptr() == first
+        assert aio.pinned.pinned_kind(t) is not None
+        assert aio.pinned.locked_nbytes(t) == 1 << 20
+        assert aio.free_locked_tensor(t), "a tensor of ours was not recognised as pinned"
+    if not reused:
+        pytest.skip("the allocator never handed the same address out again")
+
+
 class _FakeCudart:
     def __init__(self):
         self.calls = []
@@ -272,3 +292,126 @@ def test_registered_tensor_is_page_aligned_exact_and_unregistered_when_freed():
 
     gc.collect()
     assert calls[-1] == ("unregister",)
+
+
+# -- fork: the child gets none of the pinned memory ------------------------------
+
+# Run in a subprocess per engine (fork with threads and rings). A 64 MiB locked
+# pool is read from the file (every page touched, registered on io_uring);
+# then a forked child reports its private dirty memory at once, and again
+# after making its own handle of the same engine and reading 1 MiB with it
+# into the pool, plus whether the pool reads as zeros there.
+_FORK_SMAPS = """
+import ctypes, os, sys, time
+import numpy as np
+from aio import _C
+
+engine, path = sys.argv[1], sys.argv[2]
+MiB = 1 << 20
+def private_dirty_mib():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("Private_Dirty:")) / 1024
+pool = _C.PinnedPool(64, MiB, True)
+base = pool.slot_ptr(0)
+(np.arange(64 * MiB) % 251).astype(np.uint8).tofile(path)
+h = _C.Handle(MiB, 8, False, True, 1, engine)
+r = h.submit(0, base, 64 * MiB, path, -1, 0)
+r.wait()
+r.result()
+rfd, wfd = os.pipe()
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    at_fork = private_dirty_mib()
+    zero = bytes(ctypes.string_at(base, 4096)) == bytes(4096)
+    mine = _C.Handle(MiB, 8, False, True, 1, engine)
+    r2 = mine.submit(0, base, MiB, path, -1, 0)
+    r2.wait()
+    r2.result()
+    got = np.ctypeslib.as_array((ctypes.c_uint8 * MiB).from_address(base))
+    ok = bool((got == np.arange(MiB) % 251).all())
+    os.write(wfd, f"{at_fork:.1f} {private_dirty_mib():.1f} {zero} {ok}".encode())
+    os._exit(0)
+fork_ms = (time.perf_counter() - t0) * 1000
+child = os.read(rfd, 200).decode()
+os.waitpid(pid, 0)
+print(child, f"{fork_ms:.1f}")
+"""
+
+
+def _run_script(script, *args):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_forked_child_gets_pinned_memory_zero_filled_not_copied(engine, tmp_path):
+    """Pages registered with io_uring are long-term pinned, and fork() copies
+    pinned pages into the child at once: each forked process (a DataLoader
+    worker) paid the whole pool again (33 MiB of private dirty memory for a
+    32 MiB pool). Pinned memory is now wiped in a child (MADV_WIPEONFORK),
+    on every engine: the child starts with none of it, reads zeros there,
+    and its own handle neither registers nor allocates the parent's pool."""
+    out = _run_script(_FORK_SMAPS, engine, str(tmp_path / "f.bin")).split()
+    at_fork, after_own_io, zero, ok = float(out[0]), float(out[1]), out[2], out[3]
+    assert at_fork < 16, f"child has {at_fork} MiB private dirty after fork (pool 64 MiB)"
+    assert after_own_io < 16, f"child has {after_own_io} MiB private dirty after its own I/O"
+    assert zero == "True", "the child sees the parent's pinned bytes"
+    assert ok == "True", "the child's own read into the pool came back wrong"
+
+
+# The parent's I/O into a pinned pool while a child forks and scribbles over
+# its (wiped) view of the pool: every round's bytes must be the parent's, and
+# fixed-buffer I/O must still be used after the fork.
+_FORK_INFLIGHT = """
+import ctypes, os, sys
+import numpy as np
+from aio import _C
+
+engine, path = sys.argv[1], sys.argv[2]
+MiB = 1 << 20
+n = 32 * MiB
+pool = _C.PinnedPool(2, n, True)
+src, dst = (np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(pool.slot_ptr(i))) for i in (0, 1))
+h = _C.Handle(MiB, 8, False, True, 2, engine)
+in_flight = 0
+for rnd in range(4):
+    src[:] = (np.arange(n) + rnd) % 253
+    w = h.submit(1, src.ctypes.data, n, path, -1, 0)
+    pid = os.fork()
+    if pid == 0:
+        ctypes.memset(src.ctypes.data, 0xFF, n)  # the child's own pages
+        os._exit(0)
+    in_flight += not w.done()
+    w.wait()
+    w.result()
+    r = h.submit(0, dst.ctypes.data, n, path, -1, 0)
+    pid2 = os.fork()
+    if pid2 == 0:
+        ctypes.memset(dst.ctypes.data, 0xEE, n)
+        os._exit(0)
+    in_flight += not r.done()
+    r.wait()
+    r.result()
+    for p in (pid, pid2):
+        os.waitpid(p, 0)
+    assert (dst == src).all(), f"round {rnd}: the parent's read is wrong"
+    assert (np.fromfile(path, np.uint8) == src).all(), f"round {rnd}: the file is wrong"
+st = h.stats()
+print(in_flight, st["fixed_ios"], st["ios"])
+"""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_io_in_flight_across_fork_lands_in_the_parent(engine, tmp_path):
+    """Reads and writes in flight while the process forks complete with the
+    parent's bytes (the child's writes to its wiped view of the pool go to
+    its own pages), and fixed-buffer I/O goes on after the fork."""
+    in_flight, fixed, ios = map(int, _run_script(_FORK_INFLIGHT, engine, str(tmp_path / "f.bin")).split())
+    if engine == "io_uring":
+        assert fixed == ios > 0, (fixed, ios)
+    print(f"{in_flight} of 8 I/Os were in flight at fork")

@@ -219,3 +219,95 @@ def test_forked_child_registrations_never_reach_the_parents_ring(pattern, tmp_pa
     os.waitpid(pid, 0)
     assert np.array_equal(parent_buf, pattern[: 2 * MiB])
     assert h.stats()["fixed_ios"] == h.stats()["ios"]
+
+
+# -- registrations: once per process, refusals visible ------------------------
+
+# argv: mode, path. Every ring of a 4-worker io_uring handle must hold a
+# 2 MiB locked pool registered, made before the handle ("before") or after
+# it ("after"); printed: the process's pinned kB (VmPin: what io_uring
+# charges), the handle's refused registrations, its fixed and all I/Os, the
+# reason for refusals and how many log lines told of them (two handles).
+# "nobody": as user nobody with RLIMIT_MEMLOCK 5 MiB, where each ring that
+# registers the pool itself charges it again to the user (2 + 2 + 2 > 5);
+# "nobody-noclone": so, with table clones turned off.
+_REGISTER_ONCE = """
+import io, logging, os, resource, sys
+import aio
+from aio import _C
+
+mode, path = sys.argv[1], sys.argv[2]
+MiB = 1 << 20
+with open(path, "wb") as f:
+    f.write(os.urandom(2 * MiB))
+fd = os.open(path, os.O_RDWR)
+log = io.StringIO()
+logging.getLogger("aio").addHandler(logging.StreamHandler(log))
+if mode.startswith("nobody"):
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (5 * MiB, 5 * MiB))
+    os.setgid(65534)
+    os.setuid(65534)
+if mode == "nobody-noclone":
+    _C.set_fixed_clone(False)
+def vmpin_kb():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmPin:"))
+pool = _C.PinnedPool(2, MiB, True) if mode != "after" else None
+h = aio.AsyncIOHandle(block_size=MiB, queue_depth=8, thread_count=4, engine="io_uring")
+pool = pool or _C.PinnedPool(2, MiB, True)
+for _ in range(4):  # each worker's ring gets a slice of each request
+    r = h._c.submit(0, pool.slot_ptr(0), 2 * MiB, "", fd, 0)
+    r.wait()
+    r.result()
+aio.AsyncIOHandle(thread_count=4, engine="io_uring").close()  # refused again: no second line
+st = h.stats()
+print(vmpin_kb(), st["fixed_refused"], st["fixed_ios"], st["ios"])
+print(st["fixed_refused_reason"])
+print(log.getvalue().count("RLIMIT_MEMLOCK"))
+"""
+
+
+def _register_once(mode, tmp_path):
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "f.bin")
+    r = subprocess.run(
+        [sys.executable, "-c", _REGISTER_ONCE, mode, path], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    first, reason, log_lines = r.stdout.splitlines()
+    pinned_kb, refused, fixed, ios = map(int, first.split())
+    return pinned_kb, refused, fixed, ios, reason, int(log_lines)
+
+
+@needs_uring
+@pytest.mark.parametrize("made", ["before", "after"])
+def test_every_ring_holds_a_buffer_pinned_once(made, tmp_path):
+    """Each ring used to register (pin, and for a user without CAP_IPC_LOCK
+    charge to RLIMIT_MEMLOCK) every buffer again: 4 workers pinned a 2 MiB
+    pool 4 times. The other rings now copy one ring's registrations (Linux
+    6.13), so the process pins it once, and every ring uses it."""
+    pinned_kb, refused, fixed, ios, _, _ = _register_once(made, tmp_path)
+    assert fixed == ios > 0 and refused == 0
+    cloning = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit()) >= (6, 13)
+    if cloning:
+        assert pinned_kb == 2 * 1024, f"{pinned_kb} kB pinned for a 2 MiB pool"
+
+
+@needs_uring
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_unprivileged_rings_share_the_memlock_charge_and_refusals_are_told(tmp_path):
+    """A user without CAP_IPC_LOCK: io_uring charges every registration to
+    the user's RLIMIT_MEMLOCK (8 ranks on a node add up), and registrations
+    past it failed silently, the I/O going out plain. One ring now registers
+    and the others copy it; where they cannot (clones off, as before Linux
+    6.13), stats() counts the refusals with the reason, and the log has one
+    line per process."""
+    _, refused, fixed, ios, reason, lines = _register_once("nobody", tmp_path)
+    if tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit()) >= (6, 13):
+        assert refused == 0 and fixed == ios > 0 and lines == 0, (refused, fixed, ios, reason)
+    _, refused, fixed, ios, reason, lines = _register_once("nobody-noclone", tmp_path)
+    assert refused == 2 and 0 < fixed < ios, (refused, fixed, ios)  # rings 3 and 4: 6 MiB > 5
+    assert "RLIMIT_MEMLOCK" in reason and "Cannot allocate memory" in reason, reason
+    assert lines == 1

@@ -130,6 +130,8 @@ py::dict stats_dict(const aio::Stats& s) {
   d["tasks"] = s.tasks;
   d["max_inflight"] = s.max_inflight;
   d["fixed_ios"] = s.fixed_ios;
+  d["fixed_refused"] = s.fixed_refused;
+  d["fixed_refused_reason"] = s.fixed_refused_reason;
   d["alignment"] = s.alignment;
   return d;
 }
@@ -222,6 +224,7 @@ void bind_handle(py::module_& m) {
       .def_property_readonly("engine_reason", &aio::Handle::engine_reason)
       .def("alignment", &aio::Handle::alignment)
       .def("take_notices", &aio::Handle::take_notices)
+      .def("fixed_refusal", &aio::Handle::fixed_refusal)
       .def("forked", &aio::Handle::forked)
       .def(
           "inject_fault",
@@ -357,6 +360,7 @@ void bind_functions(py::module_& m) {
       [](py::object e) { aio::FixedBuffers::set_register_fault(int_arg<int>(e, "errno", 0)); },
       py::arg("errno"));
   m.def("fixed_bytes", &aio::FixedBuffers::bytes);
+  m.def("set_fixed_clone", &aio::FixedBuffers::set_clone, py::arg("on"));
   m.def(
       "set_uring_setup_fault",
       [](py::object e) { aio::set_uring_setup_fault(int_arg<int>(e, "errno", 0)); },

@@ -37,6 +37,8 @@ struct Counters {
   std::atomic<uint64_t> tasks{0};           // request slices run by workers
   std::atomic<uint64_t> max_inflight{0};    // most I/Os one worker had in flight
   std::atomic<uint64_t> fixed_ios{0};       // I/Os into registered (fixed) buffers
+  std::atomic<uint64_t> fixed_refused{0};   // buffer registrations a ring was refused
+  std::atomic<int> fixed_refused_errno{0};  // the last refusal's errno
 
   void note_inflight(uint64_t n) {
     uint64_t cur = max_inflight.load(std::memory_order_relaxed);

@@ -167,6 +167,21 @@ class Ring {
     }
   }
 
+  // Replaces this ring's fixed-buffer table with a copy of the ring `src_fd`'s
+  // (6.13): the same registrations, neither pinned nor charged again; 0 or
+  // errno (the table is then unchanged).
+  int clone_fixed(int src_fd) {
+    aio_uring_clone_buffers c;
+    std::memset(&c, 0, sizeof(c));
+    c.src_fd = static_cast<uint32_t>(src_fd);
+    c.flags = kAioCloneDstReplace;  // nr 0: the whole table
+    for (int tries = 0;; ++tries) {
+      if (sys_register(fd_, kAioRegisterCloneBuffers, &c, 1) >= 0) return 0;
+      if ((errno != EINTR && errno != EAGAIN) || tries >= kMaxRetries) return errno;
+    }
+  }
+  int fd() const { return fd_; }
+
   // The next free SQE (zeroed); the caller fills it, then publish() makes it
   // visible to the kernel. The caller keeps at most entries() unconsumed.
   io_uring_sqe* next_sqe() {
@@ -290,6 +305,14 @@ class UringEngine final : public QueuedEngine, public FixedBuffers::Holder {
     return ring_->update_fixed(slot, base, len);
   }
   void clear_slot(unsigned slot) override { ring_->update_fixed(slot, nullptr, 0); }
+  int clone_from(FixedBuffers::Holder& src) override {
+    auto* from = dynamic_cast<UringEngine*>(&src);
+    return from ? ring_->clone_fixed(from->ring_->fd()) : EINVAL;
+  }
+  void refused(int err) override {
+    c_.fixed_refused.fetch_add(1, std::memory_order_relaxed);
+    c_.fixed_refused_errno.store(err, std::memory_order_relaxed);
+  }
 
  private:
   UringEngine(const EngineContext& ctx, std::unique_ptr<Ring> ring)

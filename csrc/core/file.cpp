@@ -140,6 +140,14 @@ std::shared_ptr<File> File::adopt(int fd, Op op) {
   if ((op == Op::Read && acc == O_WRONLY) || (op == Op::Write && acc == O_RDONLY))
     throw Error(EBADF, op == Op::Read ? "read" : "write", name, 0, 0,
                 "descriptor not open for this operation");
+  // The kernel puts every write on an O_APPEND descriptor at the end of the
+  // file, whatever offset it names (pwrite, kernel AIO and io_uring alike):
+  // the request would land elsewhere than asked, silently.
+  if (op == Op::Write && (fl & O_APPEND))
+    throw Error(EINVAL, "write", name, 0, 0,
+                "the descriptor is open with O_APPEND, so every write would go to the end of "
+                "the file instead of its offset; pass a descriptor opened without O_APPEND "
+                "(or the path)");
   std::shared_ptr<File> f(new File());
   f->path_ = name;
   f->op_ = op;

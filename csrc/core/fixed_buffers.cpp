@@ -34,12 +34,15 @@ struct Table {
 };
 
 std::atomic<int> g_register_fault{0};
+std::atomic<bool> g_clone{true};
 
 // fork() while another thread holds the lock would leave the child's copy
-// locked forever, so fork waits for it. The child gets the buffers (its
-// memory is a copy) but none of the rings: they belong to the parent, and a
-// registration from the child would put the child's pages into the parent's
-// ring. Buffers the child adds are registered on rings the child makes.
+// locked forever, so fork waits for it. The child gets none of the rings:
+// they belong to the parent, and a registration from the child would put the
+// child's pages into the parent's ring. Nor does it keep the buffers: their
+// memory is wiped in the child (PinnedBuffer), and registering it on a ring
+// the child makes would pin (allocate) every page of the parent's pools
+// there. Buffers the child adds are registered on rings the child makes.
 void before_fork();
 void after_fork_parent();
 void after_fork_child();
@@ -58,12 +61,40 @@ void after_fork_parent() { table().mu.unlock(); }
 void after_fork_child() {
   Table& t = table();
   t.holders.clear();
+  t.regions.clear();
+  t.used.assign(FixedBuffers::kSlots, false);
+  t.bytes = 0;
   t.mu.unlock();
 }
 
-int register_on(FixedBuffers::Holder* h, const Region& r) {
+// Registers `r` on `a`'s ring itself; a refusal is told to the ring.
+bool register_on(Attached& a, const Region& r) {
   const int fault = g_register_fault.load();
-  return fault != 0 ? fault : h->register_slot(r.slot, r.base, r.len);
+  const int err = fault != 0 ? fault : a.holder->register_slot(r.slot, r.base, r.len);
+  if (err != 0) a.holder->refused(err);
+  return err == 0;
+}
+
+// Makes `dst`'s table a copy of `src`'s, unless that would drop a buffer
+// only `dst` holds (I/O may be about to use it).
+bool mirror(Attached& src, Attached& dst) {
+  if (!g_clone.load()) return false;
+  for (unsigned i = 0; i < FixedBuffers::kSlots; ++i)
+    if (dst.ok[i] && !src.ok[i]) return false;
+  if (dst.holder->clone_from(*src.holder) != 0) return false;
+  dst.ok = src.ok;
+  return true;
+}
+
+// Registers `r` on every ring: the first that takes it pins it, the others
+// copy that ring's table; a ring that cannot copy registers it itself.
+void register_everywhere(Table& t, const Region& r) {
+  Attached* src = nullptr;
+  for (Attached& a : t.holders) {
+    if (src && mirror(*src, a)) continue;
+    a.ok[r.slot] = register_on(a, r);
+    if (!src && a.ok[r.slot]) src = &a;
+  }
 }
 
 Attached* attached(Table& t, const FixedBuffers::Holder* h) {
@@ -87,7 +118,7 @@ uint64_t FixedBuffers::add(void* base, size_t len) {
     t.used[slot] = true;
     t.regions.push_back(r);
     t.bytes += r.len;
-    for (Attached& a : t.holders) a.ok[slot] = register_on(a.holder, r) == 0;
+    register_everywhere(t, r);
     done += r.len;
   }
   return token;
@@ -113,7 +144,15 @@ void FixedBuffers::attach(Holder* h) {
   Table& t = table();
   std::lock_guard<std::mutex> g(t.mu);
   Attached a{h, std::vector<bool>(kSlots, false)};
-  for (const Region& r : t.regions) a.ok[r.slot] = register_on(h, r) == 0;
+  // A copy of the ring holding the most, then what it lacks one by one.
+  Attached* src = nullptr;
+  for (Attached& b : t.holders)
+    if (!src || std::count(b.ok.begin(), b.ok.end(), true) >
+                    std::count(src->ok.begin(), src->ok.end(), true))
+      src = &b;
+  if (src && !t.regions.empty()) mirror(*src, a);
+  for (const Region& r : t.regions)
+    if (!a.ok[r.slot]) a.ok[r.slot] = register_on(a, r);
   t.holders.push_back(std::move(a));
 }
 
@@ -144,5 +183,7 @@ uint64_t FixedBuffers::bytes() {
 }
 
 void FixedBuffers::set_register_fault(int err) { g_register_fault.store(err); }
+
+void FixedBuffers::set_clone(bool on) { g_clone.store(on); }
 
 }  // namespace aio

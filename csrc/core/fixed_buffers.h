@@ -8,8 +8,15 @@
 // lock, so what it answers for a ring is exactly what that ring's kernel
 // table holds: an address reused by a new buffer can never reach the old
 // buffer's registration.
+//
+// A buffer is registered (pinned, and for a user without CAP_IPC_LOCK
+// charged to RLIMIT_MEMLOCK) on one ring; the other rings copy that ring's
+// table (Holder::clone_from, Linux 6.13), which shares the registrations
+// without charging them again. Where the kernel cannot clone, each ring
+// registers the buffer itself, as before.
 #pragma once
 
+#include <errno.h>
 #include <sys/types.h>
 
 #include <cstddef>
@@ -33,6 +40,14 @@ class FixedBuffers {
     // kernel refused with (the slot is then not used on this ring).
     virtual int register_slot(unsigned slot, void* base, size_t len) = 0;
     virtual void clear_slot(unsigned slot) = 0;
+    // Makes this ring's table a copy of `src`'s (the same registrations,
+    // pinned and charged once); 0 or errno, and the table is then unchanged.
+    virtual int clone_from(Holder& src) {
+      (void)src;
+      return EOPNOTSUPP;
+    }
+    // A buffer this ring was refused (errno), for its statistics.
+    virtual void refused(int err) { (void)err; }
   };
 
   // Adds a buffer to every ring, now and to come; returns a token for remove().
@@ -49,6 +64,9 @@ class FixedBuffers {
   static uint64_t bytes();
   // Test hook: make registrations fail with this errno (0 = off).
   static void set_register_fault(int err);
+  // Test hook: false makes every ring register each buffer itself, as where
+  // the kernel cannot clone a table (true again: clone where it can).
+  static void set_clone(bool on);
 };
 
 }  // namespace aio

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <functional>
 #include <list>
 
@@ -416,6 +417,20 @@ std::vector<std::string> Handle::take_notices() {
   return out;
 }
 
+std::string Handle::fixed_refusal() const {
+  const int e = counters_.fixed_refused_errno.load();
+  if (e == 0) return "";
+  std::string why = "io_uring refused " + std::to_string(counters_.fixed_refused.load()) +
+                    " pinned-buffer registration(s) on this handle's rings (" + std::strerror(e) +
+                    ")";
+  if (e == ENOMEM)
+    why +=
+        ": for a user without CAP_IPC_LOCK the kernel charges registered buffers to "
+        "RLIMIT_MEMLOCK per user, across all of the user's processes (ranks on one node "
+        "add up); raise the limit (ulimit -l, LimitMEMLOCK=, --ulimit memlock=-1)";
+  return why + ". I/O into those buffers goes out as plain READ/WRITE: correct, more CPU per GB";
+}
+
 Stats Handle::stats() const {
   Stats st;
   st.engine = engine_name_;
@@ -437,6 +452,8 @@ Stats Handle::stats() const {
   st.short_resumed = counters_.short_resumed.load();
   st.bounce_bytes = counters_.bounce_bytes.load();
   st.fixed_ios = counters_.fixed_ios.load();
+  st.fixed_refused = counters_.fixed_refused.load();
+  st.fixed_refused_reason = fixed_refusal();
   st.edge_bytes = counters_.edge_bytes.load();
   st.buffered_bytes = counters_.buffered_bytes.load();
   st.tasks = counters_.tasks.load();

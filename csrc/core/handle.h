@@ -33,6 +33,8 @@ struct Stats {
   bool buffered_fallback = false;
   uint64_t outstanding = 0;
   uint64_t tasks = 0, max_inflight = 0, fixed_ios = 0;
+  uint64_t fixed_refused = 0;        // pinned-buffer registrations the rings were refused
+  std::string fixed_refused_reason;  // why (fixed_refusal()), "" when none
   size_t alignment = 0;
 };
 
@@ -69,6 +71,9 @@ class Handle {
   size_t alignment() const { return alignment_.load(); }
   // Messages for the user (buffered fallback...), each returned once.
   std::vector<std::string> take_notices();
+  // Why this handle's rings were refused pinned-buffer registrations (one
+  // line with what to do), or "" when none was.
+  std::string fixed_refusal() const;
   // True in a child process that inherited this handle through fork().
   bool forked() const;
 

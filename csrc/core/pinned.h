@@ -17,6 +17,8 @@ class PinnedBuffer {
   // Throws aio::Error with the RLIMIT_MEMLOCK limit and the size asked if the
   // memory cannot be locked. lock=false gives aligned, unlocked memory.
   // Locked memory is also a fixed buffer for io_uring rings (make_fixed).
+  // A forked child sees the memory zero-filled (MADV_WIPEONFORK): nothing of
+  // it is copied or shared at fork.
   PinnedBuffer(size_t nbytes, bool lock = true);
   ~PinnedBuffer();
   PinnedBuffer(const PinnedBuffer&) = delete;

@@ -71,11 +71,10 @@ void QueuedEngine::run(SliceFeed& feed) {
 // in the feed's order). Returns false once the feed said stop.
 bool QueuedEngine::admit() {
   while (true) {
-    fill();
-    if (free_.empty()) return true;
+    if (!fill() || free_.empty()) return true;
     const Slice* s = held_;
     if (s) {
-      if (free_.size() < depth_) return true;  // the staging memory is in use
+      if (stage_free_.size() < stage_count_) return true;  // the staging memory is in use
       held_ = nullptr;
     } else {
       const bool idle = jobs_.empty() && inflight_ == 0 && pending_.empty();
@@ -108,14 +107,9 @@ void QueuedEngine::start(const Slice& s) {
   try {
     // Opening the buffered descriptor may fail: nothing is in flight for it.
     j.fd = s.direct ? s.file->direct_fd() : s.file->buffered_fd();
-    if (s.direct && s.bounce && stage_chunk_ < j.chunk) {
-      if (free_.size() < depth_) {  // staged chunks of other slices are in flight
-        held_ = &s;
-        return;
-      }
-      stage_.reset();
-      stage_ = std::make_unique<PinnedBuffer>(j.chunk * depth_, false);
-      stage_chunk_ = j.chunk;
+    if (s.direct && s.bounce && !stage_ready(j)) {
+      held_ = &s;
+      return;
     }
   } catch (const Error& e) {
     feed_->finished(&s, &e);
@@ -130,12 +124,61 @@ void QueuedEngine::start(const Slice& s) {
   finish_if_done(jobs_.back());  // an empty slice
 }
 
-// Hands the next chunks of the jobs, in order, to free slots.
-void QueuedEngine::fill() {
+// Whether the staging areas fit the job's chunk; false while staged chunks
+// of earlier slices are in flight in areas too small (they are then made
+// again once those are back). Throws when the first area cannot be made.
+bool QueuedEngine::stage_ready(const Job& j) {
+  if (stage_chunk_ < j.chunk) {
+    if (stage_free_.size() < stage_count_) return false;
+    stage_free_.clear();
+    stage_.clear();
+    stage_count_ = 0;
+    stage_chunk_ = j.chunk;
+  }
+  if (stage_count_ == 0) grow_stage(1);
+  return true;
+}
+
+// Adds areas for `want` more staged chunks: at least as many as there are
+// (so they are made O(log queue_depth) times), within queue_depth and
+// kStageBytes.
+void QueuedEngine::grow_stage(uint64_t want) {
+  const uint64_t limit =
+      std::min<uint64_t>(depth_, std::max<uint64_t>(1, kStageBytes / stage_chunk_));
+  const uint64_t n = std::min(limit - std::min(limit, stage_count_), std::max(want, stage_count_));
+  if (n == 0) return;
+  stage_.push_back(std::make_unique<PinnedBuffer>(n * stage_chunk_, false));
+  char* base = static_cast<char*>(stage_.back()->data());
+  for (uint64_t i = 0; i < n; ++i) stage_free_.push_back(base + i * stage_chunk_);
+  stage_count_ += n;
+}
+
+// A free staging area for the job's next chunk, made if need be; null when
+// every area is in use (or more memory cannot be had now): the chunk waits.
+char* QueuedEngine::take_stage(const Job& j) {
+  if (stage_free_.empty()) {
+    const uint64_t left = (j.s->len - j.next + j.chunk - 1) / j.chunk;
+    try {
+      grow_stage(std::min<uint64_t>(left, free_.size()));
+    } catch (const std::exception&) {  // staged chunks in flight free areas
+    }
+    if (stage_free_.empty()) return nullptr;
+  }
+  char* area = stage_free_.back();
+  stage_free_.pop_back();
+  return area;
+}
+
+// Hands the next chunks of the jobs, in order, to free slots (a staged chunk
+// also takes a staging area). Returns whether every job has all its chunks
+// handed out.
+bool QueuedEngine::fill() {
   for (Job& j : jobs_) {
     const Slice& s = *j.s;
     const bool bounce = s.direct && s.bounce;
-    while (!free_.empty() && !j.error && j.next < s.len) {
+    while (!j.error && j.next < s.len) {
+      char* stage = nullptr;
+      if (free_.empty() || (bounce && !(stage = take_stage(j)))) return false;
       Slot* sl = free_.back();
       free_.pop_back();
       sl->job = &j;
@@ -144,7 +187,7 @@ void QueuedEngine::fill() {
       sl->off = s.off + static_cast<int64_t>(j.next);
       sl->done = 0;
       sl->spins = 0;
-      sl->stage = bounce ? static_cast<char*>(stage_->data()) + index(*sl) * stage_chunk_ : nullptr;
+      sl->stage = stage;
       if (sl->stage && s.op == Op::Write) {
         std::memcpy(sl->stage, sl->user, sl->len);
         c_.bounce_bytes.fetch_add(sl->len, std::memory_order_relaxed);
@@ -153,13 +196,15 @@ void QueuedEngine::fill() {
       j.next += sl->len;
       pending_.push_back(sl);
     }
-    if (free_.empty()) return;
   }
+  return true;
 }
 
 void QueuedEngine::release(Slot& sl) {
   Job& j = *sl.job;
   sl.job = nullptr;
+  if (sl.stage) stage_free_.push_back(sl.stage);
+  sl.stage = nullptr;
   free_.push_back(&sl);
   --j.owned;
   finish_if_done(j);

@@ -129,6 +129,22 @@ struct aio_uring_rsrc_update2 {
 static_assert(sizeof(aio_uring_rsrc_register) == 32, "io_uring_rsrc_register layout");
 static_assert(sizeof(aio_uring_rsrc_update2) == 32, "io_uring_rsrc_update2 layout");
 
+// IORING_REGISTER_CLONE_BUFFERS (6.12) with IORING_REGISTER_DST_REPLACE
+// (6.13): a ring's buffer table replaced by a copy of another ring's, under
+// names of their own (an enum and a flag that older headers lack).
+constexpr unsigned kAioRegisterCloneBuffers = 30;
+constexpr uint32_t kAioCloneDstReplace = 1U << 1;
+// struct io_uring_clone_buffers
+struct aio_uring_clone_buffers {
+  uint32_t src_fd;
+  uint32_t flags;
+  uint32_t src_off;
+  uint32_t dst_off;
+  uint32_t nr;
+  uint32_t pad[3];
+};
+static_assert(sizeof(aio_uring_clone_buffers) == 32, "io_uring_clone_buffers layout");
+
 // The syscall numbers are the same on every architecture but alpha (the
 // syscalls were added after the tables were unified).
 #ifndef __NR_io_uring_setup

@@ -2,6 +2,8 @@
 // of an io_uring ring: slots, splitting at 1 GiB, exhaustion, refusal, removal
 // and address reuse. Addresses are never touched, so none are allocated.
 #include <errno.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <map>
@@ -24,12 +26,28 @@ constexpr size_t GiB = size_t{1} << 30;
 struct Recorder : FixedBuffers::Holder {
   std::map<unsigned, std::pair<char*, size_t>> slots;
   int refuse = 0;  // errno every registration fails with (0: accept)
+  int registrations = 0;
+  std::vector<int> refusals;  // errnos told by refused()
   int register_slot(unsigned slot, void* base, size_t len) override {
     if (refuse) return refuse;
+    ++registrations;
     slots[slot] = {static_cast<char*>(base), len};
     return 0;
   }
   void clear_slot(unsigned slot) override { slots.erase(slot); }
+  void refused(int err) override { refusals.push_back(err); }
+};
+
+// A ring that can copy another's table, as IORING_REGISTER_CLONE_BUFFERS does.
+struct Cloner : Recorder {
+  int clones = 0;
+  int refuse_clone = 0;
+  int clone_from(FixedBuffers::Holder& src) override {
+    if (refuse_clone) return refuse_clone;
+    ++clones;
+    slots = static_cast<Recorder&>(src).slots;
+    return 0;
+  }
 };
 
 // Fake addresses far from anything mapped (never dereferenced).
@@ -130,6 +148,86 @@ TEST(fixed_buffers_locked_pinned_buffer_is_fixed_until_it_goes) {
   CHECK(FixedBuffers::find(&a.r, plain.data(), 4096) >= 0);
   b.reset();
   CHECK_EQ(a.r.slots.size(), 1u);
+}
+
+struct AttachedCloner {
+  Cloner r;
+  AttachedCloner() { FixedBuffers::attach(&r); }
+  ~AttachedCloner() { FixedBuffers::detach(&r); }
+};
+
+TEST(fixed_buffers_one_ring_registers_the_others_copy_its_table) {
+  AttachedCloner a, b;
+  const uint64_t t = FixedBuffers::add(at(40), 1 << 20);
+  CHECK_EQ(a.r.registrations, 1);  // pinned (and charged) once...
+  CHECK_EQ(b.r.registrations, 0);
+  CHECK_EQ(b.r.clones, 1);  // ...and shared
+  CHECK(FixedBuffers::find(&b.r, at(40), 4096) >= 0);
+  AttachedCloner late;  // a ring made later copies the table too
+  CHECK_EQ(late.r.registrations, 0);
+  CHECK(FixedBuffers::find(&late.r, at(40), 4096) >= 0);
+  FixedBuffers::remove(t);
+  CHECK(a.r.slots.empty() && b.r.slots.empty() && late.r.slots.empty());
+}
+
+TEST(fixed_buffers_a_ring_that_cannot_copy_registers_itself) {
+  AttachedCloner a, b;
+  b.r.refuse_clone = EINVAL;  // a kernel before 6.13
+  const uint64_t t = FixedBuffers::add(at(41), 1 << 20);
+  CHECK_EQ(b.r.registrations, 1);
+  CHECK(FixedBuffers::find(&b.r, at(41), 4096) >= 0);
+  FixedBuffers::set_clone(false);  // the test hook: no ring copies
+  AttachedCloner c;
+  FixedBuffers::set_clone(true);
+  CHECK_EQ(c.r.clones, 0);
+  CHECK_EQ(c.r.registrations, 1);
+  FixedBuffers::remove(t);
+}
+
+TEST(fixed_buffers_a_copy_never_drops_what_only_the_copying_ring_holds) {
+  AttachedCloner a, b;
+  a.r.refuse = ENOMEM;  // the first ring is refused one buffer, the second holds it
+  const uint64_t t = FixedBuffers::add(at(42), 1 << 20);
+  CHECK_EQ(FixedBuffers::find(&a.r, at(42), 4096), -1);
+  REQUIRE(FixedBuffers::find(&b.r, at(42), 4096) >= 0);
+  a.r.refuse = 0;
+  const uint64_t u = FixedBuffers::add(at(43), 1 << 20);  // a copy of a's table would lose at(42)
+  CHECK(FixedBuffers::find(&b.r, at(42), 4096) >= 0);
+  CHECK(FixedBuffers::find(&b.r, at(43), 4096) >= 0);
+  CHECK_EQ(b.r.registrations, 2);
+  FixedBuffers::remove(t);
+  FixedBuffers::remove(u);
+}
+
+TEST(fixed_buffers_refusals_are_told_to_the_ring) {
+  AttachedCloner a;
+  a.r.refuse = ENOMEM;
+  const uint64_t t = FixedBuffers::add(at(44), 2 * GiB);  // two slots, both refused
+  CHECK_EQ(a.r.refusals.size(), 2u);
+  CHECK(!a.r.refusals.empty() && a.r.refusals[0] == ENOMEM);
+  FixedBuffers::remove(t);
+}
+
+TEST(fixed_buffers_a_forked_child_keeps_neither_rings_nor_buffers) {
+  AttachedCloner a;
+  const uint64_t t = FixedBuffers::add(at(45), 1 << 20);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // The parent's buffers are wiped in the child: none is registered on a
+    // ring the child makes, and the parent's ring is not told anything.
+    Recorder mine;
+    FixedBuffers::attach(&mine);
+    const bool ok = mine.slots.empty() && FixedBuffers::bytes() == 0 &&
+                    FixedBuffers::find(&a.r, at(45), 4096) == -1;
+    FixedBuffers::remove(t);  // the child's copy of the buffer going: nothing to do
+    _exit(ok ? 0 : 1);
+  }
+  REQUIRE(pid > 0);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(FixedBuffers::find(&a.r, at(45), 4096) >= 0);
+  FixedBuffers::remove(t);
 }
 
 }  // namespace

@@ -63,3 +63,59 @@ def test_bad_buffers_are_refused():
         narrow_bf16(torch.zeros(10, dtype=torch.float32), 2)
     with pytest.raises(ValueError, match="contiguous"):
         narrow_bf16(torch.zeros(80, dtype=torch.uint8)[::2], 5)
+
+
+class _Landed:
+    """A read that has already landed."""
+
+    nbytes = 0
+
+    def exception(self, timeout=None):
+        return None
+
+
+@pytest.mark.parametrize("cut_at", [1, 3, 9])
+def test_widened_reads_interrupted_mid_widening_fail_and_never_widen_twice(cut_at):
+    """Ctrl-C between two chunks of widen_bf16_threaded (raised here through a
+    trace function, where a signal handler's exception would surface) leaves
+    the buffer half widened: every later wait must report that, not widen
+    it again (reading floats as bfloat16) and call it success."""
+    import linecache
+    import sys
+
+    from aio.swap.param import SwapStateError
+    from aio.zero.placement import WidenedReads
+
+    n = 1000
+    want = torch.arange(n, dtype=torch.float32) + 0.5
+    out = torch.zeros(n)
+    out.view(torch.bfloat16)[:n].copy_(want.to(torch.bfloat16))
+    fut = WidenedReads([_Landed()], out)
+    copies = 0
+
+    def trace(frame, event, arg):
+        if frame.f_code is not widen_bf16_threaded.__code__:
+            return None
+
+        def line(frame, event, arg):
+            nonlocal copies
+            if event == "line" and ".copy_(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+                copies += 1
+                if copies == cut_at:
+                    raise KeyboardInterrupt
+            return line
+
+        return line
+
+    old = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fut.exception()
+    finally:
+        sys.settrace(old)
+    seen = out.clone()
+    assert isinstance(fut.exception(), SwapStateError)
+    with pytest.raises(SwapStateError, match="interrupted part-way"):
+        fut.result()
+    assert torch.equal(out.view(torch.int32), seen.view(torch.int32)), "widened a second time"

@@ -1,6 +1,7 @@
 """aio.zero.malloc: the heap trim at the end of a backward. Run in a subprocess:
 malloc's state is process-wide, and other tests' allocations would blur it."""
 
+import errno
 import subprocess
 import sys
 import textwrap
@@ -99,6 +100,7 @@ def test_long_lived_zeros_stay_off_huge_pages():
 
 MAPPED_CHILD = SMAPS + textwrap.dedent(
     """
+    import errno
     import gc
     import torch
     from aio.zero import malloc
@@ -121,7 +123,7 @@ MAPPED_CHILD = SMAPS + textwrap.dedent(
     assert mapping(ptr)[1] != 4 * n  # unmapped with the tensor
     small = malloc.long_lived_zeros(1000)
     assert small.shape == (1000,) and not small.any() and malloc.long_lived_zeros(0).shape == (0,)
-    malloc._madvise = lambda *a: False  # a kernel without MADV_POPULATE_WRITE: zero_() touches
+    malloc._madvise = lambda *a: errno.EINVAL  # a kernel without MADV_POPULATE_WRITE: zero_() touches
     t = malloc.long_lived_zeros(n)
     assert not t.any() and mapping(t.data_ptr())[0] >= 4 * n // 1024
     print("OK")
@@ -134,3 +136,58 @@ def test_long_lived_zeros_are_a_mapping_of_their_own_faulted_in_at_once():
     # in from one thread, where zero_() wrote every byte again on every core.
     out = subprocess.run([sys.executable, "-c", MAPPED_CHILD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+
+
+def _mapped(addr: int) -> bool:
+    """Whether `addr` lies in one of this process's mappings."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("err", [errno.ENOMEM, errno.EFAULT], ids=["ENOMEM", "EFAULT"])
+def test_long_lived_zeros_refused_by_the_kernel_raise_and_unmap(monkeypatch, err):
+    """MADV_POPULATE_WRITE failing with ENOMEM (a memory cgroup at its limit)
+    must be a MemoryError, the mapping given back; touching the pages with
+    zero_() instead would fault them in past the limit and bring the OOM
+    killer. Any errno but EINVAL (a kernel without the advice) is an error."""
+    import ctypes
+
+    from aio.zero import malloc
+
+    asked = []
+
+    def madvise(addr, length, advice):
+        if advice != malloc._MADV_POPULATE_WRITE:
+            return 0
+        asked.append(addr)
+        ctypes.set_errno(err)
+        return -1
+
+    monkeypatch.setattr(malloc, "_libc_madvise", madvise)
+    with pytest.raises(MemoryError if err == errno.ENOMEM else OSError) as info:
+        malloc.long_lived_zeros(4 << 20)
+    assert asked and not _mapped(asked[0]), "the mapping was kept"
+    if err != errno.ENOMEM:
+        assert info.value.errno == err
+
+
+def test_long_lived_zeros_without_the_advice_touch_the_pages(monkeypatch):
+    """EINVAL: the kernel predates MADV_POPULATE_WRITE; zero_() faults the
+    (already zero) pages in instead."""
+    import ctypes
+
+    from aio.zero import malloc
+
+    def madvise(addr, length, advice):
+        if advice != malloc._MADV_POPULATE_WRITE:
+            return 0
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(malloc, "_libc_madvise", madvise)
+    t = malloc.long_lived_zeros(4 << 20)
+    assert t.shape == (4 << 20,) and not t.any()
