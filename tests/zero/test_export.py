@@ -6,8 +6,10 @@ shard, convert, and refuse damaged or old checkpoints without leaving files."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,38 @@ def test_the_documented_example_runs():
     assert len(blocks) == 1, "docs/huggingface.md: the weights-out example"
     out = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+_SLOW_EXPORT = """
+import sys, time
+from aio.zero import export
+read = export._SavedParams._read
+def slow(self, e, dtype):
+    time.sleep(0.1)  # a slow drive: the export is interrupted part-way
+    return read(self, e, dtype)
+export._SavedParams._read = slow
+from aio.zero.export_cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_exits_130_and_leaves_nothing(tmp_path, sig):
+    _model, engine, _want = _trained(tmp_path)
+    engine.close()
+    out = tmp_path / "out"
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_EXPORT, str(tmp_path / "ckpt"), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out.exists() and any(f.name.startswith(".aio-export-") for f in out.iterdir())):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(sig)
+    _stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert list(out.iterdir()) == []
