@@ -37,8 +37,30 @@ class Interrupted(KeyboardInterrupt):
     so a subclass is never mistaken for one nobody caught."""
 
 
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that ends each option's text with its default, unless the text
+    says it already (a default in words) or the option is a flag."""
+
+    _FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if not action.option_strings or isinstance(action, self._FLAGS) or d in (None, argparse.SUPPRESS):
+            return text
+        if "default" in text:
+            return text
+        shown = ",".join(map(str, d)) if isinstance(d, (list, tuple)) else str(d)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 class CliParser(argparse.ArgumentParser):
-    """argparse with a one-line error (``prog: error: ...``) and exit status 2."""
+    """argparse with a one-line error (``prog: error: ...``) and exit status 2,
+    and every option's default in its help (:class:`DefaultsFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         """Print ``prog: error: message (see --help)`` and exit with status 2."""

@@ -56,8 +56,10 @@ def build_parser() -> CliParser:
         default=1 << 20,
         help="bytes per submitted I/O: a multiple of 4096 up to 1G (default 1M)",
     )
-    ap.add_argument("--queue-depth", type=int_in(1, 65536), default=8)
-    ap.add_argument("--threads", type=int_in(1, 1024), default=1)
+    ap.add_argument("--queue-depth", type=int_in(1, 65536), default=8, help="I/Os in flight per thread")
+    ap.add_argument(
+        "--threads", type=int_in(1, 1024), default=1, help="worker threads (intra_op_parallelism)"
+    )
     ap.add_argument(
         "--repeat", type=int_in(1, 1_000_000), default=3, help="runs per direction; the best is shown"
     )

@@ -804,7 +804,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap = CliParser(
         prog="aio-sweep",
         description=(__doc__ or "").splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "dirs",
@@ -815,22 +814,54 @@ def build_parser() -> argparse.ArgumentParser:
             "together are compared (default: a temporary directory, removed after)"
         ),
     )
-    ap.add_argument("--block-sizes", type=_sizes, default=_sizes("128K,256K,512K,1M,2M,4M"))
-    ap.add_argument("--queue-depths", type=_ints, default=_ints("4,8,16,32,64"))
-    ap.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
-    ap.add_argument("--single-submit", type=_bools, default=[False, True], metavar="BOOLS")
-    ap.add_argument("--overlap-events", type=_bools, default=[True, False], metavar="BOOLS")
+    ap.add_argument(
+        "--block-sizes",
+        type=_sizes,
+        default=_sizes("128K,256K,512K,1M,2M,4M"),
+        help="block_size values to try, comma-separated (default: 128K,256K,512K,1M,2M,4M)",
+    )
+    ap.add_argument(
+        "--queue-depths",
+        type=_ints,
+        default=_ints("4,8,16,32,64"),
+        help="queue_depth values to try (default: 4,8,16,32,64)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=_ints,
+        default=_ints("1,2,4"),
+        help="thread_count (intra_op_parallelism) values to try (default: 1,2,4)",
+    )
+    ap.add_argument(
+        "--single-submit",
+        type=_bools,
+        default=[False, True],
+        metavar="BOOLS",
+        help="single_submit values to try (default: false,true)",
+    )
+    ap.add_argument(
+        "--overlap-events",
+        type=_bools,
+        default=[True, False],
+        metavar="BOOLS",
+        help="overlap_events values to try (default: true,false)",
+    )
     ap.add_argument(
         "--engines",
         type=_engines,
         metavar="ENGINES",
         help="kernel_aio,io_uring (default: both where this kernel allows io_uring)",
     )
-    ap.add_argument("--io-size", type=parse_size, default=parse_size("256M"), help="bytes per trial per DIR")
+    ap.add_argument(
+        "--io-size",
+        type=parse_size,
+        default=parse_size("256M"),
+        help="bytes per trial per DIR (default: 256M)",
+    )
     ap.add_argument("--repeats", type=int_in(1, 1000), default=2, help="runs per configuration and direction")
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--read-only", action="store_true")
-    g.add_argument("--write-only", action="store_true")
+    g.add_argument("--read-only", action="store_true", help="measure reads only")
+    g.add_argument("--write-only", action="store_true", help="measure writes only")
     ap.add_argument("--exhaustive", action="store_true", help="measure the full grid")
     ap.add_argument("--budget-seconds", type=_seconds, help="stop measuring after this long")
     ap.add_argument("--json", metavar="FILE", help="write every trial as JSON")
@@ -839,7 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-buffered", action="store_true", help="sweep even without O_DIRECT")
     ap.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
     ap.add_argument("--top", type=int_in(1, 1_000_000), default=8, help="rows in the results table")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the search's random choices")
     return ap
 
 

@@ -625,6 +625,39 @@ def _number_arg(lo: float, strictly: bool = False) -> Any:
     return parse
 
 
+def _model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The GPT's shape."""
+    from ._cli import int_in
+
+    ap.add_argument("--layers", type=int_in(1, 100_000), default=6, help="transformer blocks of the GPT")
+    ap.add_argument("--width", type=int_in(1, 1 << 20), default=256, help="hidden size of the GPT")
+    ap.add_argument("--heads", type=int_in(1, 1 << 20), default=4, help="attention heads (divides --width)")
+    ap.add_argument("--vocab", type=int_in(1, 1 << 31), default=256, help="vocabulary size")
+    ap.add_argument("--seq", type=int_in(1, 1 << 24), default=64, help="tokens per sequence")
+
+
+def _run_arguments(ap: argparse.ArgumentParser) -> None:
+    """What the run compares and measures, and where its results go."""
+    from ._cli import int_in
+
+    ap.add_argument("--no-init", dest="init", action="store_false", help="build the model in memory first")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="measure the drive's write/read GB/s in the swap directory after set-up and print each "
+        "step's bytes by category against the drive floor (bytes read / read GB/s + written / write GB/s)",
+    )
+    ap.add_argument(
+        "--floor-mib",
+        type=int_in(1, 1 << 20),
+        default=512,
+        help="MiB each way for --floor, through a buffer of at most 256 MiB; a VM host's page cache "
+        "serves a small sample: past it (e.g. 16384) the floor uses the drive's sustained rates",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``aio-train`` argument parser; numbers are range-checked as they are parsed."""
     from ._cli import CliParser, int_in
@@ -638,18 +671,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory on the drive, or several (one per drive, striped); default: a temporary directory",
     )
     ap.add_argument("--config", help="DeepSpeed-format JSON config (replaces the built-in one)")
-    ap.add_argument("--offload", choices=["nvme", "cpu", "none"], default="nvme")
-    ap.add_argument("--steps", type=int_in(1, big), default=10)
-    ap.add_argument("--layers", type=int_in(1, 100_000), default=6)
-    ap.add_argument("--width", type=int_in(1, 1 << 20), default=256)
-    ap.add_argument("--heads", type=int_in(1, 1 << 20), default=4)
-    ap.add_argument("--vocab", type=int_in(1, 1 << 31), default=256)
-    ap.add_argument("--seq", type=int_in(1, 1 << 24), default=64)
+    ap.add_argument(
+        "--offload",
+        choices=["nvme", "cpu", "none"],
+        default="nvme",
+        help="where parameters and optimizer state live between uses: the drive, CPU memory, or nowhere "
+        "else (plain training through aio.zero)",
+    )
+    ap.add_argument("--steps", type=int_in(1, big), default=10, help="optimizer steps to train")
+    _model_arguments(ap)
     ap.add_argument(
         "--batch",
         type=int_in(1, 1 << 24),
         default=DEFAULT_BATCH,
-        help=f"sequences per micro-batch (default {DEFAULT_BATCH}: see DEFAULT_BATCH in aio/train.py)",
+        help="sequences per micro-batch",
     )
     ap.add_argument("--gas", type=int_in(1, 1 << 20), default=1, help="gradient accumulation steps")
     ap.add_argument("--clip", type=_number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
@@ -669,8 +704,18 @@ def build_parser() -> argparse.ArgumentParser:
             f"(0 or 1: none; default: {DEFAULT_WARMUP_STEPS}); in the in-memory baseline too"
         ),
     )
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--sub-group-size", type=int_in(1, big), default=1_000_000)
+    ap.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="training dtype of the parameters (bf16: fp32 master weights in the optimizer)",
+    )
+    ap.add_argument(
+        "--sub-group-size",
+        type=int_in(1, big),
+        default=1_000_000,
+        help="elements per optimizer sub-group, the unit paged to and from the drive at a step",
+    )
     ap.add_argument(
         "--optimizer-states",
         choices=["fp32", "bf16"],
@@ -686,23 +731,8 @@ def build_parser() -> argparse.ArgumentParser:
             "in memory within the host-memory budget, nvme always on the drive (least RAM)"
         ),
     )
-    ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
-    ap.add_argument("--no-init", dest="init", action="store_false", help="build the model in memory first")
-    ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
-    ap.add_argument("--json", help="write the results to this file")
-    ap.add_argument(
-        "--floor",
-        action="store_true",
-        help="measure the drive's write/read GB/s in the swap directory after set-up and print each "
-        "step's bytes by category against the drive floor (bytes read / read GB/s + written / write GB/s)",
-    )
-    ap.add_argument(
-        "--floor-mib",
-        type=int_in(1, 1 << 20),
-        default=512,
-        help="MiB each way for --floor, through a buffer of at most 256 MiB; a VM host's page cache "
-        "serves a small sample: past it (e.g. 16384) the floor uses the drive's sustained rates",
-    )
+    ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="seed of the model and the batches")
+    _run_arguments(ap)
     return ap
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import warnings
+from typing import Any
 
 from .gradients import place_gradients
 from .hf_auto import filled_note, stand_in_autos
@@ -161,9 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = CliParser(prog="aio-config", description=(__doc__ or "").splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="check a DeepSpeed-format config")
-    v.add_argument("config")
+    v.add_argument("config", help="the JSON config file (DeepSpeed's format, HF's \"auto\" values allowed)")
+    v.add_argument(
+        "--resolved",
+        action="store_true",
+        help="after the verdict and notes, print the config as aio.zero reads it (every default filled in)",
+    )
     e = sub.add_parser("estimate", help="pinned memory and drive space for a model size")
-    e.add_argument("config")
+    e.add_argument("config", help="the JSON config file (DeepSpeed's format)")
     size = e.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=_count, help="parameters per process, e.g. 7e9")
     size.add_argument(
@@ -185,7 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         '"auto"; "auto" alone is taken as fp32); a dtype the config sets or disables wins, '
         "and a --dtype against it is an error",
     )
-    e.add_argument("--optimizer-states", type=int_in(0, 64), default=2)
+    e.add_argument(
+        "--optimizer-states",
+        type=int_in(0, 64),
+        default=2,
+        help="optimizer state tensors per parameter beside the master weights (Adam: 2)",
+    )
     e.add_argument(
         "--activations",
         type=_bytes,
@@ -227,49 +238,57 @@ def _check_subgroup(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def _validate(a: argparse.Namespace) -> int:
-    """``aio-config validate``: the config as aio.zero reads it, with notes."""
+    """``aio-config validate``: the verdict, then the notes, then (with
+    ``--resolved``) the config as aio.zero reads it."""
     # Every key aio reads, training keys included: what validate calls OK,
     # aio.zero.initialize and aio-train accept.
     data, where = read_config_data(a.config)
     data, filled = stand_in_autos(data)
-    with warnings.catch_warnings(record=True) as notes:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             cfg = load_train_config(data)
         except ConfigError as e:
             raise ConfigError(e.problems, where) from None
-    print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
+    notes = [str(n.message) for n in caught] + _drive_notes(cfg)
+    if filled:
+        notes.append(filled_note(filled))
+    op = cfg.offload.offload_param
+    if op is not None and op.device == "nvme" and op.max_in_cpu >= 1_000_000_000:
+        notes.append(
+            f"offload_param.device is nvme but max_in_cpu={op.max_in_cpu} keeps "
+            f"the first {op.max_in_cpu:,} parameter elements in CPU memory: a smaller model never "
+            "pages parameters to the drive; set zero_optimization.offload_param.max_in_cpu "
+            "(0: all on the drive)"
+        )
+    print(f"config OK: {a.config}" + (f" ({len(notes)} note{'s' * (len(notes) > 1)} below)" if notes else ""))
+    sys.stdout.flush()  # the verdict before the notes on a terminal
     for n in notes:
-        print(f"aio-config: note: {n.message}", file=sys.stderr)
+        print(f"aio-config: note: {n}", file=sys.stderr)
+    if a.resolved:
+        sys.stderr.flush()
+        print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
+    return 0
+
+
+def _drive_notes(cfg: Any) -> list[str]:
+    """Notes on the offload blocks' drives: missing here, or several."""
+    out = []
     for key in ("offload_param", "offload_optimizer"):
         blk = getattr(cfg.offload, key)
         for d in blk.nvme_dirs() if blk is not None and blk.device == "nvme" else []:
             if not os.path.isdir(d):  # a config for another machine may name its drives
-                print(
-                    f"aio-config: note: zero_optimization.{key}.nvme_path {d} is not an existing "
-                    "directory here: aio.zero and aio-train refuse it on this machine",
-                    file=sys.stderr,
+                out.append(
+                    f"zero_optimization.{key}.nvme_path {d} is not an existing "
+                    "directory here: aio.zero and aio-train refuse it on this machine"
                 )
         if blk is not None and len(blk.nvme_dirs()) > 1:
-            print(
-                f"aio-config: note: zero_optimization.{key}.nvme_path lists "
+            out.append(
+                f"zero_optimization.{key}.nvme_path lists "
                 f"{len(blk.nvme_dirs())} drives: aio.zero stripes over them; DeepSpeed's own "
-                "engine takes one directory (give it one, or a RAID-0 mount)",
-                file=sys.stderr,
+                "engine takes one directory (give it one, or a RAID-0 mount)"
             )
-    if filled:
-        print(f"aio-config: note: {filled_note(filled)}", file=sys.stderr)
-    op = cfg.offload.offload_param
-    if op is not None and op.device == "nvme" and op.max_in_cpu >= 1_000_000_000:
-        print(
-            f"aio-config: note: offload_param.device is nvme but max_in_cpu={op.max_in_cpu} keeps "
-            f"the first {op.max_in_cpu:,} parameter elements in CPU memory: a smaller model never "
-            "pages parameters to the drive; set zero_optimization.offload_param.max_in_cpu "
-            "(0: all on the drive)",
-            file=sys.stderr,
-        )
-    print("config OK", file=sys.stderr)
-    return 0
+    return out
 
 
 def _add_gradients(est: MemoryEstimate, path: str) -> None:

@@ -36,9 +36,34 @@ def write(tmp_path, cfg):
 
 def test_the_hf_template_validates_and_names_what_hf_fills(tmp_path, capsys):
     assert main(["validate", write(tmp_path, HF_TEMPLATE)]) == 0
-    err = capsys.readouterr().err
-    assert "config OK" in err
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        f"config OK: {tmp_path / 'ds_config.json'} (3 notes below)"
+    ]  # the verdict only
     assert "the HF Trainer fills" in err and "optimizer.params.lr" in err and "bf16.enabled" in err
+
+
+def test_the_resolved_config_comes_after_the_verdict_with_a_flag(tmp_path, capsys):
+    assert main(["validate", write(tmp_path, HF_TEMPLATE), "--resolved"]) == 0
+    verdict, _, rest = capsys.readouterr().out.partition("\n")
+    assert verdict.startswith("config OK")
+    assert json.loads(rest)["zero_optimization"]["offload_param"]["buffer_count"] == 5
+
+
+def test_the_documented_template_pages_parameters(tmp_path, capsys):
+    """docs/huggingface.md's DeepSpeed template validates with no note that
+    parameters stay in CPU memory (it sets max_in_cpu: 0)."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "huggingface.md").read_text()
+    blocks = [b for b in re.findall(r"```json\n(.*?)```", page, re.S) if '"offload_param"' in b]
+    assert blocks, "docs/huggingface.md: the DeepSpeed template"
+    cfg = json.loads(blocks[0])
+    cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path)
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path)
+    assert main(["validate", write(tmp_path, cfg)]) == 0
+    assert "max_in_cpu" not in capsys.readouterr().err
 
 
 def test_an_auto_nobody_fills_is_still_refused(tmp_path, capsys):

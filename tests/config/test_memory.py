@@ -304,9 +304,10 @@ def test_cli_validate_says_deepspeed_takes_one_directory(tmp_path, capsys):
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = ["/o1", "/o2"]
     p = tmp_path / "c.json"
     p.write_text(json.dumps(cfg))
-    assert config_main(["validate", str(p)]) == 0
+    assert config_main(["validate", str(p), "--resolved"]) == 0
     out = capsys.readouterr()
-    assert json.loads(out.out)["zero_optimization"]["offload_optimizer"]["nvme_path"] == ["/o1", "/o2"]
+    resolved = json.loads(out.out.partition("\n")[2])
+    assert resolved["zero_optimization"]["offload_optimizer"]["nvme_path"] == ["/o1", "/o2"]
     assert "offload_optimizer.nvme_path lists 2 drives" in out.err and "DeepSpeed" in out.err
     assert "offload_param.nvme_path lists" not in out.err
 
