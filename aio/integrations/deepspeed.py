@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._log import log_swap_handle, logger, swap_line_pending
+from ..future import AioFuture
 from ..handle import AsyncIOHandle
 from ..pinned import free_locked_tensor, is_locked, new_locked_tensor
 
@@ -69,6 +70,16 @@ def _async_flag(async_op: bool, kwargs: dict[str, Any]) -> bool:
     return bool(async_op)
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10 (no add_note) the same list,
+    which tracebacks there do not print but callers can read."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
 class DeepSpeedAioHandle:
     """DeepSpeed's ``aio_handle`` interface on aio's engine.
 
@@ -102,8 +113,8 @@ class DeepSpeedAioHandle:
             overlap_events=bool(overlap_events),
             thread_count=int(intra_op_parallelism),
         )
-        # (buffer, filename, offset, what) of async requests made with validate=True.
-        self._to_validate: list[tuple[Any, Any, int, str]] = []
+        # (future, buffer, filename, offset, what) of async requests made with validate=True.
+        self._to_validate: list[tuple[AioFuture, Any, Any, int, str]] = []
 
     @property
     def handle(self) -> AsyncIOHandle:
@@ -147,10 +158,13 @@ class DeepSpeedAioHandle:
                 folder = os.path.dirname(os.path.abspath(os.fsdecode(target)))
             log_swap_handle(self._h, folder)
 
+    def _start(self, read: bool, buffer: Any, target: Any, offset: int) -> AioFuture:
+        self._note_first_io(target)
+        return (self._h.async_pread if read else self._h.async_pwrite)(buffer, target, int(offset))
+
     def async_pread(self, buffer: Any, filename: Any, file_offset: int = 0) -> int:
         """Start a read; returns 0 (DeepSpeed's convention). ``wait()`` collects it."""
-        self._note_first_io(filename)
-        self._h.async_pread(buffer, filename, int(file_offset))
+        self._start(True, buffer, filename, file_offset)
         return 0
 
     def async_pwrite(self, buffer: Any, filename: Any = None, file_offset: int = 0, *, fd: Any = None) -> int:
@@ -162,9 +176,7 @@ class DeepSpeedAioHandle:
         not closed; writes through it are direct only if it was opened with
         ``O_DIRECT``.
         """
-        target = _file_or_fd(filename, fd)
-        self._note_first_io(target)
-        self._h.async_pwrite(buffer, target, int(file_offset))
+        self._start(False, buffer, _file_or_fd(filename, fd), file_offset)
         return 0
 
     def _sync(self, read: bool, buffer: Any, filename: Any, offset: int) -> int:
@@ -187,10 +199,12 @@ class DeepSpeedAioHandle:
         self, read: bool, buffer: Any, filename: Any, validate: bool, async_op: bool, file_offset: int
     ) -> int:
         if async_op:
-            (self.async_pread if read else self.async_pwrite)(buffer, filename, file_offset)
+            fut = self._start(read, buffer, _file_or_fd(filename, None), file_offset)
             if validate:
                 # DeepSpeed validates an async request when wait() completes it.
-                self._to_validate.append((buffer, filename, int(file_offset), "read" if read else "write"))
+                self._to_validate.append(
+                    (fut, buffer, filename, int(file_offset), "read" if read else "write")
+                )
             return 0
         n = self._sync(read, buffer, filename, file_offset)
         if validate:
@@ -242,20 +256,48 @@ class DeepSpeedAioHandle:
         """Wait for every async request; returns how many completed (raises a failed one).
 
         Requests started with ``validate=True`` are checked here, once their
-        I/O is done.
+        I/O is done: every one whose I/O succeeded, also when another request
+        of the batch failed. The first error (a failed request's, else the
+        first failed check) is raised; what the other checks found is added to
+        it as notes.
         """
         try:
             n = self._h.wait()
-        except Exception:
-            # The failed batch was collected and its error is raised: its
-            # checks go with it. A Ctrl-C (BaseException) collects nothing, so
-            # the checks stay for the wait() that collects those requests.
-            self._to_validate = []
+        except Exception as e:
+            # The failed batch was collected and its error is raised. The
+            # requests of it that succeeded are checked all the same: the
+            # caller may handle this error and go on, and the checks would be
+            # lost. A Ctrl-C (BaseException) collects nothing, so the checks
+            # stay for the wait() that collects those requests.
+            self._run_checks(e)
             raise
-        checks, self._to_validate = self._to_validate, []
-        for buffer, filename, offset, what in checks:
-            self._h.verify(buffer, filename, offset, what)
+        self._run_checks(None)
         return n
+
+    def _run_checks(self, failure: BaseException | None) -> None:
+        """Check every collected validate=True request whose I/O succeeded;
+        raise the first error found (unless `failure` is already being
+        raised), the others added as notes to it or to `failure`."""
+        checks, self._to_validate = self._to_validate, []
+        errors: list[BaseException] = []
+        for fut, buffer, filename, offset, what in checks:
+            # Not done: submitted before a fork, it never finishes here.
+            # Failed: its bytes were never moved; its error is wait()'s.
+            if not fut.done() or fut.exception() is not None:
+                continue
+            try:
+                self._h.verify(buffer, filename, offset, what)
+            except Exception as e:  # noqa: BLE001 - every check runs; the errors are reported below
+                errors.append(e)
+        if failure is not None:
+            errors.insert(0, failure)
+        if not errors:
+            return
+        first, *others = errors
+        for other in others:
+            _add_note(first, f"also: {type(other).__name__}: {other}")
+        if failure is None:
+            raise first
 
     # pinned memory
     def new_cpu_locked_tensor(
@@ -609,6 +651,23 @@ def remove_swap_files(folder: str, owned: Callable[[str], bool]) -> int:
     return removed
 
 
+def _remove_if_registered_here(pid: int, folder: str, owned: Callable[[str], bool]) -> int:
+    """:func:`remove_swap_files`, in the process whose pid is `pid` only; 0 elsewhere."""
+    if os.getpid() != pid:
+        # A forked child inherits the finalizers with the engine and runs them
+        # when it drops its copy or exits, while the parent still swaps
+        # through these very files: they are the parent's to remove.
+        return 0
+    return remove_swap_files(folder, owned)
+
+
+def _finalize_in_this_process(swapper: Any, folder: str, owned: Callable[[str], bool]) -> weakref.finalize:
+    """Remove `folder`'s files that `owned` accepts when `swapper` is
+    collected, at exit, or when the returned finalizer is called; but only
+    in the process calling this now, never in a child forked from it."""
+    return weakref.finalize(swapper, _remove_if_registered_here, os.getpid(), folder, owned)
+
+
 def _register_swap_cleanup(engine: Any) -> None:
     """Remove the engine's swap files when it is destroyed (optimizer) or its
     swappers are collected or the process exits (optimizer and parameters).
@@ -625,7 +684,7 @@ def _register_swap_cleanup(engine: Any) -> None:
         groups = getattr(opt, "fp32_partitioned_groups_flat", None) or []
         ids = frozenset(str(g.ds_id) for g in groups if hasattr(g, "ds_id"))
         owned = functools.partial(_optimizer_swap_file, ids)
-        engine._aio_swap_cleanup = weakref.finalize(swapper, remove_swap_files, folder, owned)
+        engine._aio_swap_cleanup = _finalize_in_this_process(swapper, folder, owned)
     module = getattr(engine, "module", None)
     if module is not None:
         _register_param_swap_cleanup(module)
@@ -645,7 +704,7 @@ def _register_param_swap_cleanup(module: Any) -> None:
         return
     swapper._aio_cleanup = True  # type: ignore[union-attr]
     owned = functools.partial(_param_swap_file, id_to_path)
-    weakref.finalize(swapper, remove_swap_files, folder, owned)
+    _finalize_in_this_process(swapper, folder, owned)
 
 
 def warn_if_params_stay_in_cpu(optimizer: Any) -> bool:

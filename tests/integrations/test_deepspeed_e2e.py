@@ -2,8 +2,9 @@
 (DS_ACCELERATOR=cpu, gloo), running on aio's handle.
 
 Oracles: the same run with offload to CPU memory (no async I/O at all: the
-math must be the same), and -- where DeepSpeed's own async_io op can be built
-(libaio-dev installed) -- the same run on DeepSpeed's op.
+math must be the same), and -- where DeepSpeed's own async_io op is built
+(libaio-dev installed; ds_op.py builds it, with its own time budget, into a
+folder of the tests' own) -- the same run on DeepSpeed's op.
 """
 
 import contextlib
@@ -18,6 +19,8 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])")
 
+from . import ds_op  # noqa: E402
+
 # One xdist worker for the module: its CPU-offload reference run is shared.
 pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("deepspeed-e2e")]
 
@@ -31,7 +34,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def train(tmp_path, name, *args, world=1, steps=10, tolerate_exit_abort=False, check=True):
+def train(tmp_path, name, *args, world=1, steps=10, tolerate_exit_abort=False, check=True, op_dir=None):
+    """Run ds_train.py as `world` ranks; their results. `op_dir`: the
+    TORCH_EXTENSIONS_DIR of DeepSpeed's built op (for ``--io dsop``)."""
+    extra = {}
+    if op_dir is not None:
+        ds_op.skip_if_locked(op_dir)  # else each rank would wait on the lock
+        extra["TORCH_EXTENSIONS_DIR"] = op_dir
     nvme = tmp_path / f"nvme-{name}"
     nvme.mkdir(exist_ok=True)
     port = str(_port())
@@ -46,6 +55,7 @@ def train(tmp_path, name, *args, world=1, steps=10, tolerate_exit_abort=False, c
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             OMP_NUM_THREADS="1",
+            **extra,
         )
         out = tmp_path / f"{name}-rank{rank}.json"
         cmd = [
@@ -95,17 +105,6 @@ def train(tmp_path, name, *args, world=1, steps=10, tolerate_exit_abort=False, c
     return results, nvme
 
 
-def ds_op_available() -> bool:
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        import aio.integrations.deepspeed as d
-
-        return AsyncIOBuilder is not d.AioAsyncIOBuilder and AsyncIOBuilder().is_compatible(False)
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="module")
 def cpu_offload_losses(tmp_path_factory):
     r, _ = train(tmp_path_factory.mktemp("cpu"), "cpu", "--io", "aio", "--offload", "cpu")
@@ -138,10 +137,9 @@ def test_default_max_in_cpu_is_said_at_start(tmp_path):
     assert f"keeps all {r['params']} parameter elements" in lines[0] and "max_in_cpu=1000000000" in lines[0]
 
 
-@pytest.mark.skipif(
-    not ds_op_available(), reason="DeepSpeed's async_io op cannot be built here (needs libaio-dev)"
-)
-def test_matches_deepspeeds_own_op(tmp_path):
+@pytest.mark.timeout(ds_op.timeout_s())  # the op's build, if this test pays for it
+def test_matches_deepspeeds_own_op(tmp_path, ds_op_dir):
+    op_dir = ds_op_dir("cpu")
     (mine,), _ = train(tmp_path, "aio", "--io", "aio", "--offload", "nvme", "--pipeline")
     # DeepSpeed's own op sometimes aborts at interpreter exit after finishing
     # ("terminate called without an active exception"); its results are
@@ -155,12 +153,13 @@ def test_matches_deepspeeds_own_op(tmp_path):
         "nvme",
         "--pipeline",
         tolerate_exit_abort=True,
+        op_dir=op_dir,
     )
     assert mine["aio_served"] and not theirs["aio_served"]
     assert mine["losses"] == theirs["losses"]
 
 
-def _save_then_resume(tmp_path, io, *extra):
+def _save_then_resume(tmp_path, io, *extra, op_dir=None):
     ck = tmp_path / f"ckpt-{io}"
     (full,), _ = train(
         tmp_path,
@@ -175,6 +174,7 @@ def _save_then_resume(tmp_path, io, *extra):
         "--save-at",
         "5",
         tolerate_exit_abort=io == "dsop",
+        op_dir=op_dir,
     )
     (resumed,), _ = train(
         tmp_path,
@@ -187,6 +187,7 @@ def _save_then_resume(tmp_path, io, *extra):
         "--load",
         str(ck),
         tolerate_exit_abort=io == "dsop",
+        op_dir=op_dir,
     )
     assert resumed["start"] == 5
     return full, resumed
@@ -204,15 +205,14 @@ def test_nvme_checkpoint_save_load_continues_identically(tmp_path, cpu_offload_l
     assert resumed["losses"] == full["losses"][5:]
 
 
-@pytest.mark.skipif(
-    not ds_op_available(), reason="DeepSpeed's async_io op cannot be built here (needs libaio-dev)"
-)
-def test_deepspeeds_own_op_loses_optimizer_state_on_nvme_resume(tmp_path):
+@pytest.mark.timeout(ds_op.timeout_s())  # the op's build, if this test pays for it
+def test_deepspeeds_own_op_loses_optimizer_state_on_nvme_resume(tmp_path, ds_op_dir):
     # The same run on DeepSpeed's op (no aio patch) trains identically but does
     # not resume identically: this is the DeepSpeed defect aio repairs. If a
     # DeepSpeed release fixes it this test fails, and the repair can go.
+    op_dir = ds_op_dir("cpu")
     mine_full, mine = _save_then_resume(tmp_path, "aio", "--pipeline")
-    theirs_full, theirs = _save_then_resume(tmp_path, "dsop", "--pipeline")
+    theirs_full, theirs = _save_then_resume(tmp_path, "dsop", "--pipeline", op_dir=op_dir)
     assert mine_full["losses"] == theirs_full["losses"]
     assert mine["losses"] == mine_full["losses"][5:]
     assert theirs["losses"] != theirs_full["losses"][5:]

@@ -4,6 +4,7 @@ the return codes they assert on. Needs no DeepSpeed install."""
 import errno
 import functools
 import os
+import time
 
 import numpy as np
 import pytest
@@ -140,6 +141,52 @@ def test_failed_wait_drops_the_failed_batchs_validations(tmp_path):
     with pytest.raises(OSError):
         h.wait()
     assert h.wait() == 0  # the failed write is not checked again
+
+
+def _settled(h: DeepSpeedAioHandle) -> None:
+    """Until every request of `h` has finished (10 s at most), without collecting them."""
+    deadline = time.monotonic() + 10
+    while h.handle.pending():
+        if time.monotonic() > deadline:
+            raise TimeoutError("requests still pending after 10 s")
+        time.sleep(0.001)
+
+
+def test_failed_request_keeps_the_batchs_other_validations(tmp_path):
+    """One request of a batch fails: the validate=True checks of the others
+    still run, and a failed check is noted on the error wait() raises."""
+    h = DeepSpeedAioHandle()
+    src, ok = str(tmp_path / "src.bin"), str(tmp_path / "ok.bin")
+    h.sync_pwrite(torch.zeros(1000), src, 0)
+    h.handle._c.inject_fault("error", errno.EIO, "read", 1, 1)
+    assert h.pread(torch.empty(1000), src, False, True, 0) == 0  # fails
+    assert h.pwrite(torch.ones(1000), ok, True, True, 0) == 0  # succeeds, validated at wait()
+    _settled(h)
+    with open(ok, "r+b") as f:  # the bytes on the drive are not the buffer's
+        f.write(b"\xff")
+    with pytest.raises(OSError) as ei:
+        h.wait()
+    assert ei.value.operation == "read" and ei.value.filename == src  # the I/O error comes first
+    notes = getattr(ei.value, "__notes__", [])
+    assert len(notes) == 1 and "validation after write failed" in notes[0] and ok in notes[0], notes
+    assert h.wait() == 0
+
+
+def test_every_validation_runs_and_the_first_failure_is_raised(tmp_path):
+    h = DeepSpeedAioHandle()
+    paths = [str(tmp_path / f"{i}.bin") for i in range(3)]
+    for p in paths:
+        assert h.pwrite(torch.ones(1000), p, True, True, 0) == 0
+    _settled(h)
+    for p in (paths[0], paths[2]):
+        with open(p, "r+b") as f:
+            f.write(b"\xff")
+    with pytest.raises(OSError, match="validation after write failed") as ei:
+        h.wait()
+    assert ei.value.filename == paths[0]
+    notes = getattr(ei.value, "__notes__", [])
+    assert len(notes) == 1 and "validation after write failed" in notes[0] and paths[2] in notes[0], notes
+    assert h.wait() == 0
 
 
 def test_remove_swap_files_takes_only_this_engines_files(tmp_path):

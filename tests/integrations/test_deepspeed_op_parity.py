@@ -5,7 +5,8 @@ and the cases of DeepSpeed's handle unit tests, written afresh.
 Each test runs against aio's handle as DeepSpeed gets it
 (``AsyncIOBuilder().load().aio_handle(...)`` after ``enable()``). With
 ``AIO_TEST_DS_OP=1`` the same tests also run against DeepSpeed's own op
-(JIT-built on first use), the reference these call forms were taken from.
+(built by ds_op.py, with its own time budget, into a folder of the tests'
+own), the reference these call forms were taken from.
 """
 
 from __future__ import annotations
@@ -20,21 +21,37 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 
 import aio.integrations.deepspeed as aio_ds  # noqa: E402
 
+from . import ds_op  # noqa: E402
+
 BLOCK, DEPTH, THREADS = 1024, 2, 2
 SIZE = 4 * BLOCK * 4  # several blocks per worker slice
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(params=["aio", "deepspeed"], scope="module")
+def _deepspeeds_op(request):
+    """DeepSpeed's own op, loaded in this process from the tests' build of it."""
+    if os.environ.get("AIO_TEST_DS_OP") != "1":
+        pytest.skip("set AIO_TEST_DS_OP=1 to compare with DeepSpeed's own op")
+    aio_ds.disable()
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    folder = request.getfixturevalue("ds_op_dir")(get_accelerator().device_name())
+    ds_op.skip_if_locked(folder)  # the load would wait on it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", folder)
+        return AsyncIOBuilder().load(verbose=False)
+
+
+# The first test on DeepSpeed's op may pay for its build (ds_op.py's budget).
+DEEPSPEED = pytest.param("deepspeed", marks=pytest.mark.timeout(ds_op.timeout_s()))
+
+
+@pytest.fixture(params=["aio", DEEPSPEED], scope="module")
 def op(request):
     """The async_io op module DeepSpeed would use."""
     if request.param == "deepspeed":
-        if os.environ.get("AIO_TEST_DS_OP") != "1":
-            pytest.skip("set AIO_TEST_DS_OP=1 to compare with DeepSpeed's own op")
-        aio_ds.disable()
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        yield AsyncIOBuilder().load(verbose=False)
+        yield _deepspeeds_op(request)
         return
     aio_ds.enable()
     try:
