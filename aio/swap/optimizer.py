@@ -718,6 +718,91 @@ class OptimizerSwapper:
             self.space.sync_read(out, g.offset + g.parts["param"][0])
         return out
 
+    # -- one sub-group's state ----------------------------------------------------------
+    def state_names(self) -> list[str]:
+        """The tensors of a sub-group :meth:`read_state` and :meth:`write_state`
+        take: ``"param"`` (the fp32 master weights), then each optimizer state
+        (``exp_avg``, ``exp_avg_sq`` for Adam)."""
+        return self._saved_parts()
+
+    def _state_part(self, index: int, name: str) -> _SubGroup:
+        g = self.groups.get(index)
+        if g is None:
+            raise ValueError(f"no sub-group {index} is registered")
+        if name not in self._saved_parts():
+            raise ValueError(f"sub-group {index} has no tensor {name!r}; it has {self._saved_parts()}")
+        return g
+
+    def read_state(self, index: int, name: str, out: Any = None) -> Any:
+        """Sub-group `index`'s tensor `name` (see :meth:`state_names`) as
+        float32 on the CPU, in `out` when given (contiguous, float32, the
+        sub-group's size): the current values, written back first if a step
+        left them in a buffer. A state stored as bfloat16 is widened; a
+        state before the sub-group's first step is zeros. Not counted in the
+        swap counters, which are the training's I/O."""
+        import torch
+
+        self._check_usable()
+        g = self._state_part(index, name)
+        out = torch.empty(g.numel, dtype=torch.float32) if out is None else out
+        _check_state_tensor(out, g, f"read_state(out) for {name!r}")
+        self.drop_cached()  # the drive copy must be current
+        off = g.offset + g.parts[name][0]
+        if name == "param" and g.master_source is not None:
+            _wait_all(g.master_source(out))
+        elif name != "param" and g.scalars is None:
+            out.zero_()  # set-up never writes the zeros (see initialize())
+        elif name in self.narrowed:
+            low = torch.empty(g.numel, dtype=torch.bfloat16)
+            self.space.sync_read(low, off)
+            out.copy_(low)
+        else:
+            self.space.sync_read(out, off)
+        return out
+
+    def write_state(self, index: int, values: dict[str, Any], scalars: dict[str, Any] | None = None) -> None:
+        """Set tensors of sub-group `index` (name -> float32 CPU tensor of its
+        size; names from :meth:`state_names`) and, with `scalars`, its scalar
+        state (Adam's ``step``: a tensor or number per name). A sub-group
+        not yet stepped has no state on the drive, so giving it states needs
+        `scalars` and every state. Everything is checked before anything is
+        written; returns once the writes landed. A failed write leaves the
+        sub-group invalid until written again or a checkpoint is loaded."""
+        import torch
+
+        self._check_usable()
+        for name, t in values.items():
+            _check_state_tensor(t, self._state_part(index, name), f"write_state({name!r})")
+        g = self.groups[index]
+        states = {n for n, _ in self.spec}
+        if g.scalars is None and (scalars is not None or states & set(values)):
+            missing = sorted(states - set(values)) + ([] if scalars is not None else ["scalars"])
+            if missing:
+                raise ValueError(
+                    f"sub-group {index} has not been stepped, so none of its state is on the drive: "
+                    f"give its scalars and every state tensor together (missing: {missing})"
+                )
+        if scalars is not None and not (
+            isinstance(scalars, dict)
+            and all(isinstance(k, str) and k not in states | {"param"} for k in scalars)
+            and all(torch.is_tensor(v) or isinstance(v, (int, float)) for v in scalars.values())
+        ):
+            raise ValueError(
+                f"sub-group {index}: scalars must map names (not state tensors') to tensors or numbers"
+            )
+        self.drop_cached()  # nothing kept in a buffer may overwrite these later
+        g.valid = False
+        for name, t in values.items():
+            src = t.detach().reshape(-1)
+            if name in self.narrowed:
+                src = src.to(torch.bfloat16)  # rounded to nearest even, as a step's narrowing does
+            self.space.sync_write(src.contiguous(), g.offset + g.parts[name][0])
+            if name == "param":
+                g.master_source = None  # the drive copy is the master weights from here on
+        if scalars is not None:
+            g.scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
+        g.valid = True
+
     # -- checkpoint ----------------------------------------------------------------------
     def export_checkpoint(self, directory: str) -> None:
         """Write every sub-group's master weights and optimizer state, plus a
@@ -999,6 +1084,20 @@ class OptimizerSwapper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_state_tensor(t: Any, g: _SubGroup, what: str) -> None:
+    """TypeError/ValueError unless `t` is a contiguous float32 CPU tensor of
+    sub-group `g`'s size."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device.type != "cpu":
+        kind = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"sub-group {g.index}: {what} must be a float32 CPU tensor, got {kind}")
+    if t.numel() != g.numel or not t.is_contiguous():
+        raise ValueError(
+            f"sub-group {g.index}: {what} must be contiguous with {g.numel} elements, got {t.numel()}"
+        )
 
 
 def _part_bytes(numel: int, dtype: Any) -> int:

@@ -1,0 +1,445 @@
+"""NVMeAdam / NVMeAdamW: torch optimizers whose fp32 master weights and Adam
+moments live on the drive, for PyTorch's own engines (FSDP2, FSDP1, DDP and
+ZeRO-1, one process).
+
+Each rank keeps the state of the parameters it is given -- for a DTensor
+(FSDP2), its local shard -- in sub-groups (:mod:`aio.optim.layout`) paged
+through aio's pipelined :class:`aio.swap.OptimizerSwapper` under its own
+private swap folder, steps them with aio's fused CPU Adam and writes the new
+weights back into the parameters (FSDP's sharded storage). Nothing here is
+collective: the engine has already reduced the gradients.
+
+Torch's semantics, so frameworks' helpers work unchanged: the layout is made
+at the first step() (or load) from the parameters ``param_groups`` then
+holds (Accelerate and HF Trainer swap them after construction); every
+group's hyper-parameters are read at every step (LR schedulers);
+``self.state`` holds each parameter's ``step`` (never empty after a step,
+so torch.distributed.checkpoint's helpers take no hidden step) and
+``state_dict()``/``load_state_dict()`` are torch's AdamW format, the
+moments DTensors for DTensor parameters (DCP saves, loads and reshards them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..swap.optimizer import OptimizerSwapper
+from . import CPUAdam, _check_hyper, _unsupported
+from .dtensor import check_pair, like, local_of
+from .layout import SubGroup, local_flat, pack, pieces_of
+from .nvme_options import SwapOptions, check_pinned, resolve, sub_group_size
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
+
+
+class _Swapper(OptimizerSwapper):
+    """The swapper with gradients held in memory (no room for them on the
+    drive) unless ``gradients="nvme"``."""
+
+    gradients_on_drive = False
+
+    def gradient_slot(self) -> bool:
+        return self.gradients_on_drive
+
+
+class NVMeAdam(torch.optim.Optimizer):
+    """``torch.optim.Adam`` with its fp32 master weights and moments on the
+    drive (``decoupled_weight_decay=True``: AdamW; see :class:`NVMeAdamW`).
+
+    Torch's arguments and state format, plus: ``nvme_path`` (a directory, a
+    list of drives to stripe, ``{local_rank}``/``{rank}`` filled in per
+    rank), ``match_torch`` (True: torch's ``foreach=False`` bits, as
+    :class:`aio.optim.CPUAdamW`), ``sub_group_size``, ``buffer_count``,
+    ``pipeline_read``, ``pipeline_write``, ``pin_memory`` (DeepSpeed's names,
+    aio's defaults; or an ``offload_optimizer`` block in DeepSpeed's format),
+    ``optimizer_states`` ("fp32" or "bf16" moments on the drive),
+    ``gradients`` ("cpu": held in memory, "nvme": on the drive) and
+    ``host_memory_budget`` (of the node, divided among its
+    ``LOCAL_WORLD_SIZE`` ranks). Parameters must be float32 (a DTensor's
+    local tensor contiguous); every parameter with elements on this rank
+    needs a gradient at a step, or none does.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        nvme_path: Any = None,
+        offload_optimizer: Mapping[str, Any] | None = None,
+        match_torch: bool = False,
+        threads: int | None = None,
+        **swap: Any,
+    ) -> None:
+        defaults = {
+            "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+            "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "capturable": capturable,
+            "differentiable": differentiable, "fused": fused,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }  # fmt: skip
+        _check_group(defaults, "defaults")
+        if not isinstance(match_torch, bool):
+            raise TypeError(f"match_torch must be a bool, got {type(match_torch).__name__}")
+        unknown = sorted(set(swap) - _SWAP_KEYS)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword arguments {unknown}")
+        self.match_torch = match_torch
+        self.threads = threads
+        self.options: SwapOptions = resolve({"nvme_path": nvme_path, **swap}, offload_optimizer)
+        self._swapper: _Swapper | None = None
+        self._subgroups: list[SubGroup] = []
+        self._params: list[Any] = []
+        self._grads: dict[int, torch.Tensor] = {}
+        super().__init__(params, defaults)
+
+    # -- parameters and layout ---------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, until the first step laid the sub-groups
+        out; afterwards a ValueError (the layout is fixed)."""
+        if getattr(self, "_swapper", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__}.add_param_group after the first step: the sub-groups on the drive "
+                "are laid out; add every param group before the first step()"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group, f"param group {len(self.param_groups) - 1}")
+        for p in group["params"]:
+            _check_param(p, f"param group {len(self.param_groups) - 1}")
+
+    def _ensure_layout(self) -> _Swapper:
+        """The swapper, laid out now from the parameters param_groups hold
+        (masters copied from them) if this is the first need."""
+        if self._swapper is not None:
+            return self._swapper
+        params = [p for g in self.param_groups for p in g["params"]]
+        per_group, k = [], 0
+        for g in self.param_groups:
+            per_group.append(
+                [(k + j, local_flat(p, _name(k + j)).numel()) for j, p in enumerate(g["params"])]
+            )
+            k += len(g["params"])
+        total = max((sum(n for _, n in grp) for grp in per_group), default=0)
+        size = sub_group_size(self.options, total)
+        subgroups = pack(per_group, size)
+        o = self.options
+        sw = _Swapper(
+            o.nvme_path, CPUAdam, {"match_torch": self.match_torch, "threads": self.threads},
+            buffer_count=o.buffer_count, pipeline_read=o.pipeline_read, pipeline_write=o.pipeline_write,
+            pin_memory=o.pin_memory, sub_group_size=size, aio=o.aio, rank=o.rank.rank,
+            state_dtype=o.state_dtype, group_hyper=[_hyper(g) for g in self.param_groups],
+        )  # fmt: skip
+        sw.gradients_on_drive = o.gradients == "nvme"
+        try:
+            for i, sg in enumerate(subgroups):
+                sw.register_subgroup(i, sg.numel, sg.group)
+            if subgroups:
+                check_pinned(o, sw.planned_pinned_bytes())
+            self._params, self._subgroups = params, subgroups
+            sw.initialize_many((i, self._fill_master(i)) for i in range(len(subgroups)))
+        except BaseException:
+            sw.close()
+            raise
+        self._swapper = sw
+        return sw
+
+    def _fill_master(self, i: int) -> Callable[[torch.Tensor], None]:
+        def fill(out: torch.Tensor) -> None:
+            for piece in self._subgroups[i].pieces:
+                src = self._flat(piece.param)[piece.start : piece.start + piece.count]
+                out[piece.offset : piece.offset + piece.count].copy_(src)
+
+        return fill
+
+    def _flat(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s flattened local tensor, checked against the layout."""
+        flat = local_flat(self._params[index], _name(index))
+        want = sum(pc.count for _, pc in pieces_of(self._subgroups) if pc.param == index)
+        if want and flat.numel() != want:
+            raise ValueError(
+                f"{_name(index)} has {flat.numel()} local elements, {want} when the sub-groups were laid out"
+            )
+        return flat
+
+    # -- the step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW/Adam step over every parameter (all with a gradient, or
+        none: then nothing happens). Everything is checked before anything
+        changes; a failure during the swapped step leaves the optimizer
+        refusing further steps until load_state_dict() (aio's swapper)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for k, g in enumerate(self.param_groups):
+            _check_group(g, f"param group {k}")
+        sw = self._ensure_layout()
+        grads = self._local_grads()
+        if grads is None:
+            return loss
+        sw.torch_groups.update(sw.optimizer, [_hyper(g) for g in self.param_groups])
+        self._take_grads(sw, grads)
+        sw.step(after=self._write_back)
+        self._count_steps(sw, grads)
+        return loss
+
+    def _local_grads(self) -> dict[int, torch.Tensor] | None:
+        """Each parameter's local gradient, flattened; None when none has one."""
+        out: dict[int, torch.Tensor] = {}
+        missing = []
+        for k, p in enumerate(self._params):
+            if p.grad is None:
+                if local_of(p).numel():  # none on this rank: FSDP1 leaves its gradient None
+                    missing.append(k)
+                continue
+            check_pair(p, p.grad, _name(k))
+            g = local_of(p.grad)
+            if g.is_sparse or g.dtype != torch.float32:
+                raise TypeError(f"{_name(k)}: its gradient must be dense float32, got {g.dtype} ({g.layout})")
+            if g.numel() != local_of(p).numel():
+                raise ValueError(
+                    f"{_name(k)}: its gradient has {g.numel()} local elements, the parameter more"
+                )
+            out[k] = g.reshape(-1)
+        if not out:
+            return None
+        if missing:
+            raise ValueError(
+                f"{_name(missing[0])} has no gradient while others have: {type(self).__name__} steps every "
+                "parameter it holds; leave frozen parameters out of the optimizer"
+            )
+        return out
+
+    def _take_grads(self, sw: _Swapper, grads: dict[int, torch.Tensor]) -> None:
+        for i, sg in enumerate(self._subgroups):
+            buf = self._grads.get(i)
+            if buf is None:
+                buf = self._grads[i] = torch.empty(sg.numel, dtype=torch.float32)
+            for pc in sg.pieces:
+                buf[pc.offset : pc.offset + pc.count].copy_(grads[pc.param][pc.start : pc.start + pc.count])
+            if sw.gradients_on_drive:
+                sw.write_gradient(i, buf, async_op=False)
+            else:
+                sw.hold_gradient(i, buf)
+
+    def _write_back(self, index: int, master: torch.Tensor) -> None:
+        for pc in self._subgroups[index].pieces:
+            self._flat(pc.param)[pc.start : pc.start + pc.count].copy_(
+                master[pc.offset : pc.offset + pc.count]
+            )
+
+    def _count_steps(self, sw: _Swapper, grads: Mapping[int, Any]) -> None:
+        """Each parameter's ``step`` in self.state: its sub-groups' count
+        (one with no local elements counts on by itself, when it has a
+        gradient: torch's AdamW skips a parameter without one)."""
+        counted = set()
+        for i, pc in pieces_of(self._subgroups):
+            scalars = sw.groups[i].scalars or {}
+            self.state[self._params[pc.param]]["step"] = torch.tensor(float(scalars.get("step", 0.0)))
+            counted.add(pc.param)
+        for k, p in enumerate(self._params):
+            if k not in counted and k in grads:
+                st = self.state[p]
+                st["step"] = torch.tensor(float(st.get("step", 0.0)) + 1.0)
+
+    # -- state_dict ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's AdamW state_dict: per parameter ``step``, ``exp_avg`` and
+        ``exp_avg_sq`` (DTensors laid out as DTensor parameters), read from
+        the drive; this rank's moments are held in memory while it is used
+        (8 bytes per local element in float32)."""
+        sd = super().state_dict()
+        if self._swapper is None:
+            return sd
+        moments = self._read_moments(self._swapper)
+        state = {}
+        for k, st in sd["state"].items():
+            p = self._params[k]
+            shape = local_of(p).shape
+            state[k] = {
+                "step": st["step"].clone(),
+                **{n: like(p, moments[k][n].view(shape)) for n in MOMENTS},
+            }
+        sd["state"] = state
+        return sd
+
+    def _read_moments(self, sw: _Swapper) -> dict[int, dict[str, torch.Tensor]]:
+        out = {k: {n: torch.zeros(local_of(p).numel()) for n in MOMENTS} for k, p in enumerate(self._params)}
+        for i, sg in enumerate(self._subgroups):
+            for name in MOMENTS:
+                flat = sw.read_state(i, name)
+                for pc in sg.pieces:
+                    out[pc.param][name][pc.start : pc.start + pc.count].copy_(
+                        flat[pc.offset : pc.offset + pc.count]
+                    )
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load_state_dict (a checkpoint of torch's AdamW loads too),
+        the moments written to the drive and the master weights taken from
+        the parameters as they are now (load the model first, as DCP's
+        set_state_dict does). Checked whole before the drive changes: a bad
+        state_dict is a ValueError naming the parameter, nothing changed."""
+        sw = self._ensure_layout()
+        old_state, old_groups = self.state, [dict(g) for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        try:
+            for k, g in enumerate(self.param_groups):
+                _check_group(g, f"param group {k}")
+            plan = self._plan_load()
+        except BaseException:
+            self.state = old_state
+            for g, saved in zip(self.param_groups, old_groups, strict=True):
+                g.clear()
+                g.update(saved)
+            raise
+        self._apply_load(sw, plan)
+
+    def _plan_load(self) -> list[tuple[dict[str, torch.Tensor], float | None]]:
+        """Per sub-group: its tensors to write and step count (None: never stepped)."""
+        plan = []
+        for i, sg in enumerate(self._subgroups):
+            values = {"param": torch.empty(sg.numel, dtype=torch.float32)}
+            values.update({n: torch.empty(sg.numel, dtype=torch.float32) for n in MOMENTS})
+            steps = set()
+            for pc in sg.pieces:
+                st = self.state.get(self._params[pc.param], {})
+                steps.add(_loaded_step(st, pc.param))
+                values["param"][pc.offset : pc.offset + pc.count].copy_(
+                    self._flat(pc.param)[pc.start : pc.start + pc.count]
+                )
+                for n in MOMENTS if st else ():
+                    src = _loaded_moment(st, n, self._params[pc.param], pc.param)
+                    values[n][pc.offset : pc.offset + pc.count].copy_(src[pc.start : pc.start + pc.count])
+            if len(steps) > 1:
+                raise ValueError(
+                    f"sub-group {i} holds parameters with different step counts {sorted(map(str, steps))} "
+                    f"({_name(sg.pieces[0].param)} ...): give them one count, or put them in separate "
+                    "param groups"
+                )
+            plan.append((values, steps.pop() if steps else None))
+        return plan
+
+    def _apply_load(self, sw: _Swapper, plan: list[tuple[dict[str, torch.Tensor], float | None]]) -> None:
+        if sw.broken:  # a failed step: every sub-group is rewritten below
+            sw.drop_cached(write_back=False)
+            sw.broken = None
+        fresh = [i for i, (_, step) in enumerate(plan) if step is None]
+        for i, (values, step) in enumerate(plan):
+            if step is not None:
+                sw.write_state(i, values, {"step": torch.tensor(step)})
+        sw.initialize_many((i, _copier(plan[i][0]["param"])) for i in fresh)
+        for k, p in enumerate(self._params):
+            step = _loaded_step(self.state.get(p, {}), k)
+            if step is not None:
+                self.state[p] = {"step": torch.tensor(step)}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def swap_stats(self) -> dict[str, Any]:
+        """The swapper's counters (bytes read and written, sub-groups, swap
+        folder, pinned and drive bytes); empty before the first step."""
+        return {} if self._swapper is None else self._swapper.stats()
+
+    def close(self) -> None:
+        """Free the buffers and remove this rank's swap folder (the optimizer
+        is unusable afterwards). Idempotent; also at interpreter exit."""
+        if self._swapper is not None:
+            self._swapper.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} keeps its state on the drive: save it with state_dict(), not pickle"
+        )
+
+
+class NVMeAdamW(NVMeAdam):
+    """``torch.optim.AdamW`` with its fp32 master weights and moments on the
+    drive: :class:`NVMeAdam` with decoupled weight decay (default 1e-2)."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if "decoupled_weight_decay" in kwargs:
+            raise TypeError("NVMeAdamW always decouples weight decay; use NVMeAdam to choose")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=True, **kwargs)
+
+
+_SWAP_KEYS = {
+    "sub_group_size", "buffer_count", "pipeline_read", "pipeline_write", "pin_memory",
+    "optimizer_states", "gradients", "host_memory_budget", "aio",
+}  # fmt: skip
+
+
+def _copier(src: torch.Tensor) -> Callable[[torch.Tensor], Any]:
+    return lambda out: out.copy_(src)
+
+
+def _name(index: int) -> str:
+    return f"parameter {index} (in param_groups order)"
+
+
+def _check_param(p: Any, where: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where}: params must be tensors, got {type(p).__name__}")
+    if p.dtype != torch.float32 or p.is_sparse:
+        raise TypeError(
+            f"{where}: NVMeAdam/NVMeAdamW take dense float32 parameters, got {p.dtype} ({p.layout})"
+        )
+
+
+def _check_group(group: Mapping[str, Any], where: str) -> None:
+    why = _unsupported(dict(group))
+    if why is not None:
+        raise ValueError(f"{where}: NVMeAdam/NVMeAdamW do not support {why}; use torch.optim.Adam/AdamW")
+    _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: group[k] for k in _HYPER_KEYS if k in group}
+    out["betas"] = tuple(out["betas"])
+    return out
+
+
+def _loaded_step(st: Mapping[str, Any], index: int) -> float | None:
+    if not st:
+        return None
+    step = st.get("step")
+    if step is None or (isinstance(step, torch.Tensor) and step.numel() != 1):
+        raise ValueError(f"state of {_name(index)}: 'step' must be a number or a one-element tensor")
+    return float(step)
+
+
+def _loaded_moment(st: Mapping[str, Any], name: str, p: Any, index: int) -> torch.Tensor:
+    t = st.get(name)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"state of {_name(index)}: no tensor {name!r} (not an Adam/AdamW state)")
+    check_pair(p, t, f"state {name!r} of {_name(index)}")
+    local = local_of(t).detach()
+    if local.shape != local_of(p).shape:
+        raise ValueError(
+            f"state {name!r} of {_name(index)} has local shape {tuple(local.shape)}, the parameter "
+            f"{tuple(local_of(p).shape)}"
+        )
+    return local.reshape(-1).to(torch.float32)

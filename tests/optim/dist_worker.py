@@ -1,0 +1,338 @@
+"""Multi-rank cases for tests/optim/test_distributed.py, run as a script:
+``python dist_worker.py WORLD OUTDIR CASE...``. Each rank joins one gloo
+group (spawned here), runs every case in order and writes
+``OUTDIR/<case>.rank<r>.json`` before the next: the results are judged from
+those files, never from the exit status (gloo may abort at teardown).
+
+Every case trains the same tiny model twice on the same engine, once with
+torch.optim.AdamW(foreach=False) and once with aio's optimizer, and reports
+whether losses and full parameters are bit-identical (torch.equal)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STEPS = 4
+LR = 1e-2
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 63 and 65 rows: uneven shards on 2 and 3 ranks; 2 rows: a rank with none on 3.
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 63),
+        torch.nn.ReLU(),
+        torch.nn.Linear(63, 65),
+        torch.nn.ReLU(),
+        torch.nn.Linear(65, 2),
+    )
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 12, generator=g), torch.randn(4, 2, generator=g)
+
+
+def _fsdp2(model: torch.nn.Module, offload: bool = False, bf16: bool = False) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kw: dict = {"mesh": mesh}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, **kw)
+    return fully_shard(model, **kw)
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n.endswith("weight")]},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": LR / 2},
+    ]
+
+
+def _full(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+
+
+def _train(model, opt, steps, rank, start=0, sched=None, clip=False) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        loss = ((model(x).float() - y) ** 2).mean()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item())
+    return losses
+
+
+def _nvme(params, tmp, rank, **kw):
+    from aio.optim import NVMeAdamW
+
+    return NVMeAdamW(params, lr=LR, nvme_path=os.path.join(tmp, "drive"), match_torch=True, **kw)
+
+
+def _torch(params, **kw):
+    return torch.optim.AdamW(params, lr=LR, foreach=False, **kw)
+
+
+def _compare(build, make_opt_pair, rank, steps=STEPS, sched=False, clip=False) -> dict:
+    """Train build() with torch's AdamW and with aio's; the verdict."""
+    out = {}
+    for kind, make in zip(("torch", "aio"), make_opt_pair, strict=True):
+        model = build()
+        opt = make(model)
+        lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)) if sched else None
+        out[kind] = (_train(model, opt, steps, rank, sched=lam, clip=clip), _full(model), opt)
+    (lt, pt, _), (la, pa, oa) = out["torch"], out["aio"]
+    res = {"losses_torch": lt, "losses_aio": la, "equal": lt == la and all(map(torch.equal, pt, pa))}
+    if hasattr(oa, "swap_stats"):
+        st = oa.swap_stats()
+        res.update(swap_dir=st.get("swap_dir"), drive_bytes=st.get("drive_bytes"))
+        oa.close()
+    return res
+
+
+def case_fsdp2(rank, tmp):
+    b = lambda: _fsdp2(_model())  # noqa: E731
+    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
+
+
+def case_fsdp2_offload(rank, tmp):
+    b = lambda: _fsdp2(_model(), offload=True)  # noqa: E731
+    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
+
+
+def case_fsdp2_bf16(rank, tmp):
+    b = lambda: _fsdp2(_model(), offload=True, bf16=True)  # noqa: E731
+    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
+
+
+def case_cpu_adamw_dtensor(rank, tmp):
+    from aio.optim import CPUAdamW
+
+    b = lambda: _fsdp2(_model(), offload=True)  # noqa: E731
+    return _compare(
+        b,
+        (lambda m: _torch(m.parameters()), lambda m: CPUAdamW(m.parameters(), lr=LR, match_torch=True)),
+        rank,
+    )
+
+
+def case_groups_lambda_clip(rank, tmp):
+    b = lambda: _fsdp2(_model())  # noqa: E731
+    pair = (lambda m: _torch(_groups(m)), lambda m: _nvme(_groups(m), tmp, rank, sub_group_size=700))
+    return _compare(b, pair, rank, sched=True, clip=True)
+
+
+def case_accelerate_swap(rank, tmp):
+    """Accelerate/Trainer: the optimizer is built over the unsharded model,
+    which is sharded afterwards and its parameters swapped in param_groups."""
+
+    def aio_opt(m):
+        return m._opt
+
+    def build():
+        model = _model()
+        model._opt = _nvme(model.parameters(), tmp, rank)  # before sharding: lazy layout
+        sharded = _fsdp2(model)
+        model._opt.param_groups[0]["params"] = list(sharded.parameters())
+        return sharded
+
+    built = []
+
+    def build_t():
+        return _fsdp2(_model())
+
+    res_t = None
+    model_t = build_t()
+    opt_t = _torch(model_t.parameters())
+    lt = _train(model_t, opt_t, STEPS, rank)
+    model_a = build()
+    la = _train(model_a, aio_opt(model_a), STEPS, rank)
+    equal = lt == la and all(map(torch.equal, _full(model_t), _full(model_a)))
+    del built, res_t
+    return {"losses_torch": lt, "losses_aio": la, "equal": equal}
+
+
+def case_no_hidden_step(rank, tmp):
+    """get_optimizer_state_dict leaves state, step and parameters alone and
+    gives torch's AdamW state, bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    res = {}
+    for kind in ("torch", "aio"):
+        model = _fsdp2(_model())
+        opt = _torch(model.parameters()) if kind == "torch" else _nvme(model.parameters(), tmp, rank)
+        _train(model, opt, 2, rank)
+        before = _full(model)
+        opt.zero_grad(set_to_none=True)  # as after a training step: no gradients
+        osd1 = get_optimizer_state_dict(model, opt)
+        osd2 = get_optimizer_state_dict(model, opt)
+        res[kind] = (osd1, osd2, before, _full(model))
+    (t1, _, _, _), (a1, a2, ab, aa) = res["torch"], res["aio"]
+    same = all(map(torch.equal, ab, aa))
+    steps = sorted({float(s["step"]) for s in a2["state"].values()})
+    match = set(t1["state"]) == set(a1["state"]) and all(
+        torch.equal(_local(t1["state"][k][n]), _local(a1["state"][k][n]))
+        and torch.equal(_local(a1["state"][k][n]), _local(a2["state"][k][n]))
+        for k in t1["state"]
+        for n in ("step", "exp_avg", "exp_avg_sq")
+    )
+    return {
+        "equal": same and match and steps == [2.0],
+        "steps": steps,
+        "params_same": same,
+        "state_match": match,
+    }
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _ckpt_run(kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _fsdp2(_model())
+    opt = _torch(model.parameters()) if kind == "torch" else _nvme(model.parameters(), tmp, rank)
+    if load_from:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=load_from)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = _train(model, opt, steps, rank, start=start)
+    if save_to:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=save_to)
+    full = _full(model)
+    if hasattr(opt, "close"):
+        opt.close()
+    return losses, full
+
+
+def case_dcp_save(rank, tmp):
+    """3 steps, then a DCP save, by torch's AdamW and by aio's."""
+    out = {}
+    for kind in ("torch", "aio"):
+        out[kind] = _ckpt_run(kind, rank, tmp, save_to=os.path.join(tmp, f"ckpt_{kind}"))
+    return {"equal": out["torch"][0] == out["aio"][0], "losses": out["aio"][0]}
+
+
+def case_dcp_load(rank, tmp):
+    """Load the checkpoints the 2-rank group saved (resharded to this
+    world), 3 more steps: aio from aio's and from torch's (interchange),
+    torch from torch's and from aio's -- all four bit-identical."""
+    runs = {
+        (kind, src): _ckpt_run(kind, rank, tmp, load_from=os.path.join(tmp, f"ckpt_{src}"), start=3)
+        for kind in ("torch", "aio")
+        for src in ("torch", "aio")
+    }
+    ref_l, ref_p = runs[("torch", "torch")]
+    equal = all(ls == ref_l and all(map(torch.equal, p, ref_p)) for ls, p in runs.values())
+    return {"equal": equal, "losses": {f"{k}<-{s}": v[0] for (k, s), v in runs.items()}}
+
+
+def case_ddp(rank, tmp):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    b = lambda: DDP(_model())  # noqa: E731
+    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
+
+
+def case_zero1(rank, tmp):
+    from torch.distributed.optim import ZeroRedundancyOptimizer as Z
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from aio.optim import NVMeAdamW
+
+    b = lambda: DDP(_model())  # noqa: E731
+    path = os.path.join(tmp, "drive")
+    pair = (
+        lambda m: Z(m.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, foreach=False),
+        lambda m: Z(m.parameters(), optimizer_class=NVMeAdamW, lr=LR, nvme_path=path, match_torch=True),
+    )
+    res = _compare(b, pair, rank)
+    return res
+
+
+def case_fsdp1(rank, tmp):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def b():
+        return FSDP(_model(), device_id=torch.device("cpu"), use_orig_params=True)
+
+    def full(m):  # summon_full_params fails on CPU: every rank's local shards
+        return [p.detach().clone() for p in m.parameters()]
+
+    out = {}
+    for kind in ("torch", "aio"):
+        model = b()
+        opt = _torch(model.parameters()) if kind == "torch" else _nvme(model.parameters(), tmp, rank)
+        out[kind] = (_train(model, opt, STEPS, rank), full(model))
+    equal = out["torch"][0] == out["aio"][0] and all(map(torch.equal, out["torch"][1], out["aio"][1]))
+    return {"equal": equal, "losses": out["aio"][0]}
+
+
+def case_rank_folders(rank, tmp):
+    """Each rank's swap files in its own folder under the per-user one,
+    about 1/N of the state each."""
+    model = _fsdp2(_model())
+    opt = _nvme(model.parameters(), tmp, rank)
+    _train(model, opt, 1, rank)
+    st = opt.swap_stats()
+    local = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    opt.close()
+    return {
+        "equal": True,
+        "swap_dir": st["swap_dir"],
+        "drive_bytes": st["drive_bytes"],
+        "local": local,
+        "total": total,
+    }
+
+
+def _worker(rank: int, world: int, out: str, cases: list[str]) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    os.makedirs(os.path.join(out, "drive"), exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    for name in cases:
+        try:
+            res = {"ok": True, **globals()[f"case_{name}"](rank, out)}
+        except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+            res = {"ok": False, "error": traceback.format_exc()}
+        with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(res, f, default=str)
+        dist.barrier()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, outdir, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    mp.spawn(_worker, args=(world, outdir, names), nprocs=world, join=True)

@@ -1,0 +1,213 @@
+"""aio.optim.NVMeAdamW in one process: bit-identical (torch.equal) to
+torch.optim.AdamW(foreach=False) with param groups and a LambdaLR, torch <->
+aio state_dict interchange both ways, the lazy layout, the per-rank budget
+and nvme_path templates, and its errors (typed, naming the parameter,
+nothing changed). Multi-rank engines: test_distributed.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from aio.optim import NVMeAdam, NVMeAdamW, is_bit_exact
+
+bits = pytest.mark.skipif(not is_bit_exact(), reason="aio's kernel does not reproduce torch's sqrt here")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 63), torch.nn.ReLU(), torch.nn.Linear(63, 5))
+
+
+def _groups(m: torch.nn.Module) -> list[dict]:
+    named = list(m.named_parameters())
+    return [
+        {"params": [p for n, p in named if n.endswith("weight")]},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 5e-3},
+    ]
+
+
+def _steps(pairs: list, start: int, n: int) -> None:
+    for step in range(start, start + n):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 12, generator=g), torch.randn(4, 5, generator=g)
+        for model, opt, sched in pairs:
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _same_state(sa: dict, sb: dict) -> bool:
+    names = ("step", "exp_avg", "exp_avg_sq")
+    return set(sa["state"]) == set(sb["state"]) and all(
+        torch.equal(sa["state"][k][n], sb["state"][k][n]) for k in sa["state"] for n in names
+    )
+
+
+@bits
+def test_plain_loop_groups_lambda_lr_and_interchange(tmp_path) -> None:
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(_groups(a), lr=1e-2, foreach=False)
+    ob = NVMeAdamW(_groups(b), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=500)
+    warm = lambda s: min(1.0, (s + 1) / 3)  # noqa: E731
+    pairs = [
+        (a, oa, torch.optim.lr_scheduler.LambdaLR(oa, warm)),
+        (b, ob, torch.optim.lr_scheduler.LambdaLR(ob, warm)),
+    ]
+    _steps(pairs, 0, 5)
+    assert _same(a, b)
+    assert ob.swap_stats()["subgroups"] > 2  # a tensor spans sub-groups
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert _same_state(sa, sb)
+    # torch's checkpoint into aio, aio's into torch: both continue as torch does.
+    c, d = _model(), _model()
+    c.load_state_dict(a.state_dict())
+    d.load_state_dict(a.state_dict())
+    oc = NVMeAdamW(_groups(c), lr=1e-2, nvme_path=str(tmp_path), match_torch=True)
+    oc.load_state_dict(sa)
+    od = torch.optim.AdamW(_groups(d), lr=1e-2, foreach=False)
+    od.load_state_dict(sb)
+    _steps([(a, oa, None), (c, oc, None), (d, od, None)], 5, 3)
+    assert _same(a, c) and _same(a, d)
+    for o in (ob, oc):
+        o.close()
+
+
+@bits
+def test_hidden_step_before_the_first_is_torchs(tmp_path) -> None:
+    """Before any step both have empty state: DCP's helpers' lr=0 step
+    gives the same (zero moments, step 1) and changes no parameter."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    ob = NVMeAdamW(b.parameters(), lr=1e-2, nvme_path=str(tmp_path), match_torch=True)
+    sa, sb = get_optimizer_state_dict(a, oa), get_optimizer_state_dict(b, ob)
+    assert _same(a, b) and set(sa["state"]) == set(sb["state"])
+    for k in sa["state"]:
+        for n in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa["state"][k][n], sb["state"][k][n])
+    # Now state exists: no further hidden step.
+    get_optimizer_state_dict(b, ob)
+    assert {float(s["step"]) for s in ob.state.values()} == {1.0}
+    ob.close()
+
+
+def test_lazy_layout_follows_swapped_params(tmp_path) -> None:
+    stale = _model()
+    opt = NVMeAdamW(stale.parameters(), nvme_path=str(tmp_path))
+    fresh = _model()
+    opt.param_groups[0]["params"] = list(fresh.parameters())
+    _steps([(fresh, opt, None)], 0, 1)
+    assert _same(stale, _model()) and not _same(fresh, _model())
+    with pytest.raises(ValueError, match="add_param_group after the first step"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.close()
+
+
+def test_errors_name_the_setting_or_parameter(tmp_path) -> None:
+    m = _model()
+    with pytest.raises(ValueError, match="nvme_path: required"):
+        NVMeAdamW(m.parameters())
+    with pytest.raises(ValueError, match="amsgrad"):
+        NVMeAdamW(m.parameters(), amsgrad=True, nvme_path=str(tmp_path))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), buffer_size=3)
+    with pytest.raises(TypeError, match="always decouples"):
+        NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), decoupled_weight_decay=False)
+    with pytest.raises(TypeError, match="float32"):
+        NVMeAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="gradients"):
+        NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), gradients="gpu")
+    with pytest.raises(FileNotFoundError):
+        opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path / "missing"))
+        _steps([(m, opt, None)], 0, 1)
+
+
+def test_missing_gradient_and_bad_state_change_nothing(tmp_path) -> None:
+    m = _model()
+    opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path))
+    _steps([(m, opt, None)], 0, 1)
+    good = opt.state_dict()
+    before = [p.detach().clone() for p in m.parameters()]
+    m[0].bias.grad = None
+    with pytest.raises(ValueError, match=r"parameter 1 .* has no gradient"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(before, m.parameters(), strict=True))
+    bad = opt.state_dict()
+    bad["state"][2]["exp_avg"] = torch.zeros(7)
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 2"):
+        opt.load_state_dict(bad)
+    assert _same_state(opt.state_dict(), good)
+    opt.close()
+
+
+def test_gradients_on_drive_bf16_states_and_adam(tmp_path) -> None:
+    a, b = _model(), _model()
+    oa = torch.optim.Adam(a.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    ob = NVMeAdam(b.parameters(), lr=1e-2, weight_decay=0.1, nvme_path=str(tmp_path), gradients="nvme",
+                  match_torch=is_bit_exact())  # fmt: skip
+    _steps([(a, oa, None), (b, ob, None)], 0, 3)
+    if is_bit_exact():
+        assert _same(a, b)
+    oc = NVMeAdamW(_model().parameters(), nvme_path=str(tmp_path), optimizer_states="bf16")
+    assert oc.options.state_dtype == "bf16"
+    for o in (ob, oc):
+        o.close()
+
+
+def test_budget_per_rank_and_nvme_path_template(tmp_path, monkeypatch) -> None:
+    for r in range(2):
+        os.makedirs(tmp_path / f"nvme{r}")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    m = _model()
+    opt = NVMeAdamW(
+        m.parameters(), nvme_path=str(tmp_path / "nvme{local_rank}"), host_memory_budget=8 * 2**20
+    )
+    assert opt.options.nvme_path == [str(tmp_path / "nvme1")]
+    assert opt.options.pinned_share == 2**20
+    _steps([(m, opt, None)], 0, 1)
+    assert opt.swap_stats()["swap_dir"].startswith(str(tmp_path / "nvme1"))
+    opt.close()
+    # A 16 KiB share: 4 buffers of a 1,157-element sub-group (8 KiB each) do not fit ...
+    big = NVMeAdamW(
+        m.parameters(), nvme_path=str(tmp_path), host_memory_budget=8 * 16384, sub_group_size=2048
+    )
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=8"):
+        _steps([(m, big, None)], 0, 1)
+    # ... the size chosen by default (1,024 elements: 4 KiB buffers) does.
+    auto = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), host_memory_budget=8 * 16384)
+    _steps([(m, auto, None)], 0, 1)
+    assert auto.swap_stats()["subgroups"] == 2
+    auto.close()
+
+
+def test_swapper_read_and_write_state(tmp_path) -> None:
+    from aio.swap import OptimizerSwapper
+
+    sw = OptimizerSwapper(str(tmp_path), torch.optim.Adam, {"lr": 1e-2}, state_dtype="bf16")
+    sw.register_subgroup(0, 1000)
+    master = torch.randn(1000)
+    sw.initialize(0, master)
+    assert sw.state_names() == ["param", "exp_avg", "exp_avg_sq"]
+    assert torch.equal(sw.read_state(0, "param"), master)
+    assert torch.equal(sw.read_state(0, "exp_avg"), torch.zeros(1000))  # before the first step
+    with pytest.raises(ValueError, match="has not been stepped"):
+        sw.write_state(0, {"exp_avg": torch.ones(1000)})
+    m, v = torch.randn(1000), torch.rand(1000)
+    sw.write_state(0, {"exp_avg": m, "exp_avg_sq": v}, {"step": torch.tensor(3.0)})
+    assert torch.equal(sw.read_state(0, "exp_avg"), m.to(torch.bfloat16).float())  # stored as bf16
+    with pytest.raises(ValueError, match="no tensor 'grad'"):
+        sw.read_state(0, "grad")
+    with pytest.raises(TypeError, match="float32 CPU tensor"):
+        sw.write_state(0, {"param": torch.zeros(1000, dtype=torch.float64)})
+    sw.close()
