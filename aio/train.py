@@ -328,12 +328,19 @@ def estimate_run(args: argparse.Namespace, cfg: dict[str, Any]) -> MemoryEstimat
     allocated (an :class:`aio.config.MemoryEstimate`): the GPT's parameter
     count and activations, and with an offload the gradients where
     ``aio_zero.gradients`` will put them given the memory available now."""
+    import aio.zero  # noqa: F401 - imported before the runtime is measured
     from aio.config import estimate_memory, load_train_config
     from aio.config.gradients import place_gradients
+    from aio.config.memory import measured_runtime_bytes
 
     n = gpt_params(args.vocab, args.width, args.layers, args.seq)
     est = estimate_memory(
-        cfg, n, dtype=args.dtype, optimizer_states=2, activation_bytes=gpt_activation_bytes(args)
+        cfg,
+        n,
+        dtype=args.dtype,
+        optimizer_states=2,
+        activation_bytes=gpt_activation_bytes(args),
+        runtime_bytes=measured_runtime_bytes(),  # the torch build this runs on (CPU or CUDA wheel)
     )
     if args.offload != "none":
         est.add_gradients(place_gradients(load_train_config(cfg), n, est.held_bytes))

@@ -37,6 +37,7 @@ TESTS=(
   tests/zero/test_cuda_sim.py tests/zero/test_param_groups.py tests/zero/test_scaler.py
   tests/zero/test_checkpoint.py tests/zero/test_hooks.py tests/zero/test_streams.py
   tests/optim/test_distributed.py tests/optim/test_nvme_adamw.py
+  tests/test_rss_estimate.py
 )
 
 install() {

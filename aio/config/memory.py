@@ -329,6 +329,7 @@ def estimate_memory(
     param_numel_runs: NumelRuns | None = None,
     state_bytes: int = 4,
     activation_bytes: int | None = None,
+    runtime_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Pinned bytes per process and drive space per ``nvme_path`` for `config`.
 
@@ -347,6 +348,9 @@ def estimate_memory(
     ``activation_bytes``: what the model's forward saves for backward at
     the batch trained, counted in the predicted peak RSS (None: not known,
     and said so; :func:`aio.train.gpt_activation_bytes` for aio-train's GPT).
+    ``runtime_bytes``: the interpreter, torch and aio in the peak RSS
+    (default :data:`RUNTIME_BYTES`, the CPU wheel's;
+    :func:`measured_runtime_bytes` in the process that will train).
     """
     cfg = load_config(config)
     numels = _checked_runs(param_numels, param_numel_runs)
@@ -373,6 +377,8 @@ def estimate_memory(
         raise ValueError(f"state_bytes must be 2 (bf16 states) or 4, got {state_bytes!r}")
     _estimate_optimizer(est, z, sub, optimizer_states, state_bytes)
     _estimate_working(est, sub, numels, activation_bytes)
+    if runtime_bytes is not None:
+        est.working["runtime (python, torch, aio)"] = _positive_int("runtime_bytes", runtime_bytes)
     return est
 
 
@@ -391,8 +397,27 @@ def _checked_runs(numels: list[int] | None, runs: NumelRuns | None) -> NumelRuns
 # and tensors: the interpreter, torch, aio, their threads and allocator pools.
 # Measured: aio-train's peak on a 4.8M-parameter model (426 MiB) less its
 # 50 MiB of buffers and 18 MiB of gradients, rounded down to 350 MiB (python
-# with torch and aio imported alone: 232 MiB).
+# with torch and aio imported alone: 232 MiB) -- on torch's CPU wheel. A
+# CUDA build of torch maps far more library pages (aio-train's peak there:
+# 790 MiB), so a process that has torch imported measures its own:
+# measured_runtime_bytes().
 RUNTIME_BYTES = 350 << 20
+# What training adds to the runtime beyond the imports: threads' stacks and
+# arenas, the allocator's pools, library pages first touched by a step.
+RUNTIME_TRAINING_EXTRA = (350 - 232) << 20
+
+
+def measured_runtime_bytes() -> int:
+    """The runtime term for a process that has torch (and aio) imported:
+    its resident memory now plus what training adds
+    (:data:`RUNTIME_TRAINING_EXTRA`), so the estimate follows the torch
+    build it runs on; :data:`RUNTIME_BYTES` where it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss) + RUNTIME_TRAINING_EXTRA
+    except Exception:  # noqa: BLE001 - no /proc (a sandbox): the CPU wheel's figure
+        return RUNTIME_BYTES
 
 
 def _estimate_working(
