@@ -1014,13 +1014,24 @@ def _sweep(a: argparse.Namespace, space: Space) -> int:
             f"{a.io_size / 2**20:.0f} MiB per trial per DIR, {', '.join(directions)}, "
             f"{a.repeats} repeats"
         )
+        log(
+            f"aio-sweep: set-up: locking a {a.io_size * len(drive.dirs) / 2**20:.0f} MiB buffer and "
+            f"writing a {a.io_size / 2**20:.0f} MiB scratch file per DIR ..."
+        )
+        t_setup = time.monotonic()
         drive.prepare(log)
+        log(f"aio-sweep: set-up done in {time.monotonic() - t_setup:.1f} s; measuring")
         if not drive.locked:
             log("aio-sweep: the buffer is NOT locked (mlock refused); rates may be a little low")
         sweep = Sweep(drive, space, directions, a.repeats, a.budget_seconds, a.seed, quiet=False)
         log(f"aio-sweep: stages: {sweep.plan(mode)}")
         t0 = time.monotonic()
-        (sweep.exhaustive if a.exhaustive else sweep.smart)()
+        try:
+            (sweep.exhaustive if a.exhaustive else sweep.smart)()
+        except KeyboardInterrupt:
+            sweep.progress.close()
+            _report_interrupted(a, sweep, time.monotonic() - t0, log)
+            raise
         sweep.progress.close()
         elapsed = time.monotonic() - t0
         best = sweep.best()
@@ -1035,10 +1046,41 @@ def _sweep(a: argparse.Namespace, space: Space) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _report_interrupted(a: argparse.Namespace, sweep: Sweep, elapsed: float, log: Any) -> None:
+    """What an interrupted sweep measured so far: the table, no pick (the
+    search did not finish, so its leader is not confirmed)."""
+    if not sweep.measured():
+        log("\naio-sweep: interrupted before any configuration was measured")
+        return
+    log(
+        f"\naio-sweep: interrupted after {len(sweep.trials)} trials ({elapsed:.0f} s); what it measured "
+        "so far (incomplete: no aio block is recommended from it):"
+    )
+    _ranking_table(a, sweep, sweep.ranking(), log)
+
+
+def _ranking_table(a: argparse.Namespace, sweep: Sweep, ranking: list[Setting], log: Any) -> None:
+    """The ranking's first --top rows; a row with a single sample in some
+    direction is marked: its score rests on one trial."""
+    directions = sweep.directions
+    hdr = "  ".join(f"{d:>14s}" for d in directions)
+    log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]  head-to-head")
+    single = False
+    for i, s in enumerate(ranking[: a.top], 1):
+        cols = "  ".join(f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions)
+        lo, hi = sweep.spread(s)
+        h2h = f"{sweep.confirmed[s]:.3f}" if s in sweep.confirmed else ""
+        one = any(len(sweep.samples(s, d)) < 2 for d in directions)
+        single |= one
+        mark = "*" if one else " "
+        log(f"  {i:4d}{mark} {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}")
+    if single:
+        log("  * one sample in some direction: that score rests on a single trial and may be noise")
+
+
 def _report(
     a: argparse.Namespace, sweep: Sweep, mode: str, elapsed: float, log: Any, comp: Comparison | None = None
 ) -> int:
-    directions = sweep.directions
     best = sweep.best()
     if best is None:
         print("aio-sweep: no configuration was measured (budget too small?)", file=sys.stderr)
@@ -1052,13 +1094,7 @@ def _report(
         log(f"note: stopped at --budget-seconds {a.budget_seconds}; the search is incomplete")
     if comp is not None:
         log(f"(the search measured the {len(comp.dirs)} directories together: GB/s of the set)")
-    hdr = "  ".join(f"{d:>14s}" for d in directions)
-    log(f"\n  rank  {'configuration':36s}  {hdr}   score GB/s [spread]  head-to-head")
-    for i, s in enumerate(ranking[: a.top], 1):
-        cols = "  ".join(f"{sweep.median(s, d):6.2f} (n={len(sweep.samples(s, d))})" for d in directions)
-        lo, hi = sweep.spread(s)
-        h2h = f"{sweep.confirmed[s]:.3f}" if s in sweep.confirmed else ""
-        log(f"  {i:4d}  {s.short():36s}  {cols}   {sweep.score(s):5.2f} [{lo:.2f}..{hi:.2f}]  {h2h}")
+    _ranking_table(a, sweep, ranking, log)
     if sweep.confirmed:
         log("  (head-to-head: median score relative to the leaders' mean in paired rounds)")
         top2 = sorted(sweep.confirmed.values(), reverse=True)[:2]

@@ -504,3 +504,53 @@ def test_notes_name_no_o_direct_and_memory(tmp_path, monkeypatch):
     assert sw.fs_type("/proc/self") == "proc"
     monkeypatch.setattr(sw, "fs_type", lambda p: "tmpfs")
     assert any("is on tmpfs (memory, no O_DIRECT)" in n for n in sw.device_notes(drive))
+
+
+def test_an_interrupted_sweep_prints_what_it_measured(tmp_path):
+    """Ctrl-C after some trials: the table so far (no aio block from it), exit 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    args = [str(tmp_path), "--repeats", "1000", "--io-size", "1M", "--no-fio"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "aio.sweep", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if "set-up done" in line:
+            break
+    assert any("set-up:" in x for x in lines), lines  # said before the set-up, not after
+    time.sleep(3)  # some trials of 1 MiB
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "interrupted after" in out and "rank" in out and "best aio block" not in out
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_row_on_one_sample_is_marked(capsys):
+    from types import SimpleNamespace
+
+    one, two = sw.Setting(1 << 20, 8, 1, False, True), sw.Setting(1 << 20, 16, 1, False, True)
+    samples = {one: [2.0], two: [1.0, 1.1]}
+    sweep = SimpleNamespace(
+        directions=["read"],
+        confirmed={},
+        median=lambda s, d: sorted(samples[s])[0],
+        samples=lambda s, d: samples[s],
+        spread=lambda s: (min(samples[s]), max(samples[s])),
+        score=lambda s: max(samples[s]),
+    )
+    sw._ranking_table(SimpleNamespace(top=8), sweep, [one, two], print)
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].lstrip().startswith("1*") and not out[3].lstrip().startswith("2*")
+    assert "single trial" in out[-1]
