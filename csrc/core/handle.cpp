@@ -119,19 +119,16 @@ class Handle::Feed final : public SliceFeed {
   Feed(Handle& h, Worker* w) : h_(h), w_(w) {}
 
   const Slice* next(bool idle) override {
-    for (Open& o : open_)
-      if (o.next < o.task.pieces.size()) return &o.task.pieces[o.next++];
-    Task t;
-    if (!take(idle, &t)) return nullptr;
+    for (Task& o : open_)
+      if (o.next < o.pieces.size()) return &o.pieces[o.next++];
+    if (!take(idle)) return nullptr;
     h_.counters_.tasks.fetch_add(1, std::memory_order_relaxed);
-    open_.emplace_back();
-    open_.back().task = std::move(t);
     return next(idle);
   }
 
   void finished(const Slice* s, const Error* err) override {
     auto o = open_.begin();
-    while (o != open_.end() && !o->owns(s)) ++o;
+    while (o != open_.end() && !owns(*o, s)) ++o;
     if (o == open_.end()) return;  // cannot happen: every slice came from a task
     ++o->ended;
     if (err) {
@@ -146,47 +143,39 @@ class Handle::Feed final : public SliceFeed {
     } else if (s->edge) {
       h_.counters_.edge_bytes.fetch_add(s->len, std::memory_order_relaxed);
     }
-    if (o->ended < o->task.pieces.size()) return;
-    Task t = std::move(o->task);
+    if (o->ended < o->pieces.size()) return;
+    std::shared_ptr<RequestState> req = std::move(o->req);
     std::optional<Error> e = std::move(o->error);
     const int64_t fail_at = o->fail_at;
     open_.erase(o);
-    t.req->task_finished(e ? &*e : nullptr, fail_at);
+    req->task_finished(e ? &*e : nullptr, fail_at);
   }
 
  private:
-  struct Open {
-    Task task;
-    size_t next = 0;             // pieces handed out
-    size_t ended = 0;            // pieces finished
-    std::optional<Error> error;  // the failure lowest in the file
-    int64_t fail_at = 0;
-    bool owns(const Slice* s) const {
-      const std::less_equal<const Slice*> le;
-      return !task.pieces.empty() && le(&task.pieces.front(), s) && le(s, &task.pieces.back());
-    }
-  };
+  static bool owns(const Task& t, const Slice* s) {
+    const std::less_equal<const Slice*> le;
+    return !t.pieces.empty() && le(&t.pieces.front(), s) && le(s, &t.pieces.back());
+  }
 
-  // The next task of the queue. Idle (nothing of this worker in flight): waits
-  // for one, and for the requests it must follow; false means stop. Else takes
-  // one only if it is there and free to start.
-  bool take(bool idle, Task* t) {
+  // Moves the next task of the queue to open_. Idle (nothing of this worker
+  // in flight): waits for one, and for the requests it must follow; false
+  // means stop. Else takes one only if it is there and free to start.
+  bool take(bool idle) {
     std::unique_lock<std::mutex> lk(w_->mu);
     if (idle) w_->cv.wait(lk, [&] { return w_->stop || !w_->queue.empty(); });
     if (w_->queue.empty()) return false;
     if (!idle)
       for (const auto& d : w_->queue.front().deps)
         if (!d->done()) return false;
-    *t = std::move(w_->queue.front());
-    w_->queue.pop_front();
+    open_.splice(open_.end(), w_->queue, w_->queue.begin());
     lk.unlock();
-    for (const auto& d : t->deps) d->wait_done();
+    for (const auto& d : open_.back().deps) d->wait_done();
     return true;
   }
 
   Handle& h_;
   Worker* w_;
-  std::list<Open> open_;
+  TaskList open_;  // tasks taken from the queue and not yet finished
 };
 
 void Handle::worker_main(Worker* w) {
@@ -194,13 +183,22 @@ void Handle::worker_main(Worker* w) {
   w->engine->run(feed);
 }
 
-void Handle::enqueue(size_t worker, Task t) {
+void Handle::enqueue(size_t worker, TaskList& tasks) noexcept {
   Worker* w = workers_[worker];
   {
     std::lock_guard<std::mutex> g(w->mu);
-    w->queue.push_back(std::move(t));
+    w->queue.splice(w->queue.end(), tasks);
   }
   w->cv.notify_one();
+}
+
+// Takes back the count of a request that was never queued.
+void Handle::uncount() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    --outstanding_;
+  }
+  idle_cv_->notify_all();
 }
 
 void Handle::on_request_done(RequestState& r) {
@@ -286,28 +284,32 @@ std::vector<std::vector<Slice>> Handle::plan(Op op, char* buf, uint64_t nbytes, 
   return plan_slices(in);
 }
 
-// Registers the request as in flight and returns the earlier in-flight
-// requests it must wait for: same file, overlapping bytes, either a write.
-// Caller holds order_mu_.
-std::vector<std::shared_ptr<RequestState>> Handle::register_inflight(
-    const std::shared_ptr<RequestState>& req, const File& file) {
-  const int64_t end = req->offset() + static_cast<int64_t>(req->nbytes());
-  InFlight me{req.get(), req, file.dev(), file.ino(), req->offset(), end, req->op()};
+// The in-flight requests `req` must wait for: same file, overlapping bytes,
+// either a write. Caller holds order_mu_.
+std::vector<std::shared_ptr<RequestState>> Handle::overlapping(const RequestState& req,
+                                                               const File& file) const {
   std::vector<std::shared_ptr<RequestState>> deps;
   if (file.ino() == 0) return deps;  // identity unknown: nothing to order against
   // A read can only wait for a write: with none in flight (random reads, the
   // swappers' prefetch) there is nothing to scan.
-  if (me.op == Op::Write || writes_inflight_ > 0) {
-    for (const auto& kv : inflight_) {
-      const InFlight& o = kv.second;
-      if (o.dev != me.dev || o.ino != me.ino || o.end <= me.start || me.end <= o.start) continue;
-      if (o.op == Op::Read && me.op == Op::Read) continue;
-      if (auto d = o.weak.lock()) deps.push_back(std::move(d));
-    }
+  if (req.op() == Op::Read && writes_inflight_ == 0) return deps;
+  const int64_t start = req.offset(), end = start + static_cast<int64_t>(req.nbytes());
+  for (const auto& kv : inflight_) {
+    const InFlight& o = kv.second;
+    if (o.dev != file.dev() || o.ino != file.ino() || o.end <= start || end <= o.start) continue;
+    if (o.op == Op::Read && req.op() == Op::Read) continue;
+    if (auto d = o.weak.lock()) deps.push_back(std::move(d));
   }
-  if (me.op == Op::Write) ++writes_inflight_;
-  inflight_.emplace(req.get(), std::move(me));
   return deps;
+}
+
+// Registers the request as in flight, for later ones to order against; on
+// std::bad_alloc nothing is registered. Caller holds order_mu_.
+void Handle::register_inflight(const std::shared_ptr<RequestState>& req, const File& file) {
+  const int64_t end = req->offset() + static_cast<int64_t>(req->nbytes());
+  InFlight me{req.get(), req, file.dev(), file.ino(), req->offset(), end, req->op()};
+  inflight_.emplace(req.get(), std::move(me));
+  if (req->op() == Op::Write) ++writes_inflight_;
 }
 
 std::shared_ptr<File> Handle::open_file(Op op, const std::string& path, int fd) {
@@ -372,27 +374,60 @@ std::shared_ptr<RequestGroup> Handle::submit_pieces(Op op, char* buf, uint64_t p
   return std::make_shared<RequestGroup>(std::move(out));
 }
 
+// The request's tasks, one list node each (made here, where a failure
+// leaves nothing queued).
+std::vector<Handle::TaskList> Handle::make_tasks(const std::shared_ptr<RequestState>& req,
+                                                 std::vector<std::vector<Slice>>& per_worker) {
+  std::vector<TaskList> tasks(per_worker.size());
+  for (size_t i = 0; i < per_worker.size(); ++i) {
+    if (per_worker[i].empty()) continue;
+    tasks[i].emplace_back();
+    tasks[i].back().req = req;
+    tasks[i].back().pieces = std::move(per_worker[i]);
+  }
+  return tasks;
+}
+
+// Registers the request and queues its tasks, or (std::bad_alloc) does
+// neither. Registration and enqueueing happen under one lock so that every
+// worker queue holds the tasks of an earlier request before those of a later
+// one that waits for it (no wait cycle).
+void Handle::hand_out(const std::shared_ptr<RequestState>& req, const File& file,
+                      std::vector<TaskList>& tasks) {
+  std::lock_guard<std::mutex> g(order_mu_);
+  const std::vector<std::shared_ptr<RequestState>> deps = overlapping(*req, file);
+  for (TaskList& t : tasks)
+    if (!t.empty()) t.front().deps = deps;
+  register_inflight(req, file);
+  // Nothing below can throw: the request is queued whole.
+  for (size_t i = 0; i < tasks.size(); ++i)
+    if (!tasks[i].empty()) enqueue(i, tasks[i]);
+}
+
 std::shared_ptr<RequestState> Handle::queue(Op op, char* buf, uint64_t nbytes,
                                             std::shared_ptr<File> file, int64_t offset) {
   std::vector<std::vector<Slice>> per_worker = plan(op, buf, nbytes, file.get(), offset);
   int ntasks = 0;
   for (auto& v : per_worker) ntasks += v.empty() ? 0 : 1;
+  // Counted before the request exists: one without tasks completes (and is
+  // uncounted) in its constructor. Anything that throws before the request
+  // is queued takes the count back, or drain() would wait for it forever.
   {
     std::lock_guard<std::mutex> g(mu_);
     ++outstanding_;
   }
-  const File& f = *file;
-  auto req = std::make_shared<RequestState>(op, nbytes, offset, std::move(file), ntasks,
-                                            [this](RequestState& r) { on_request_done(r); });
-  if (ntasks == 0) return req;
-  // Registration and enqueueing happen under one lock so that every worker
-  // queue holds the tasks of an earlier request before those of a later one
-  // that waits for it (no wait cycle).
-  std::lock_guard<std::mutex> g(order_mu_);
-  std::vector<std::shared_ptr<RequestState>> deps = register_inflight(req, f);
-  for (size_t i = 0; i < per_worker.size(); ++i)
-    if (!per_worker[i].empty()) enqueue(i, Task{req, std::move(per_worker[i]), deps});
-  return req;
+  try {
+    const File& f = *file;
+    auto req = std::make_shared<RequestState>(op, nbytes, offset, std::move(file), ntasks,
+                                              [this](RequestState& r) { on_request_done(r); });
+    if (ntasks == 0) return req;
+    std::vector<TaskList> tasks = make_tasks(req, per_worker);
+    hand_out(req, f, tasks);
+    return req;
+  } catch (...) {
+    uncount();
+    throw;
+  }
 }
 
 void Handle::drain() {

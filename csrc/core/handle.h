@@ -6,7 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -53,7 +53,9 @@ class Handle {
                                        int fd, int64_t offset);
   // offsets.size() requests of `piece` bytes each, piece i at buf + i * piece
   // and file offset offsets[i], with one open of the file. Every piece is
-  // checked before any is queued, so a refusal queues nothing.
+  // checked before any is queued, so a refusal queues nothing. Out of memory
+  // part-way (std::bad_alloc), the pieces queued before it stay in flight:
+  // the caller keeps `buf` until drain() (they count as outstanding).
   std::shared_ptr<RequestGroup> submit_pieces(Op op, char* buf, uint64_t piece,
                                               const std::vector<int64_t>& offsets,
                                               const std::string& path, int fd);
@@ -78,13 +80,23 @@ class Handle {
   bool forked() const;
 
  private:
+  // One request's slices for one worker, and the worker's progress on them.
   struct Task {
     std::shared_ptr<RequestState> req;
     std::vector<Slice> pieces;
     // Earlier requests that overlap this one (and one of them writes): the
     // task starts only once they are done, so overlapping I/O keeps its order.
     std::vector<std::shared_ptr<RequestState>> deps;
+    size_t next = 0;             // pieces handed to the engine
+    size_t ended = 0;            // pieces finished
+    std::optional<Error> error;  // the failure lowest in the file
+    int64_t fail_at = 0;
   };
+  // A task's list node is made before its request is registered, and tasks
+  // move between lists only by splicing nodes, which cannot fail: a request
+  // is queued whole or not at all, and a worker taking a task allocates
+  // nothing (std::bad_alloc there would lose the task).
+  using TaskList = std::list<Task>;
   struct InFlight {
     const RequestState* req;
     std::weak_ptr<RequestState> weak;
@@ -96,13 +108,14 @@ class Handle {
     std::thread thread;
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<Task> queue;
+    TaskList queue;
     bool stop = false;
     std::unique_ptr<Engine> engine;
   };
   class Feed;
   void worker_main(Worker* w);
-  void enqueue(size_t worker, Task t);
+  void enqueue(size_t worker, TaskList& tasks) noexcept;
+  void uncount();
   void on_request_done(RequestState& r);
   void check_request(Op op, const char* buf, uint64_t nbytes, const std::string& path, int fd,
                      int64_t offset) const;
@@ -114,8 +127,13 @@ class Handle {
                                       int64_t offset);
   std::vector<std::vector<Slice>> plan(Op op, char* buf, uint64_t nbytes, File* file,
                                        int64_t offset);
-  std::vector<std::shared_ptr<RequestState>> register_inflight(
-      const std::shared_ptr<RequestState>& req, const File& file);
+  std::vector<TaskList> make_tasks(const std::shared_ptr<RequestState>& req,
+                                   std::vector<std::vector<Slice>>& per_worker);
+  void hand_out(const std::shared_ptr<RequestState>& req, const File& file,
+                std::vector<TaskList>& tasks);
+  std::vector<std::shared_ptr<RequestState>> overlapping(const RequestState& req,
+                                                         const File& file) const;
+  void register_inflight(const std::shared_ptr<RequestState>& req, const File& file);
 
   Settings settings_;
   std::string engine_name_;

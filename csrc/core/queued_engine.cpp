@@ -111,16 +111,18 @@ void QueuedEngine::start(const Slice& s) {
       held_ = &s;
       return;
     }
+    if (spare_.empty()) spare_.emplace_back();
   } catch (const Error& e) {
     feed_->finished(&s, &e);
     return;
-  } catch (const std::exception& e) {  // the staging memory: std::bad_alloc
+  } catch (const std::exception& e) {  // staging memory or a job node: std::bad_alloc
     const Error err(ENOMEM, op_name(s.op), s.file->path(), s.off, s.len,
-                    std::string("staging memory: ") + e.what());
+                    std::string("no memory for staging or the job: ") + e.what());
     feed_->finished(&s, &err);
     return;
   }
-  jobs_.push_back(std::move(j));
+  spare_.front() = std::move(j);
+  jobs_.splice(jobs_.end(), spare_, spare_.begin());
   finish_if_done(jobs_.back());  // an empty slice
 }
 
@@ -218,7 +220,7 @@ void QueuedEngine::finish_if_done(Job& j) {
   std::optional<Error> err = std::move(j.error);
   for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
     if (&*it != &j) continue;
-    jobs_.erase(it);
+    spare_.splice(spare_.end(), jobs_, it);
     break;
   }
   feed_->finished(s, err ? &*err : nullptr);

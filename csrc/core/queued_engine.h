@@ -116,6 +116,9 @@ class QueuedEngine : public Engine {
   const uint64_t max_chunk_;
   SliceFeed* feed_ = nullptr;
   std::list<Job> jobs_;
+  // Nodes of finished jobs, reused for the next (spliced, not allocated): a
+  // worker that could not make one under memory pressure would lose a slice.
+  std::list<Job> spare_;
   std::vector<Slot*> free_;
   // Staging for memory not aligned for O_DIRECT: areas of stage_chunk_
   // bytes, one per staged chunk in flight, made as they are needed (at most
