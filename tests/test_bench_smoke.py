@@ -63,6 +63,12 @@ CASES: dict[str, Case] = {
         " --vocab 64 --seq 8 --heads 2 --batch 1 --idle 0 --drive-size 0",
         expect=("| variant |", "restore check (save, train a step, load, save again): ok"),
     ),
+    "fsdp_step.py": Case(
+        "--world 2 --layers 1 --width 32 --heads 2 --vocab 64 --seq 8 --steps 1 --drive-mib 0 "
+        "--variants torch,cpu-adam,nvme --dir {dir} --sub-group-size 2000",
+        expect=("| nvme |", "CPUAdamW step"),
+        slow=True,
+    ),
     "deepspeed_step.py": Case(
         # Its aio side alone (DeepSpeed's own async_io op is JIT-built, and only with
         # libaio-dev), stepping with torch's AdamW (DeepSpeedCPUAdam is JIT-built).

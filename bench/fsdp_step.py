@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""FSDP2 step benchmark: the same GPT and world size with each optimizer
+tier, every variant in a process group of its own (gloo on CPU; NCCL where
+``--backend nccl`` and GPUs are there).
+
+    python bench/fsdp_step.py [--world 2] [--variants torch,cpu-adam,nvme,ds-nvme]
+        [--layers 4 --width 512 --heads 8 --vocab 8192 --seq 64 --batch 2]
+        [--warmup 1] [--steps 3] [--dir /local_nvme] [--drive-mib 256] [--json out.json]
+
+Variants:
+
+  torch     FSDP2 + CPUOffloadPolicy + torch.optim.AdamW (its default, foreach
+            where torch picks it)
+  cpu-adam  the same with aio.optim.CPUAdamW (aio's fused CPU kernel)
+  nvme      FSDP2 + aio.optim.NVMeAdamW: each rank's fp32 master weights and
+            Adam moments on its drive (a folder per rank under --dir)
+  ds-nvme   DeepSpeed ZeRO-3 with ``offload_optimizer: nvme`` on aio's handle
+            (aio.integrations.deepspeed), DS_ACCELERATOR=cpu; its JIT-built
+            cpu_adam op loads before anything is timed (a first build takes
+            minutes, once per machine)
+
+Columns, per rank (the median over ranks; figures over the timed steps):
+
+  s/step          whole step (forward, backward, optimizer step), median
+  opt s           the optimizer step alone, median (FSDP: opt.step(); DeepSpeed:
+                  engine.step(), which also reduces)
+  peak RSS GiB    VmHWM of the rank at the end
+  pinned MiB      aio.pinned.locked_bytes() (what aio locked; a CPU build of
+                  torch pins nothing itself)
+  drive MB/step   /proc/self/io read_bytes + write_bytes per step (the same
+                  meter for every variant; MB = 1e6 bytes; writes the page
+                  cache absorbs are not in it)
+  aio MB/step     what aio's optimizer read and wrote per step, by its count
+  step / floor    s/step against the time the drive needs for aio's bytes
+                  (read / read GB/s + written / write GB/s, the rates measured
+                  with aio.quickcheck.drive_rates in --dir before the run)
+  opt / floor     the optimizer step alone against that floor (on a CPU box the
+                  forward and backward dominate s/step)
+
+Each rank writes its figures to a JSON file before the group is torn down
+(gloo may abort at exit); the table is built from those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+VARIANTS = ("torch", "cpu-adam", "nvme", "ds-nvme")
+LR = 1e-3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="ranks (processes) per variant")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS[:3]), help=f"comma-separated, of {','.join(VARIANTS)}"
+    )
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dir", help="folder on the drive (default: a temporary one)")
+    ap.add_argument("--drive-mib", type=int, default=256, help="MiB each way for the drive's rates (0: none)")
+    ap.add_argument("--sub-group-size", type=int, default=1_000_000, help="nvme: elements per sub-group")
+    ap.add_argument(
+        "--buffer-count", type=int, default=4, help="nvme: pinned sub-group buffers (few: the state pages)"
+    )
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--json", help="write every rank's figures here")
+    a = ap.parse_args(argv)
+    a.variants = [v for v in a.variants.split(",") if v]
+    bad = sorted(set(a.variants) - set(VARIANTS))
+    if bad:
+        ap.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
+    return a
+
+
+# -- one rank ---------------------------------------------------------------------------------
+
+
+def _gpt(a: argparse.Namespace) -> Any:
+    import torch
+
+    from aio.train import build_gpt
+
+    torch.manual_seed(0)
+    return build_gpt(a.vocab, a.width, a.layers, a.heads, a.seq)
+
+
+def _fsdp(a: argparse.Namespace, model: Any) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def _optimizer(a: argparse.Namespace, variant: str, params: Any, folder: str) -> Any:
+    import torch
+
+    if variant == "torch":
+        return torch.optim.AdamW(params, lr=LR)
+    if variant == "cpu-adam":
+        from aio.optim import CPUAdamW
+
+        return CPUAdamW(params, lr=LR)
+    from aio.optim import NVMeAdamW
+
+    return NVMeAdamW(
+        params, lr=LR, nvme_path=folder, sub_group_size=a.sub_group_size, buffer_count=a.buffer_count
+    )
+
+
+def _ds_engine(a: argparse.Namespace, folder: str) -> Any:
+    import deepspeed
+
+    import aio.integrations.deepspeed as aio_ds
+
+    aio_ds.enable()
+    cfg = {
+        "train_micro_batch_size_per_gpu": a.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": folder, "pipeline_read": False,
+                                  "pipeline_write": False},
+            "stage3_max_reuse_distance": 0,
+        },
+        "steps_per_print": 10**9,
+    }  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(model=_gpt(a), model_parameters=None, config=cfg)
+    return engine
+
+
+def _io_bytes() -> int:
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]) + int(fields["write_bytes"])
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+def _steps(
+    a: argparse.Namespace, rank: int, fwd_bwd: Any, opt_step: Any, aio_io: Any = None
+) -> dict[str, list[float]]:
+    """Warm-up then timed steps: per step its seconds, the optimizer's, its
+    drive bytes (/proc/self/io) and, for aio's optimizer, the bytes it read
+    and wrote by its own count (`aio_io()`: (read, written) so far)."""
+    import torch.distributed as dist
+
+    from aio.train import batch
+
+    out: dict[str, list[float]] = {"step_s": [], "opt_s": [], "io": [], "loss": [], "aio_r": [], "aio_w": []}
+    for step in range(a.warmup + a.steps):
+        x, y = batch(step, rank, a.batch, a.seq, a.vocab)
+        dist.barrier()
+        io0, t0 = _io_bytes(), time.perf_counter()
+        r0, w0 = aio_io() if aio_io else (0, 0)
+        loss = fwd_bwd(x, y)
+        t1 = time.perf_counter()
+        opt_step()
+        t2 = time.perf_counter()
+        r1, w1 = aio_io() if aio_io else (0, 0)
+        if step >= a.warmup:
+            out["step_s"].append(t2 - t0)
+            out["opt_s"].append(t2 - t1)
+            out["io"].append(_io_bytes() - io0)
+            out["aio_r"].append(r1 - r0)
+            out["aio_w"].append(w1 - w0)
+            out["loss"].append(float(loss))
+    return out
+
+
+def _aio_counter(opt: Any) -> Any:
+    """(bytes read, bytes written) so far by aio's optimizer, or None."""
+    if not hasattr(opt, "swap_stats"):
+        return None
+
+    def count() -> tuple[int, int]:
+        st = opt.swap_stats()
+        return int(st.get("bytes_read", 0)), int(st.get("bytes_written", 0))
+
+    return count
+
+
+def _run_rank(a: argparse.Namespace, variant: str, rank: int, folder: str) -> dict[str, Any]:
+    import torch
+
+    from aio.pinned import locked_bytes
+
+    lf = torch.nn.functional.cross_entropy
+    if variant == "ds-nvme":
+        engine = _ds_engine(a, folder)
+
+        def ds_fwd_bwd(x: Any, y: Any) -> Any:
+            loss = lf(engine(x).flatten(0, 1).float(), y.flatten())
+            engine.backward(loss)
+            return loss.item()
+
+        res = _steps(a, rank, ds_fwd_bwd, engine.step)
+    else:
+        model = _fsdp(a, _gpt(a))
+        opt = _optimizer(a, variant, model.parameters(), folder)
+
+        def fwd_bwd(x: Any, y: Any) -> Any:
+            opt.zero_grad()
+            loss = lf(model(x).flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            return loss.item()
+
+        res = _steps(a, rank, fwd_bwd, opt.step, _aio_counter(opt))
+    return {**res, "peak_rss": _peak_rss(), "pinned": locked_bytes()}
+
+
+def _worker(rank: int, a: argparse.Namespace, variant: str, root: str, port: int) -> None:
+    import torch.distributed as dist
+
+    world = str(a.world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=world)
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=world)
+    dist.init_process_group(a.backend, rank=rank, world_size=a.world)
+    folder = os.path.join(root, f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    try:
+        res = _run_rank(a, variant, rank, folder)
+    except Exception:
+        res = {"error": traceback.format_exc(limit=8)}
+    with open(os.path.join(root, f"{variant}.rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+
+def run_variant(a: argparse.Namespace, variant: str, root: str, port: int) -> list[dict[str, Any]]:
+    """`variant` in a process group of `a.world` ranks; each rank's figures."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if variant == "ds-nvme":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        mp.spawn(_worker, args=(a, variant, root, port), nprocs=a.world, join=True)
+    except Exception as e:  # gloo may abort at teardown: the files say what ran
+        print(f"fsdp_step: {variant}: the group ended with {type(e).__name__}", file=sys.stderr)
+    out = []
+    for rank in range(a.world):
+        path = os.path.join(root, f"{variant}.rank{rank}.json")
+        out.append(json.load(open(path)) if os.path.exists(path) else {"error": "no result written"})
+    return out
+
+
+def row(variant: str, ranks: list[dict[str, Any]], rates: dict[str, float]) -> dict[str, Any]:
+    """One table row: the median over ranks of each rank's medians."""
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        return {"variant": variant, "error": errors[0].strip().splitlines()[-1]}
+    med = statistics.median
+    step = med(med(r["step_s"]) for r in ranks)
+    io = med(med(r["io"]) for r in ranks)
+    aio_r, aio_w = (med(med(r[k]) for r in ranks) for k in ("aio_r", "aio_w"))
+    out = {
+        "variant": variant,
+        "s/step": step,
+        "opt s": med(med(r["opt_s"]) for r in ranks),
+        "peak RSS GiB": med(r["peak_rss"] for r in ranks) / 2**30,
+        "pinned MiB": med(r["pinned"] for r in ranks) / 2**20,
+        "drive MB/step": io / 1e6,
+        "aio MB/step": (aio_r + aio_w) / 1e6,
+        "losses": ranks[0]["loss"],
+    }
+    if rates.get("read") and rates.get("write") and aio_r + aio_w:
+        # aio's own count splits a step's bytes by direction (/proc/self/io
+        # leaves out what the page cache absorbed).
+        floor = aio_r / 1e9 / rates["read"] + aio_w / 1e9 / rates["write"]
+        out["step / floor"] = step / floor
+        out["opt / floor"] = out["opt s"] / floor
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], a: argparse.Namespace, rates: dict[str, float]) -> None:
+    """The table, and the ratios the issue's targets are about."""
+    print(
+        f"\nFSDP2 step, world {a.world} ({a.backend}), GPT {a.layers}x{a.width} vocab {a.vocab}; "
+        f"drive GB/s {rates}"
+    )
+    cols = [
+        "s/step",
+        "opt s",
+        "peak RSS GiB",
+        "pinned MiB",
+        "drive MB/step",
+        "aio MB/step",
+        "step / floor",
+        "opt / floor",
+    ]
+    print(f"| variant | {' | '.join(cols)} |\n|---|{'---|' * len(cols)}")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error']} |")
+            continue
+        cells = [f"{r[c]:.3f}" if isinstance(r.get(c), float) else "-" for c in cols]
+        print(f"| {r['variant']} | {' | '.join(cells)} |")
+    by = {r["variant"]: r for r in rows if "error" not in r}
+    if "torch" in by and "cpu-adam" in by:
+        print(f"torch AdamW step / aio CPUAdamW step: {by['torch']['opt s'] / by['cpu-adam']['opt s']:.2f}x")
+    if "nvme" in by and "ds-nvme" in by:
+        print(f"DeepSpeed NVMe step / NVMeAdamW step: {by['ds-nvme']['s/step'] / by['nvme']['s/step']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every variant and print the table (exit 1 if one failed)."""
+    a = parse_args(argv)
+    root = a.dir or tempfile.mkdtemp(prefix="fsdp-step-")
+    rates: dict[str, float] = {}
+    if a.drive_mib:
+        from aio.quickcheck import drive_rates
+
+        rates = dict(drive_rates(root, a.drive_mib << 20))
+    rows, raw = [], {}
+    for i, variant in enumerate(a.variants):
+        folder = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
+        raw[variant] = run_variant(a, variant, folder, 29500 + os.getpid() % 1000 + i)
+        rows.append(row(variant, raw[variant], rates))
+    print_table(rows, a, rates)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rates": rates, "rows": rows, "ranks": raw}, f, indent=1)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
