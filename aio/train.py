@@ -4,6 +4,7 @@ state offloaded to a drive, then run the same training in memory and compare.
     aio-train                       # temp dir as the drive, 10 steps
     aio-train --nvme-path /local_nvme --layers 12 --width 768 --steps 20
     aio-train --config ds_config.json   # your DeepSpeed-format config
+    aio-train --nproc 2 --steps 5       # FSDP2 on 2 ranks, both tiers on the drive (aio/fsdp/train.py)
 
 Prints per step: loss, step time, GB/s moved to and from the drive, peak
 RSS; at the end the in-memory baseline's losses and time for the same model,
@@ -758,6 +759,13 @@ def huge_pages_for_torch() -> bool:
     return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
 
+def _several_ranks(argv: list[str] | None) -> bool:
+    """``--nproc N``, or started by torchrun with WORLD_SIZE over 1: the FSDP2 run."""
+    args = sys.argv[1:] if argv is None else argv
+    launched = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+    return launched or any(a == "--nproc" or a.startswith("--nproc=") for a in args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``aio-train`` on `argv` (default: ``sys.argv[1:]``); returns the exit
     status: 0 when done, 2 for an error the user can fix, 130 when interrupted.
@@ -765,6 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     from ._cli import run_cli
 
     huge_pages_for_torch()
+    if _several_ranks(argv):  # FSDP2 with both tiers: aio.fsdp.train
+        from .fsdp.train import main as fsdp_main
+
+        return fsdp_main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     args.lr = lr_of(args)

@@ -14,6 +14,7 @@ CLIS = {
     "aio-check": "aio.quickcheck",
     "aio-config": "aio.config.__main__",
     "aio-export": "aio.zero.export_cli",
+    "aio-train --nproc": "aio.fsdp.train",
 }
 _FLAGS = (
     argparse._StoreTrueAction,

@@ -1,0 +1,129 @@
+"""The few FSDP2 internals the parameter tier touches, in one place.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps each parameter's local
+shard in ``FSDPParam._sharded_param_data``: a padded 1-D tensor that owns its
+storage; the registered DTensor's ``_local_tensor`` is a narrow of it. Every
+all-gather FSDP makes -- forward, its explicit forward/backward prefetch, the
+backward re-gather, activation-checkpoint recomputation, grouped
+``fully_shard([a, b])`` -- goes through ``FSDPParamGroup.unshard``, which
+reads that storage (``FSDPParam.all_gather_inputs``); with one rank,
+``wait_for_unshard`` reads it instead. Those two methods are therefore where
+the tier makes sure the shard is in memory: public hooks cannot cover every
+path, and FSDP reading a freed storage is a segfault, not an exception.
+
+These names are private to torch, so the tier runs only on the torch
+versions CI has run it on (:data:`SUPPORTED`); elsewhere
+:func:`check_torch` raises :class:`UnsupportedTorchError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# (major, minor) of the torch releases the tier's tests have passed on.
+SUPPORTED = ((2, 13), (2, 14))
+_GROUP_ATTRS = ("unshard", "wait_for_unshard", "fsdp_params", "is_sharded")
+
+
+class UnsupportedTorchError(RuntimeError):
+    """The installed torch is not one the FSDP parameter tier was tested on,
+    or its FSDP2 internals are not the ones the tier relies on."""
+
+
+class TierError(RuntimeError):
+    """The FSDP parameter tier cannot do what was asked (a model it cannot
+    manage, a shard that is on the drive where it must be in memory)."""
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed torch."""
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def check_torch() -> None:
+    """Raise UnsupportedTorchError unless torch is a version in SUPPORTED."""
+    v = torch_version()
+    if v not in SUPPORTED:
+        tested = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        raise UnsupportedTorchError(
+            f"aio.fsdp's parameter tier relies on FSDP2 internals and runs only on the torch versions "
+            f"it was tested on ({tested}); this is torch {torch.__version__}. Keep the parameters in "
+            "memory (no offload_params), or use a tested torch"
+        )
+
+
+@dataclass
+class Shard:
+    """One parameter's padded local shard: where it sits in its group's
+    extent on the drive (`start`, bytes) and how big it is."""
+
+    fsdp_param: Any
+    start: int
+    nbytes: int
+
+    @property
+    def data(self) -> torch.Tensor:
+        """FSDP's padded 1-D shard tensor, read anew each time: FSDP may
+        replace it (``reset_sharded_param`` after a load)."""
+        return self.fsdp_param._sharded_param_data
+
+    def resident_bytes(self) -> int:
+        """Bytes of its storage in memory now (0 once released)."""
+        return int(self.data.untyped_storage().nbytes())
+
+
+def fsdp_groups(model: torch.nn.Module) -> list[Any]:
+    """Every FSDPParamGroup of `model`'s FSDP2 modules, once each (grouped
+    ``fully_shard([a, b])`` shares one state), in module order."""
+    seen: dict[int, Any] = {}
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            raise UnsupportedTorchError(
+                "this torch's FSDP2 state has no _fsdp_param_groups: not the internals aio.fsdp knows"
+            )
+        for pg in groups:
+            missing = [a for a in _GROUP_ATTRS if not hasattr(pg, a)]
+            if missing:
+                raise UnsupportedTorchError(
+                    f"FSDPParamGroup lacks {missing}: not the internals aio.fsdp knows"
+                )
+            seen.setdefault(id(pg), pg)
+    return list(seen.values())
+
+
+def shards_of(pg: Any, where: str) -> tuple[list[Shard], int]:
+    """The group's shards laid out back to back (16-byte aligned) and the
+    total bytes. Each shard tensor must own its whole storage, as FSDP's
+    padded shards do: the tier frees and refills storages, never part of one."""
+    out, pos = [], 0
+    for fp in pg.fsdp_params:
+        data = getattr(fp, "_sharded_param_data", None)
+        if not isinstance(data, torch.Tensor) or type(data) is not torch.Tensor:
+            raise TierError(
+                f"{where}: {fp} has no plain sharded tensor (tensor subclasses are not supported)"
+            )
+        nbytes = data.numel() * data.element_size()
+        storage = data.untyped_storage()
+        if data.storage_offset() != 0 or storage.nbytes() != nbytes or not data.is_contiguous():
+            raise TierError(
+                f"{where}: {fp}'s shard does not own its storage ({storage.nbytes()} bytes for a "
+                f"{nbytes}-byte shard); the tier cannot free it"
+            )
+        out.append(Shard(fp, pos, nbytes))
+        pos += -(-nbytes // 16) * 16
+    return out, pos
+
+
+def module_name(pg: Any) -> str:
+    """The group's module path for messages ('' is the root)."""
+    fqn = getattr(pg, "_module_fqn", None)
+    return repr(fqn) if fqn else "<root>"

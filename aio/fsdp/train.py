@@ -1,0 +1,291 @@
+"""aio-train on several ranks: the same GPT trained with FSDP2 and both aio
+tiers -- each rank's parameter shards on its drive between uses
+(:func:`aio.fsdp.offload_params`) and its optimizer state there too
+(:class:`aio.optim.NVMeAdamW`) -- then, when it fits, the same FSDP2
+training in memory (``torch.optim.AdamW(foreach=False)``), losses compared.
+
+    torchrun --nproc-per-node 2 -m aio.train --layers 4 --width 256 --steps 5
+    aio-train --nproc 2 --layers 4 --width 256 --steps 5      # the same, launched for you
+
+Every rank prints, per step: the loss (mean over ranks), step time, bytes
+read from and written to its drive, peak RSS, pinned bytes and, with
+``--floor``, the drive floor (read bytes / read GB/s + written / write GB/s)
+and step / floor. gloo on CPU hosts, NCCL with one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .. import train as single
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of the several-rank run (a subset of aio-train's)."""
+    from .._cli import CliParser, int_in
+
+    ap = CliParser(prog="aio-train (FSDP2)", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--nproc", type=int_in(1, 1024), help="launch this many ranks on this host (torchrun)")
+    ap.add_argument("--nvme-path", nargs="+", metavar="DIR", help="drive directory (default: a temp dir)")
+    ap.add_argument("--steps", type=int_in(1, 1 << 40), default=10, help="optimizer steps to train")
+    single._model_arguments(ap)
+    ap.add_argument(
+        "--batch", type=int_in(1, 1 << 24), default=single.DEFAULT_BATCH, help="sequences per rank"
+    )
+    ap.add_argument("--clip", type=single._number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
+    ap.add_argument(
+        "--lr",
+        type=single._number_arg(0.0),
+        default=None,
+        help="AdamW learning rate (default: aio-train's, 0.001 x 256/width, at most 0.001)",
+    )
+    ap.add_argument(
+        "--warmup-steps",
+        type=int_in(0, 1 << 40),
+        default=single.DEFAULT_WARMUP_STEPS,
+        help="linear lr warm-up over this many optimizer steps (0 or 1: none)",
+    )
+    ap.add_argument("--window", type=int_in(1, 1 << 20), default=2, help="FSDP groups read ahead")
+    ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="seed of the model and the batches")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
+    ap.add_argument("--floor", action="store_true", help="measure the drive and print step / drive floor")
+    ap.add_argument("--floor-mib", type=int_in(1, 1 << 20), default=256, help="MiB each way for --floor")
+    ap.add_argument("--json", help="write each rank's results to this file ({rank} is filled in)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run it on `argv`; with ``--nproc N``, launch N ranks through torchrun."""
+    from .._cli import run_cli
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.width % args.heads:
+        ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    args.lr = single.lr_of(args)
+    if args.nproc:
+        return _launch(args.nproc, _without_nproc(argv))
+    return run_cli("aio-train", lambda: _rank_main(args), "drive files removed")
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _launch(n: int, argv: list[str]) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    return subprocess.call([*cmd, "-m", "aio.fsdp.train", *argv])
+
+
+def _init_dist() -> tuple[int, int, Any]:
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # one rank, not under torchrun
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _build(args: argparse.Namespace, device: Any) -> Any:
+    """The GPT (seeded, so every rank builds the same), each block and the
+    root fully_shard-ed over all ranks."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(args.seed)
+    model = single.build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq).to(device)
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _step(args: argparse.Namespace, model: Any, opt: Any, step: int, rank: int, device: Any) -> float:
+    import torch
+    import torch.distributed as dist
+
+    for g in opt.param_groups:
+        g["lr"] = single.warmup_lr(args.lr, step + 1, args.warmup_steps)
+    x, y = single.batch(step, rank, args.batch, args.seq, args.vocab)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(
+        model(x.to(device)).flatten(0, 1).float(), y.to(device).flatten()
+    )
+    loss.backward()
+    if args.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return float(mean.item()) / dist.get_world_size()
+
+
+def _drive_bytes(tier: Any, opt: Any) -> tuple[int, int]:
+    t, o = tier.stats(), opt.swap_stats()
+    return t["bytes_read"] + o.get("bytes_read", 0), t["bytes_written"] + o.get("bytes_written", 0)
+
+
+def _tiered(args: argparse.Namespace, rank: int, device: Any, nvme: list[str], rates: Any) -> dict[str, Any]:
+    """The run with both tiers, printing each step; its figures."""
+    from ..optim import NVMeAdamW
+    from . import offload_params
+
+    model = _build(args, device)
+    opt = NVMeAdamW(model.parameters(), lr=args.lr, weight_decay=0.01, nvme_path=nvme, match_torch=True)
+    tier = offload_params(model, nvme, opt, window=args.window)
+    losses, times, moved = [], [], []
+    try:
+        for step in range(args.steps):
+            r0, w0 = _drive_bytes(tier, opt)
+            t = time.perf_counter()
+            losses.append(_step(args, model, opt, step, rank, device))
+            times.append(time.perf_counter() - t)
+            r1, w1 = _drive_bytes(tier, opt)
+            moved.append((r1 - r0, w1 - w0))
+            pinned = tier.stats()["pinned_bytes"] + opt.swap_stats().get("pinned_buffer_bytes", 0)
+            _print_step(rank, step, losses[-1], times[-1], moved[-1], pinned, rates)
+        stats = {"tier": tier.stats(), "optimizer": opt.swap_stats()}
+        largest = max(g.nbytes for g in tier.groups)
+    finally:
+        tier.close()
+        opt.close()
+    return {
+        "losses": losses, "step_s": times, "bytes": moved, "pinned_bytes": pinned,
+        "largest_group_bytes": largest, **stats,
+    }  # fmt: skip
+
+
+def _print_step(
+    rank: int, step: int, loss: float, dt: float, moved: tuple[int, int], pinned: int, rates: Any
+) -> None:
+    gib = single._gib
+    line = (
+        f"[rank {rank}] step {step + 1:3d}  loss {loss:.4f}  {dt * 1000:7.0f} ms  drive read {gib(moved[0])} "
+        f"written {gib(moved[1])}  peak RSS {gib(single.peak_rss())}  pinned {gib(pinned)}"
+    )
+    if rates:
+        floor = moved[0] / (rates["read"] * 1e9) + moved[1] / (rates["write"] * 1e9)
+        line += f"  floor {floor:.2f} s  step / floor {dt / floor if floor else 0:.2f}"
+    print(line, flush=True)
+
+
+# What the estimate leaves out: torch's kernels and gloo's buffers loaded at
+# the first forward and backward, and the allocator's slack (glibc arenas of
+# gloo's threads). Measured here, 2 ranks: 60-170 MiB at 2-4 layers, width 64-1024.
+RSS_SLACK = 192 << 20
+
+
+def predicted_peak_rss(args: argparse.Namespace, world: int, run: dict[str, Any]) -> int:
+    """A rank's peak RSS over its RSS before the model was built: the whole
+    model once at build (each rank builds it before fully_shard), or in
+    training two gradient copies of its shard (FSDP's reduced gradient and
+    the optimizer's held one), the pinned buffers, window + 1 groups gathered
+    whole (the parameters, FSDP's all-gather buffer, their gradients and the
+    reduce-scatter input: 4 copies), and the activations; plus RSS_SLACK."""
+    n = single.gpt_params(args.vocab, args.width, args.layers, args.seq)
+    gathered = (args.window + 1) * 4 * run["largest_group_bytes"] * world
+    acts = single.gpt_activation_bytes(argparse.Namespace(**{**vars(args), "dtype": "fp32"}))
+    training = 8 * n // world + run["pinned_bytes"] + gathered + acts
+    return max(4 * n, training) + RSS_SLACK
+
+
+def _in_memory(args: argparse.Namespace, rank: int, device: Any) -> list[float]:
+    import torch
+
+    model = _build(args, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
+    return [_step(args, model, opt, step, rank, device) for step in range(args.steps)]
+
+
+def baseline_fits(args: argparse.Namespace, world: int) -> bool:
+    """Whether the in-memory FSDP2 run fits: per rank the full model once
+    (built before sharding) plus 16 bytes per local parameter (shard,
+    gradient, two moments), within half this rank's share of available memory."""
+    import psutil
+
+    n = single.gpt_params(args.vocab, args.width, args.layers, args.seq)
+    need = 4 * n + 16 * n // world
+    share = psutil.virtual_memory().available // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return need < share // 2
+
+
+def _rank_main(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    rank, world, device = _init_dist()
+    tmp = None if args.nvme_path else tempfile.mkdtemp(prefix="aio-fsdp-train-")
+    nvme = args.nvme_path or [tmp]
+    try:
+        rates = _floor(args, nvme[0]) if args.floor else None
+        start = single._rss()
+        run = _tiered(args, rank, device, nvme, rates)
+        run.update(rank=rank, world=world, peak_rss=single.peak_rss(), drive_gbps=rates, start_rss=start)
+        run["predicted_peak_rss"] = start + predicted_peak_rss(args, world, run)
+        _report(args, rank, run)
+        if args.baseline and baseline_fits(args, world):
+            mem = _in_memory(args, rank, device)
+            run["losses_in_memory"] = mem
+            same = mem == run["losses"]
+            if rank == 0:
+                print(f"in-memory FSDP2 losses {' '.join(f'{v:.4f}' for v in mem)}", flush=True)
+                print(
+                    f"losses bit-identical to the in-memory FSDP2 run: {'yes' if same else 'NO'}", flush=True
+                )
+            run["bit_identical"] = same
+        if args.json:
+            with open(args.json.replace("{rank}", str(rank)), "w") as f:
+                json.dump(run, f, indent=1, default=str)
+        dist.barrier()
+        return 0 if run.get("bit_identical", True) else 1
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.destroy_process_group()
+
+
+def _floor(args: argparse.Namespace, where: str) -> dict[str, float]:
+    from ..quickcheck import drive_rates
+
+    return drive_rates(where, args.floor_mib << 20)
+
+
+def _report(args: argparse.Namespace, rank: int, run: dict[str, Any]) -> None:
+    gib = single._gib
+    t, o = run["tier"], run["optimizer"]
+    print(
+        f"[rank {rank}] done: peak RSS {gib(run['peak_rss'])} (predicted at most "
+        f"{gib(run['predicted_peak_rss'])}), pinned {gib(run['pinned_bytes'])}; "
+        f"parameter shards on the drive {gib(t['shard_bytes'])} ({t['groups']} FSDP groups, window "
+        f"{t['window']}, {t['params_from_master']} read from the optimizer's master weights, "
+        f"{t['sync_fetches']} synchronous reads); optimizer state on the drive {gib(o['drive_bytes'])}; "
+        f"median step {sorted(run['step_s'])[len(run['step_s']) // 2] * 1000:.0f} ms",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""aio.fsdp's checks, one process: the torch version gate and bad arguments
+fail with clear typed errors before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aio.fsdp
+from aio.fsdp import SUPPORTED, TierError, UnsupportedTorchError, offload_params
+
+
+def test_an_untested_torch_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.12.1+cpu")
+    with pytest.raises(UnsupportedTorchError, match=r"2\.13, 2\.14"):
+        offload_params(torch.nn.Linear(2, 2), str(tmp_path))
+    assert not list(tmp_path.iterdir())
+
+
+def test_supported_versions_are_the_tested_ones() -> None:
+    assert SUPPORTED == ((2, 13), (2, 14))
+
+
+def test_a_model_without_fully_shard_is_refused(tmp_path) -> None:
+    try:
+        aio.fsdp.tier.check_torch()
+    except UnsupportedTorchError:
+        pytest.skip("torch version not supported by the tier")
+    with pytest.raises(TierError, match="apply fully_shard first"):
+        offload_params(torch.nn.Linear(2, 2), str(tmp_path))
+
+
+@pytest.mark.parametrize("window", [0, -1, 1.5, True])
+def test_bad_window(window, tmp_path) -> None:
+    with pytest.raises(ValueError, match="window"):
+        offload_params(torch.nn.Linear(2, 2), str(tmp_path), window=window)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_rank_model() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3))
+    fully_shard(model[0])
+    return fully_shard(model)
+
+
+def _train_one_rank(model, opt, steps=3) -> list[torch.Tensor]:
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_one_rank_bit_identical_and_one_tier_per_model(one_rank, tmp_path) -> None:
+    # One rank: FSDP copies the shard in wait_for_unshard, not in an all-gather.
+    ref = _one_rank_model()
+    want = _train_one_rank(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False))
+    model = _one_rank_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    tier = offload_params(model, str(tmp_path), opt)
+    try:
+        got = _train_one_rank(model, opt)
+        assert tier.resident_bytes() == 0 and tier.stats()["sync_fetches"] == 0
+        with pytest.raises(TierError, match="already has a parameter tier"):
+            offload_params(model, str(tmp_path), opt)
+    finally:
+        tier.close()
+    assert all(map(torch.equal, want, got))
+    pairs = zip(ref.parameters(), model.parameters(), strict=True)
+    assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)
