@@ -106,10 +106,14 @@ def save_pretrained(
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
     progress: Callable[[int, int], None] | None = None,
+    module: Any = None,
 ) -> list[str]:
-    """See :meth:`aio.zero.OffloadTrainer.save_pretrained`."""
+    """See :meth:`aio.zero.OffloadTrainer.save_pretrained`. `module`: a
+    submodule of the trainer's model to write instead of the whole model
+    (the transformers model inside a LightningModule: its keys, its config)."""
     dtype = torch_dtype(dtype)
-    module, store = trainer.module, trainer.store
+    module = trainer.module if module is None else module
+    store = trainer.store
     store.synchronize()  # writes of the last step land before anything is read
     params = {p.aio_id: p for p in module.parameters() if getattr(p, "_aio_store", None) is store}
     state = module.state_dict(keep_vars=True)
