@@ -565,7 +565,9 @@ class ParamSwapper:
         if ids is None:
             ids = {part_id: part_id for part_id in self.parts}
         entries = {ids[e["id"]]: e for e in manifest["partitions"] if e["id"] in ids}
-        if set(entries) != set(self.parts):
+        # Partitions the mapping leaves out (a replaced parameter still alive
+        # somewhere) keep their values.
+        if set(entries) != set(ids.values()) or not set(entries) <= set(self.parts):
             raise ValueError("checkpoint partitions do not match the registered partitions")
         plan: dict[Any, Any] = {}
         on_drive = []

@@ -56,11 +56,22 @@ def torch_dtype(dtype: Any) -> Any:
 def state_dict_layout(module: Any, store: Any) -> list[tuple[str, int | None]]:
     """``module.state_dict()``'s keys in order, each with the part id of the
     store's parameter it holds (None for a buffer or a parameter the store
-    does not own). Nothing is read."""
+    does not own). Nothing is read. Entries that are no tensors (a module's
+    ``get_extra_state()``) have no place in safetensors: left out, said once."""
+    import torch
+
     out: list[tuple[str, int | None]] = []
+    skipped = []
     for key, v in module.state_dict(keep_vars=True).items():
+        if not isinstance(v, torch.Tensor):
+            skipped.append(key)
+            continue
         part = getattr(v, "aio_id", None) if getattr(v, "_aio_store", None) is store else None
         out.append((key, part))
+    if skipped:
+        logger.warning(
+            "weights export: left out state-dict entries that are no tensors: %s", ", ".join(skipped)
+        )
     return out
 
 
@@ -124,9 +135,8 @@ def save_pretrained(
 
     layout = state_dict_layout(module, store)
     sources = _sources(layout, param, lambda key: state[key].detach(), dtype, tie_once=_is_hf(module))
-    files = write_shards(save_directory, sources, max_shard_size, progress=progress)
-    _save_hf_config(module, save_directory, dtype or store.dtype)
-    return files
+    extra = hf_files(module, dtype or store.dtype)
+    return write_shards(save_directory, sources, max_shard_size, progress=progress, extra_files=extra)
 
 
 def _is_hf(module: Any) -> bool:
@@ -149,16 +159,19 @@ def _save_hf_config(module: Any, save_directory: str, dtype: Any) -> None:
         gen.save_pretrained(save_directory)
 
 
-def hf_files(module: Any) -> dict[str, bytes]:
+def hf_files(module: Any, dtype: Any = None) -> dict[str, bytes]:
     """The JSON files a transformers model's save_pretrained writes beside its
-    weights (config, generation config), for a checkpoint to keep; empty for
-    any other model."""
+    weights (config, generation config; `dtype` written as the weights'
+    dtype, default the parameters'), written by transformers into a private
+    folder and read back; empty for any other model."""
     import tempfile
 
     if not _is_hf(module):
         return {}
+    if dtype is None:
+        dtype = next((p.dtype for p in module.parameters()), None)
     with tempfile.TemporaryDirectory() as tmp:
-        _save_hf_config(module, tmp, next((p.dtype for p in module.parameters()), None))
+        _save_hf_config(module, tmp, dtype)
         out = {}
         for name in _HF_FILES:
             path = os.path.join(tmp, name)
@@ -264,6 +277,9 @@ def export_checkpoint(
 
     dtype = torch_dtype(dtype)
     path = resolve(checkpoint, tag)
+    inside = os.path.realpath(out_dir) + os.sep
+    if inside.startswith(os.path.realpath(path) + os.sep):
+        raise ValueError(f"{out_dir} is inside the checkpoint {path}: files there would make it unloadable")
     require_complete(path)
     with open(os.path.join(path, "engine.json")) as f:
         meta = json.load(f)
@@ -286,13 +302,13 @@ def export_checkpoint(
     keys = [(key, None if part is None else int(part)) for key, part, _shape in layout]
     hf = os.path.exists(os.path.join(path, "hf", "config.json"))
     sources = _sources(keys, lambda part: saved.source(part, shapes[part]), other, dtype, tie_once=hf)
-    files = write_shards(out_dir, sources, max_shard_size, progress=progress)
-    _copy_hf_files(path, out_dir, dtype or torch_dtype(meta.get("dtype")))
-    return files
+    extra = _saved_hf_files(path, dtype or torch_dtype(meta.get("dtype")))
+    return write_shards(out_dir, sources, max_shard_size, progress=progress, extra_files=extra)
 
 
-def _copy_hf_files(path: str, out_dir: str, dtype: Any) -> None:
+def _saved_hf_files(path: str, dtype: Any) -> dict[str, bytes]:
     """The model's config files the checkpoint kept, with the dtype written."""
+    out = {}
     for name in _HF_FILES:
         src = os.path.join(path, "hf", name)
         if not os.path.exists(src):
@@ -301,6 +317,5 @@ def _copy_hf_files(path: str, out_dir: str, dtype: Any) -> None:
             data = json.load(f)
         if name == "config.json" and dtype is not None:
             data["dtype"] = str(dtype).removeprefix("torch.")
-        with open(os.path.join(out_dir, name), "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+        out[name] = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    return out

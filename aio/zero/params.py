@@ -167,6 +167,9 @@ class ParamStore:
         module's weight replaced by a tied one after it was adopted, as
         transformers ties ``lm_head`` under Init): their drive copy is never
         read again. Returns their part ids."""
+        import gc
+
+        gc.collect()  # a replaced parameter only a reference cycle still holds
         gone = [part_id for part_id, ref in self.params.items() if ref() is None]
         for part_id in gone:
             if self.swapper is not None:
@@ -600,7 +603,7 @@ class ParamStore:
         if not isinstance(saved, dict):
             raise ValueError(f"{directory}: checkpoint parameters do not match this model")
         saved = {ids[k]: v for k, v in saved.items() if k in ids}
-        if set(saved) != set(self.resident):
+        if set(saved) != set(ids.values()) or not set(saved) <= set(self.resident):
             raise ValueError(f"{directory}: checkpoint parameters do not match this model")
         for part_id, t in saved.items():
             if not hasattr(t, "shape") or t.shape != self.resident[part_id].shape or t.dtype != self.dtype:

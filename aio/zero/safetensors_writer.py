@@ -111,10 +111,23 @@ def write_shards(
     max_shard_size: int | str = "5GB",
     metadata: dict[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    extra_files: dict[str, bytes] | None = None,
 ) -> list[str]:
     """Write `sources` as safetensors shards into `out_dir` (created if
-    needed; see the module docstring); returns the file names written.
-    `progress(bytes_done, bytes_total)` is called after each tensor."""
+    needed; see the module docstring); returns the weight files' names.
+    `progress(bytes_done, bytes_total)` is called after each tensor.
+    `extra_files` (name -> bytes: a model's config.json) are written and
+    renamed into place with the shards, all or nothing."""
+    extra = dict(extra_files or {})
+    for name in extra:
+        if (
+            not name
+            or "/" in name
+            or name.startswith(".")
+            or name in (WEIGHTS, INDEX)
+            or _SHARD.fullmatch(name)
+        ):
+            raise ValueError(f"extra file name {name!r}: one plain file name, not a weight file's")
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(
@@ -138,8 +151,9 @@ def write_shards(
             index = {"metadata": {"total_size": done.total}, "weight_map": dict(sorted(weight_map.items()))}
             temps.append(_write_file(out_dir, json.dumps(index, indent=2).encode() + b"\n"))
             files.append(INDEX)
-        for tmp, name in zip(temps, files, strict=True):
-            os.replace(tmp, os.path.join(out_dir, name))
+        for data in extra.values():
+            temps.append(_write_file(out_dir, data))
+        _rename_all(out_dir, temps, [*files, *extra])
         temps = []
         _remove_stale(out_dir, set(files))
         _fsync_dir(out_dir)
@@ -148,6 +162,25 @@ def write_shards(
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
     return files
+
+
+def _rename_all(out_dir: str, temps: list[str], names: list[str]) -> None:
+    """Every file into place, a Ctrl-C held until the last rename: a folder
+    with some new shards and some old ones would load as neither save."""
+    import errno
+    import stat
+
+    from .._cli import signals_deferred
+
+    for name in names:  # a rename that would fail on a folder in the way: before any
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(os.path.join(out_dir, name)).st_mode):
+                raise IsADirectoryError(
+                    errno.EISDIR, "a folder is in the way of a file to write", os.path.join(out_dir, name)
+                )
+    with signals_deferred():
+        for tmp, name in zip(temps, names, strict=True):
+            os.replace(tmp, os.path.join(out_dir, name))
 
 
 class _Progress:

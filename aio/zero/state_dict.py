@@ -60,9 +60,10 @@ class _Reader:
         store = self.store()
         if store is None or prefix or keep_vars or store.on_host:
             return
-        _check_open(store)
         need = sum(p.aio_numel * p.element_size() for p in _unique_params(module) if store.is_placeholder(p))
-        _check_memory(need)
+        if need:  # values kept in memory (a closed memory backend's) are still there
+            _check_open(store)
+            _check_memory(need)
 
     def after(self, module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
         """Replace this module's placeholders in `state_dict` with their values."""
@@ -77,6 +78,8 @@ class _Reader:
                 continue  # keep_vars=True, or torch took values the parameter keeps
             _check_open(store)
             state_dict[key] = _read(store, p, state_dict)
+        if not prefix:  # the module state_dict() was called on: the call is over
+            store.__dict__.pop("_state_dict_cache", None)
 
     def load(self, module: Any, state_dict: Any, prefix: str, local_metadata: Any, *rest: Any) -> None:
         """``load_state_dict()``: the values of this module's stored parameters
@@ -87,6 +90,8 @@ class _Reader:
         store = self.store()
         if store is None or store.on_host:
             return
+        if store.trained:
+            _refuse_trained(store, module, state_dict, prefix, local_metadata)
         error_msgs = rest[-1]
         for name, p in module._parameters.items():
             key = prefix + name
@@ -102,6 +107,17 @@ class _Reader:
             else:
                 store.write(p, v.detach().reshape(-1).cpu(), async_op=False)
             state_dict[key] = p.detach()  # the placeholder: torch's copy moves nothing
+
+
+def _refuse_trained(store: Any, module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+    """Refuse a load into parameters a trainer steps (resident ones included:
+    torch would copy into them, and the next step would overwrite that),
+    before torch copies anything: at the module load_state_dict() was called
+    on (its hook runs first) for the whole tree, else for this module."""
+    owned = module.named_parameters(prefix=prefix.rstrip("."), recurse=not prefix)
+    for key, q in owned:
+        if getattr(q, "_aio_store", None) is store and key in state_dict:
+            _check_loadable(store, key, local_metadata)
 
 
 def _check_loadable(store: Any, key: str, local_metadata: Any) -> None:
@@ -142,11 +158,11 @@ def _cache_for(store: Any, state_dict: Any) -> weakref.WeakValueDictionary:
     a new cache, so nothing read before a change is handed out after it."""
     key = (id(state_dict), store.generation)
     cache = store.__dict__.get("_state_dict_cache")
-    if cache is None or cache[0] != key or cache[1]() is not state_dict:
+    if cache is None or cache[0] != key or (cache[1] is not None and cache[1]() is not state_dict):
         try:
             ref: Any = weakref.ref(state_dict)
-        except TypeError:  # a plain dict passed as destination=: compared by id
-            ref = lambda: state_dict  # noqa: E731 - the dict lives as long as the call
+        except TypeError:  # a plain dict passed as destination=: compared by id, never held
+            ref = None
         cache = (key, ref, weakref.WeakValueDictionary())
         store.__dict__["_state_dict_cache"] = cache
     return cache[2]

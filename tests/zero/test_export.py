@@ -216,3 +216,59 @@ def test_interrupt_exits_130_and_leaves_nothing(tmp_path, sig):
     assert p.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert list(out.iterdir()) == []
+
+
+def test_config_files_are_never_written_through_a_link_and_go_in_with_the_weights(tmp_path):
+    cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=96, n_positions=16)
+    zero = cfg_for(tmp_path / "drive", gas=1, clip=0)
+    with aio.zero.Init(zero):
+        model = tf.GPT2LMHeadModel(cfg)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "out").mkdir()
+    os.symlink(victim, tmp_path / "out" / "config.json")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").mkdir()  # the config cannot be renamed there
+    with aio.zero.initialize(model, zero) as engine:
+        engine.save_pretrained(str(tmp_path / "out"))
+        with pytest.raises(OSError):
+            engine.save_pretrained(str(tmp_path / "bad"))
+    assert victim.read_text() == "precious" and not os.path.islink(tmp_path / "out" / "config.json")
+    assert tf.GPT2LMHeadModel.from_pretrained(tmp_path / "out").config.n_embd == 32
+    assert os.listdir(tmp_path / "bad") == ["config.json"]  # no weights without their config
+
+
+class _WithExtraState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def get_extra_state(self):
+        return {"note": "not a tensor"}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_entries_that_are_no_tensors_are_left_out_with_a_word(tmp_path, caplog):
+    model = _WithExtraState()
+    with aio.zero.initialize(model, cfg_for(tmp_path / "drive", gas=1, clip=0)) as engine:
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+        engine.save_pretrained(str(tmp_path / "live"))
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    assert "_extra_state" in caplog.text
+    assert set(load_file(tmp_path / "live" / "model.safetensors")) == {"lin.weight", "lin.bias"}
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "off"), "--quiet"]) == 0
+    assert set(load_file(tmp_path / "off" / "model.safetensors")) == {"lin.weight", "lin.bias"}
+
+
+def test_exporting_into_the_checkpoint_itself_is_refused(tmp_path, capsys):
+    _model, engine, _want = _trained(tmp_path)
+    engine.close()
+    target = tmp_path / "ckpt" / "global_step2" / "out"
+    assert export_main([str(tmp_path / "ckpt"), str(target), "--quiet"]) == 2
+    assert "inside the checkpoint" in capsys.readouterr().err and not target.exists()

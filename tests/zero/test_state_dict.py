@@ -200,3 +200,31 @@ def test_load_state_dict_stores_values_before_training_and_is_refused_after(tmp_
         engine.step()
         with pytest.raises(ValueError, match="load_checkpoint"):
             model.load_state_dict(want)
+
+
+def test_load_state_dict_after_training_is_refused_for_resident_parameters_too(tmp_path):
+    """Parameters kept in CPU memory take torch's copy directly: refused all
+    the same (the next step would start from the master weights), before
+    anything is copied."""
+    model = gpt()
+    with aio.zero.initialize(model, cfg_for(tmp_path, param="cpu", gas=1, clip=0)) as engine:
+        engine.backward(loss_of(engine, 0, 0))
+        engine.step()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match="load_checkpoint"):
+            model.load_state_dict({k: torch.zeros_like(v) for k, v in before.items()})
+        _assert_same(model.state_dict(), before)
+
+
+def test_a_plain_dict_destination_is_not_kept_and_values_survive_close_in_memory(tmp_path):
+    model = gpt()
+    engine = aio.zero.initialize(model, cfg_for(tmp_path, gas=1, clip=0))
+    with engine:
+        out = model.state_dict(destination={})
+        assert out["head.weight"].numel() > 0
+        assert "_state_dict_cache" not in engine.store.__dict__  # the call is over: nothing held
+    mem = gpt()
+    engine = aio.zero.initialize(mem, cfg_for(tmp_path / "m", param="cpu", opt="cpu", gas=1, clip=0))
+    want = {k: v.clone() for k, v in mem.state_dict().items()}
+    engine.close()
+    _assert_same(mem.state_dict(), want)  # kept in memory: still there after close

@@ -113,3 +113,20 @@ def _adopt_keeping_build_names(m):
         return orig(self, param, name)
 
     return adopt
+
+
+def test_a_replaced_module_still_alive_does_not_stop_its_own_checkpoint_loading(tmp_path):
+    zero = cfg_for(tmp_path / "drive", gas=1, clip=0)
+    model = _two(zero, "ab", seed=0)
+    kept = model.head  # still referenced: its partition stays registered
+    model.head = torch.nn.Linear(8, 8)
+    with aio.zero.initialize(model, zero) as engine:
+        engine.backward(engine(torch.randn(4, 8)).square().mean())
+        engine.step()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.backward(engine(torch.randn(4, 8)).square().mean())
+        engine.step()
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        got = model.state_dict()
+    assert kept is not None and all(torch.equal(got[k], v) for k, v in want.items())
