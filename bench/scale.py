@@ -2,7 +2,7 @@
 """Scale benchmark: one model size, aio.zero at aio-train's defaults against
 DeepSpeed ZeRO-3 NVMe offload on the same config dict, each in its own process.
 
-    python bench/scale.py [--dir /local_nvme] [--variants aio,ds,ds-safe]
+    python bench/scale.py [--dir /local_nvme] [--variants aio,ds,ds-safe[,ds-hf]]
         [--params 2e9 | --layers 24 --width 2560 --heads 20 --vocab 32000]
         [--warmup 1] [--steps 3] [--timeout 5400] [--json out.json]
         [any other aio-train size or precision flag: --seq, --batch, --dtype, ...]
@@ -32,6 +32,15 @@ it with ``nvme_path`` set to a fresh folder of its own under ``--dir``:
            (aio-train's config already turns the optimizer's pipelining off
            where 7 buffers would pass 2 GiB, as at the default 2B size: there
            the two differ in the reuse distance alone.)
+  ds-hf    DeepSpeed ZeRO-3 NVMe at HF Transformers' documented block:
+           parameter/optimizer ``buffer_count`` 5/4, pipelining on,
+           ``stage3_max_reuse_distance`` and ``max_live_parameters`` 1e9,
+           prefetch bucket 0.9 h^2, persistence threshold 10 h. DeepSpeed's
+           own swappers assert there; it runs on aio's handle with aio's
+           buffer rules in DeepSpeed's swappers (aio.integrations.ds_swappers),
+           whatever ``--ds-io`` says. (``ds`` and ``ds-safe`` on aio's handle
+           get those rules too, since aio.integrations.deepspeed.enable()
+           installs them.)
 
 DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``) in a
 one-process gloo group, optimizer DeepSpeedCPUAdam. Its JIT-built ops
@@ -93,8 +102,14 @@ sys.path.insert(0, HERE)
 
 import train_step as ts  # noqa: E402  (a sibling script, not a package)
 
-VARIANTS = ("aio", "ds", "ds-safe")
-LABELS = {"aio": "aio.zero", "ds": "DeepSpeed ZeRO-3", "ds-safe": "DeepSpeed ZeRO-3, safe"}
+VARIANTS = ("aio", "ds", "ds-safe")  # the default run
+ALL_VARIANTS = (*VARIANTS, "ds-hf")
+LABELS = {
+    "aio": "aio.zero",
+    "ds": "DeepSpeed ZeRO-3",
+    "ds-safe": "DeepSpeed ZeRO-3, safe",
+    "ds-hf": "DeepSpeed ZeRO-3 NVMe at HF's block",
+}
 # aio-train's size flags for the default ~2B model; later flags on the command line win.
 DEFAULT_SIZE = ["--layers", "24", "--width", "2560", "--heads", "20", "--vocab", "32000"]
 # ds-safe's changes to the shared config: (path in the dict, value).
@@ -130,7 +145,7 @@ def own_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     ap.add_argument("--dir", help="drive directory (default: a temporary directory)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(ALL_VARIANTS)}")
     ap.add_argument("--params", type=float, help="pick --layers for about this many parameters (e.g. 2e9)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps; s/step is their median (default 3)")
@@ -187,9 +202,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
         ap.error(f"--width {targs.width} is not a multiple of --heads {targs.heads}")
     targs.lr = aio.train.lr_of(targs)
     own.variant_list = [v for v in own.variants.split(",") if v]
-    bad = set(own.variant_list) - set(VARIANTS)
+    bad = set(own.variant_list) - set(ALL_VARIANTS)
     if bad or not own.variant_list or len(set(own.variant_list)) < len(own.variant_list):
-        ap.error(f"--variants {own.variants}: a comma list of {', '.join(VARIANTS)}, each at most once")
+        ap.error(f"--variants {own.variants}: a comma list of {', '.join(ALL_VARIANTS)}, each at most once")
     if own.steps < 1 or own.warmup < 0 or own.drive_mib < 1 or own.timeout <= 0:
         ap.error("--steps, --drive-mib and --timeout must be positive, --warmup at least 0")
     return own, targs
@@ -204,13 +219,33 @@ def variant_config(targs: argparse.Namespace, variant: str, nvme: str) -> dict:
     cfg = make_config(targs, nvme)
     cfg["train_micro_batch_size_per_gpu"] = targs.batch  # DeepSpeed refuses a config without a batch size
     cfg["steps_per_print"] = 10**9  # DeepSpeed's per-step log lines off
-    if variant == "ds-safe":
-        for path, value in SAFE_CHANGES:
-            node = cfg
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = value
+    changes = SAFE_CHANGES if variant == "ds-safe" else hf_changes(targs.width) if variant == "ds-hf" else ()
+    for path, value in changes:
+        node = cfg
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
     return cfg
+
+
+def hf_changes(width: int) -> tuple[tuple[tuple[str, ...], Any], ...]:
+    """ds-hf's changes: HF Transformers' documented ZeRO-3 NVMe values (the
+    Trainer's ``auto`` ones for hidden size `width`)."""
+    z, p, o = (
+        ("zero_optimization",),
+        ("zero_optimization", "offload_param"),
+        ("zero_optimization", "offload_optimizer"),
+    )
+    return (
+        (p + ("buffer_count",), 5),
+        (o + ("buffer_count",), 4),
+        (o + ("pipeline_read",), True),
+        (o + ("pipeline_write",), True),
+        (z + ("stage3_max_reuse_distance",), 1_000_000_000),
+        (z + ("stage3_max_live_parameters",), 1_000_000_000),
+        (z + ("stage3_prefetch_bucket_size",), int(0.9 * width * width)),
+        (z + ("stage3_param_persistence_threshold",), 10 * width),
+    )
 
 
 def ds_io(choice: str) -> str:
@@ -218,6 +253,11 @@ def ds_io(choice: str) -> str:
     if choice != "auto":
         return choice
     return "own" if os.path.exists(LIBAIO_H) else "aio"  # DeepSpeed's op builds only against libaio.h
+
+
+def variant_io(own: argparse.Namespace, variant: str) -> str:
+    """The I/O a variant runs on: aio.zero and ds-hf on aio's, the others as --ds-io says."""
+    return "aio" if variant in ("aio", "ds-hf") else ds_io(own.ds_io)
 
 
 def label(variant: str, io: str) -> str:
@@ -523,7 +563,7 @@ def run_variant(own: argparse.Namespace, targs: argparse.Namespace, v: str, root
     """One variant in a fresh worker on a fresh folder under `root` (removed
     after), the drive measured right before; its row: figures or error."""
     vdir = tempfile.mkdtemp(prefix=f"{v}-", dir=root)
-    io = "aio" if v == "aio" else ds_io(own.ds_io)
+    io = variant_io(own, v)
     cfg = variant_config(targs, v, vdir)
     row: dict[str, Any] = {"variant": v, "label": label(v, io), "io": io, "config": cfg}
     try:
@@ -636,6 +676,8 @@ def config_line(cfg: dict) -> str:
         f"{p['buffer_size'] / 1e6:.1f}M, offload_optimizer {o['buffer_count']} buffers, pipeline "
         f"read/write {o['pipeline_read']}/{o['pipeline_write']}, bf16 {bf16}"
         "; ds-safe: pipeline off, stage3_max_reuse_distance 0"
+        "; ds-hf: HF's block (buffers 5/4, pipeline on, reuse and max live 1e9, prefetch 0.9 h^2, "
+        "persistence 10 h)"
     )
 
 
@@ -677,7 +719,12 @@ def main(argv: list[str] | None = None) -> int:
             why = skip_reason(v)
             if why:
                 rows.append(
-                    {"variant": v, "label": label(v, ds_io(own.ds_io)), "status": "skipped", "error": why}
+                    {
+                        "variant": v,
+                        "label": label(v, "aio" if v == "ds-hf" else ds_io(own.ds_io)),
+                        "status": "skipped",
+                        "error": why,
+                    }
                 )
                 continue
             print(

@@ -17,6 +17,14 @@ Variants (``--variants``, comma list; the default is the first five):
                 asserts with NVMe parameter prefetch, so the shared block has
                 it off)
   ds-nvme-aio   DeepSpeed ZeRO-3 NVMe on aio's handle (aio.integrations)
+  ds-nvme-hf    DeepSpeed ZeRO-3 NVMe at HF's documented block on aio:
+                parameter/optimizer buffer_count 5/4, pipelining on, reuse
+                distance and max live 1e9, prefetch 0.9 h^2, persistence 10 h
+                (DeepSpeed's own swappers assert there; aio's buffer rules,
+                aio.integrations.ds_swappers, make it run)
+  ds-nvme-safe  the same block with the workaround DeepSpeed users find
+                (stage3_max_reuse_distance 0, pipelining off), on aio's
+                handle with DeepSpeed's own swapper classes
 
 Both engines get the identical config dict: the ``zero_optimization`` block,
 ``optimizer: {type: AdamW}``, ``gradient_clipping: 1.0``, the ``aio`` block
@@ -87,8 +95,14 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DEFAULT_VARIANTS = "memory,ds-cpu,zero-cpu,ds-nvme,zero-nvme"
-ALL_VARIANTS = DEFAULT_VARIANTS.split(",") + ["zero-nvme-pf", "ds-nvme-aio"]
-PAIRS = (("ds-cpu", "zero-cpu"), ("ds-nvme", "zero-nvme"), ("ds-nvme-aio", "zero-nvme"))
+ALL_VARIANTS = DEFAULT_VARIANTS.split(",") + ["zero-nvme-pf", "ds-nvme-aio", "ds-nvme-hf", "ds-nvme-safe"]
+PAIRS = (
+    ("ds-cpu", "zero-cpu"),
+    ("ds-nvme", "zero-nvme"),
+    ("ds-nvme-aio", "zero-nvme"),
+    ("ds-nvme-hf", "zero-nvme"),
+    ("ds-nvme-safe", "zero-nvme"),
+)
 AIO_BLOCK = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1}
 LABELS = {
     "memory": "in memory (plain PyTorch)",
@@ -98,6 +112,8 @@ LABELS = {
     "zero-nvme": "aio.zero, NVMe",
     "zero-nvme-pf": "aio.zero, NVMe, prefetch on",
     "ds-nvme-aio": "DeepSpeed ZeRO-3, NVMe on aio",
+    "ds-nvme-hf": "DeepSpeed ZeRO-3, NVMe, HF's block on aio",
+    "ds-nvme-safe": "DeepSpeed ZeRO-3, NVMe, HF's block, workaround",
 }
 
 
@@ -203,7 +219,23 @@ def zero_block(a: argparse.Namespace, variant: str, nvme: str) -> dict:
         "pipeline_write": True,
         "pin_memory": True,
     }
+    if variant in ("ds-nvme-hf", "ds-nvme-safe"):
+        hf_block(a, block, workaround=variant == "ds-nvme-safe")
     return block
+
+
+def hf_block(a: argparse.Namespace, block: dict, workaround: bool) -> None:
+    """HF Transformers' documented ZeRO-3 NVMe values (the Trainer's ``auto``
+    ones for this width) in `block`; with `workaround`, the reuse distance 0
+    and pipelining off that let DeepSpeed's own swappers run."""
+    h = a.width
+    block["stage3_prefetch_bucket_size"] = int(0.9 * h * h)
+    block["stage3_param_persistence_threshold"] = 10 * h
+    block["stage3_max_reuse_distance"] = 0 if workaround else 1_000_000_000
+    block["offload_param"]["buffer_count"] = 5
+    block["offload_optimizer"]["buffer_count"] = 4
+    block["offload_optimizer"]["pipeline_read"] = not workaround
+    block["offload_optimizer"]["pipeline_write"] = not workaround
 
 
 def full_config(a: argparse.Namespace, variant: str, nvme: str) -> dict:
@@ -293,10 +325,14 @@ def make_engine(a: argparse.Namespace, model: Any, config: dict) -> tuple[Any, A
         dev = "cuda" if a.cuda else "cpu"
         return aio.zero.initialize(model, config, device=dev), None, extra
     ds_environment(a)
-    if v == "ds-nvme-aio":
+    if v in ("ds-nvme-aio", "ds-nvme-hf", "ds-nvme-safe"):
         import aio.integrations.deepspeed as aio_ds
 
         aio_ds.enable()
+        if v == "ds-nvme-safe":  # DeepSpeed's own swapper classes, on aio's handle
+            from aio.integrations import ds_swappers
+
+            ds_swappers.uninstall()
     import deepspeed
 
     pins = PinCounter()

@@ -453,6 +453,9 @@ def enable() -> None:
         _patch_load_checkpoint()
         _patch_engine_start()
         _patch_engine_destroy()
+    from . import ds_swappers  # aio's buffer rules in DeepSpeed's swappers (AIO_DEEPSPEED_SWAPPERS=0: off)
+
+    ds_swappers.install()
     if not was_enabled:
         _log_enabled(version)
 
@@ -734,6 +737,9 @@ def warn_if_params_stay_in_cpu(optimizer: Any) -> bool:
 def disable() -> None:
     """Undo :func:`enable` (DeepSpeed's own op is used again), also in
     DeepSpeed modules imported while it was enabled."""
+    from . import ds_swappers
+
+    ds_swappers.uninstall()
     with _lock:
         while _patched:
             owner, attr, orig = _patched.pop()

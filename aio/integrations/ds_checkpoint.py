@@ -182,6 +182,24 @@ def _restore_state(opt: Any, sg: int, saved_state: dict[str, Any]) -> None:
             live[key] = value
 
 
+def _regather_persistent(opt: Any) -> None:
+    """Gather the persistent parameters again from their restored partitions.
+
+    Persistent parameters (``stage3_param_persistence_threshold``; HF's
+    ``auto`` is 10 x hidden size) stay gathered on every rank. DeepSpeed's
+    load gathers them (``checkpoint_event_epilogue``) before this module
+    restores the in-memory sub-groups: without a second gather, they would
+    resume with the fresh engine's values (step-4 loss 0.8069 against
+    0.8105 in the reproducer of issue 43). A collective: every rank restores.
+    """
+    persistent = getattr(opt, "persistent_parameters", None)
+    if persistent:
+        # all_gather skips parameters already gathered: release them first,
+        # as stage3's checkpoint prologue/epilogue do around a load.
+        persistent[0].partition(persistent)
+        persistent[0].all_gather(persistent)
+
+
 def restore(engine: Any, load_dir: str, tag: Any) -> bool:
     """Put back what DeepSpeed's NVMe-offload load left out; True if it did.
 
@@ -203,6 +221,7 @@ def restore(engine: Any, load_dir: str, tag: Any) -> bool:
             # The parameter partitions of this sub-group were written from the
             # fresh fp32 values during DeepSpeed's load: write them again.
             opt._partitioned_params_swap_out(sg)
+    _regather_persistent(opt)
     # As stage3.py's _rigid_load_state_dict does (skipped under NVMe offload).
     opt.loss_scaler = saved["loss_scaler"]
     opt.dynamic_loss_scale = saved["dynamic_loss_scale"]

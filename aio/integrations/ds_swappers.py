@@ -1,0 +1,276 @@
+"""aio's buffer rules inside DeepSpeed's own ZeRO-3 NVMe swappers.
+
+DeepSpeed's parameter swapper and pipelined optimizer swapper assert when
+their fixed pools of ``buffer_count`` pinned buffers run short (project
+issue 43, DeepSpeed issue #3062), in configs users actually run (HF's
+documented ZeRO-3 NVMe block):
+
+- ``Not enough buffers 0 for swapping 1`` (partitioned_param_swapper.py:310):
+  every parameter reused within ``stage3_max_reuse_distance`` stays gathered
+  and keeps its swap buffer until it is released, and nothing holds that
+  against ``buffer_count``;
+- ``param N already assigned swap buffer id M`` (:185): the coordinator's
+  NVMe prefetch lists a parameter twice when it recurs in its window;
+- ``assert new_alloc_buffers is not None`` (pipelined_optimizer_swapper.py:219)
+  and ``ran out of swap buffers`` (:253): Adam's first-step state and the
+  read-ahead ask for buffers that the current sub-group, the read-ahead and
+  the pending write hold.
+
+Replacing DeepSpeed's swappers with aio.swap's does not fit (stage3.py owns
+the sub-group loop, the checkpoint is a copy of the swap folder), so these
+subclasses keep DeepSpeed's files, checkpoints and call protocol and change
+only who gets a buffer when:
+
+:class:`EvictingParamSwapper` (``AsyncPartitionedParameterSwapper``):
+    ``swap_in`` takes each parameter once; when buffers are short it gives
+    back the buffer of a *gathered* parameter (``ds_status`` AVAILABLE: its
+    data has been copied out; on a device, only once a recorded event says
+    the device copy that read it is done) after copying the partition to
+    ordinary memory (the partition stays AVAILABLE, so the coordinator never
+    reads it again while gathered), then drops prefetched partitions nobody
+    gathers now, then waits for reads in flight, and only then raises
+    (``ValueError`` naming ``offload_param.buffer_count``).
+    ``available_swap_in_buffers`` counts the buffers gathered parameters
+    could give back, so the NVMe prefetch keeps reading ahead.
+    Overrides: ``available_swap_in_buffers``, ``swap_in``,
+    ``_allocate_and_return_buffers_for_swap_in``, ``get_buffer``,
+    ``swap_into_buffer``, ``swap_out_and_release`` (a partition updated in
+    its ordinary-memory copy, by ``GatheredParameters(modifier_rank=...)``,
+    gets a buffer back to be written), ``remove_partition_and_release_buffers``
+    (lands reads in flight first, forgets the copy), ``reserve_available_buffers``.
+
+:class:`BackpressurePipelinedOptimizerSwapper` (``PipelinedOptimizerSwapper``):
+    reads ahead only into free buffers (keeping room for the state Adam
+    creates at its first step), completes the pending write early, and drops
+    the read-ahead, when a sub-group's swap-in or its first-step swap-out
+    needs a buffer; raises only if one sub-group alone needs more than
+    ``offload_optimizer.buffer_count``. Overrides: ``swap_in_optimizer_state``,
+    ``_swap_out_optimizer_state``.
+
+:func:`install` puts them at DeepSpeed's two construction sites
+(``partition_parameters.AsyncPartitionedParameterSwapper``,
+``stage3.PipelinedOptimizerSwapper``) and wraps
+``Init._ensure_availability_of_partitioned_params`` so the parameter swapper
+knows which partitions the gather in progress reads (never dropped).
+:func:`uninstall` restores them. ``aio.integrations.deepspeed.enable()``
+calls :func:`install` unless ``AIO_DEEPSPEED_SWAPPERS=0``.
+
+Written against DeepSpeed 0.19 (``SUPPORTED``): the classes rely on the
+swappers' private bookkeeping (``available_buffer_ids``,
+``param_id_to_buffer_id``, ``param_id_to_swap_buffer``, ``inflight_params``,
+``swap_ops``, ``swap_buffer_manager.free_buffer_index``) and on the
+``ds_tensor.status`` / ``ds_status`` protocol; other versions are left
+untouched, with a log line. Scheduling is all they change: the bytes read,
+written and computed on are DeepSpeed's, so losses equal DeepSpeed's
+CPU-offload run bit for bit (tests/integrations/test_ds_swappers.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import threading
+from typing import Any
+
+from .._log import logger
+
+SUPPORTED = ((0, 19), (0, 20))  # [lowest, highest) major.minor whose swapper internals this matches
+SUPPORTED_TEXT = "deepspeed>=0.19,<0.20"
+ENV_SWITCH = "AIO_DEEPSPEED_SWAPPERS"
+
+_log = logger.getChild("deepspeed")
+_lock = threading.Lock()
+_installed: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+
+# Process-wide counters, summed over every swapper (one log line at exit).
+PARAM_COUNTERS = (
+    "evicted",  # gathered partitions whose buffer went back, data kept in ordinary memory
+    "held_peak",  # most such partitions at once
+    "held_peak_bytes",
+    "dropped_prefetch",  # prefetched partitions no gather was reading, dropped for room
+    "deduplicated",  # repeated entries removed from a swap-in request
+    "waited",  # times a swap-in waited for reads in flight to free a buffer
+    "trimmed_prefetch",  # prefetch entries not read for want of a buffer
+    "rebuffered",  # partitions updated in their ordinary-memory copy, given a buffer to be written
+    "device_waits",  # buffers whose reuse waited for a device copy's event
+)
+OPTIMIZER_COUNTERS = ("writes_completed_early", "read_ahead_dropped", "read_ahead_skipped")
+_totals: dict[str, int] = dict.fromkeys(PARAM_COUNTERS + OPTIMIZER_COUNTERS, 0)
+_buffer_counts: dict[str, set[int]] = {"param": set(), "optimizer": set()}
+_atexit_registered = False
+_said_off = False  # the switched-off line is logged once
+
+
+def _version_ok(version: str) -> bool:
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return SUPPORTED[0] <= parts < SUPPORTED[1]
+
+
+def switched_off() -> bool:
+    """Whether ``AIO_DEEPSPEED_SWAPPERS`` turns these classes off (0/false/no/off)."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def bump(counters: dict[str, int], name: str, n: int = 1) -> None:
+    """Add `n` to a swapper's counter `name` and to the process's total."""
+    counters[name] += n
+    with _lock:
+        _totals[name] += n
+
+
+def peak(counters: dict[str, int], name: str, value: int) -> None:
+    """Raise a swapper's high-water mark `name` (and the process's) to `value`."""
+    counters[name] = max(counters[name], value)
+    with _lock:
+        _totals[name] = max(_totals[name], value)
+
+
+def note_buffer_count(kind: str, count: int) -> None:
+    """Record a swapper's ``buffer_count`` ("param" or "optimizer") for the
+    summary line; the first call also schedules that line at exit."""
+    global _atexit_registered
+    with _lock:
+        _buffer_counts[kind].add(count)
+        if _atexit_registered:
+            return
+        _atexit_registered = True
+    atexit.register(_log_summary)
+
+
+def buffers_short(key: str, have: int, need: int, what: str) -> ValueError:
+    """The error for a pool that aio's rules cannot make do with: names the
+    config key and the count to set."""
+    return ValueError(
+        f"zero_optimization.{key}.buffer_count={have} is too small: {what} needs {need} buffers at once; "
+        f"set it to at least {need}"
+    )
+
+
+def summary() -> dict[str, int]:
+    """This process's counters so far, summed over every swapper built."""
+    with _lock:
+        return dict(_totals)
+
+
+def summary_line() -> str | None:
+    """The line logged at exit, or None if the rules never had to act."""
+    t = summary()
+    if not any(t.values()):
+        return None
+    # One engine per process, as a rule: one count each (several: all of them).
+    pb, ob = ("/".join(str(n) for n in sorted(_buffer_counts[k])) or "-" for k in ("param", "optimizer"))
+    return (
+        f"DeepSpeed NVMe swappers on aio's buffer rules: held {t['evicted']} gathered partitions past "
+        f"buffer_count={pb} in ordinary memory (at most {t['held_peak']} at once, "
+        f"{t['held_peak_bytes'] / 2**20:.1f} MiB; bounded by the gathered parameters, "
+        f"stage3_max_live_parameters), dropped {t['dropped_prefetch']} prefetched partitions, "
+        f"took {t['deduplicated']} repeated prefetch entries once, waited {t['waited']} times for reads, "
+        f"trimmed {t['trimmed_prefetch']} prefetch entries, "
+        f"re-buffered {t['rebuffered']} updated partitions, "
+        f"waited on {t['device_waits']} device copies; optimizer (buffer_count={ob}): "
+        f"{t['writes_completed_early']} writes completed early, {t['read_ahead_dropped']} read-aheads "
+        f"dropped, {t['read_ahead_skipped']} skipped"
+    )
+
+
+def _log_summary() -> None:
+    line = summary_line()
+    if line is not None:
+        _log.info("%s", line)
+
+
+def param_swapper_class() -> Any:
+    """aio's subclass of DeepSpeed's ``AsyncPartitionedParameterSwapper`` (imports DeepSpeed)."""
+    from ._ds_param_swapper import EvictingParamSwapper
+
+    return EvictingParamSwapper
+
+
+def optimizer_swapper_class() -> Any:
+    """aio's subclass of DeepSpeed's ``PipelinedOptimizerSwapper`` (imports DeepSpeed)."""
+    from ._ds_optimizer_swapper import BackpressurePipelinedOptimizerSwapper
+
+    return BackpressurePipelinedOptimizerSwapper
+
+
+def _wrap_ensure_availability(orig: Any) -> Any:
+    """``Init._ensure_availability_of_partitioned_params`` telling the
+    parameter swapper which partitions the gather in progress reads."""
+
+    @functools.wraps(orig)
+    def ensure(self: Any, params: Any) -> Any:
+        params = list(params)
+        swapper = next((p.nvme_swapper for p in params if getattr(p, "nvme_swapper", None) is not None), None)
+        gathering = getattr(swapper, "gathering", None)
+        if gathering is None:
+            return orig(self, params)
+        with gathering(params):
+            return orig(self, params)
+
+    ensure._aio_wrapped = True  # type: ignore[attr-defined]
+    return ensure
+
+
+def install(*, force: bool = False, param_swapper: Any = None, optimizer_swapper: Any = None) -> bool:
+    """Put aio's swapper classes at DeepSpeed's construction sites; returns
+    whether they are in place.
+
+    Does nothing (and says why, once, in a log line) for a DeepSpeed outside
+    ``SUPPORTED`` or, unless `force`, when ``AIO_DEEPSPEED_SWAPPERS=0``.
+    `param_swapper` / `optimizer_swapper` replace aio's classes (tests).
+    Engines built before the call keep the classes they were built with.
+    """
+    import deepspeed
+
+    version = getattr(deepspeed, "__version__", "unknown")
+    if not _version_ok(version):
+        _log.warning(
+            "DeepSpeed %s: its NVMe swappers are left as they are (aio's buffer rules are written for %s)",
+            version,
+            SUPPORTED_TEXT,
+        )
+        return False
+    if switched_off() and not force:
+        global _said_off
+        if not _said_off:
+            _said_off = True
+            _log.info("%s=0: DeepSpeed's NVMe swappers keep DeepSpeed's own buffer rules", ENV_SWITCH)
+        return False
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.runtime.zero import stage3
+
+    sites = [
+        (pp, "AsyncPartitionedParameterSwapper", param_swapper or param_swapper_class()),
+        (stage3, "PipelinedOptimizerSwapper", optimizer_swapper or optimizer_swapper_class()),
+    ]
+    with _lock:
+        _restore()
+        for owner, attr, cls in sites:
+            _installed.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, cls)
+        orig = pp.Init._ensure_availability_of_partitioned_params
+        _installed.append((pp.Init, "_ensure_availability_of_partitioned_params", orig))
+        pp.Init._ensure_availability_of_partitioned_params = _wrap_ensure_availability(orig)
+    return True
+
+
+def _restore() -> None:
+    while _installed:
+        owner, attr, orig = _installed.pop()
+        setattr(owner, attr, orig)
+
+
+def uninstall() -> None:
+    """Give DeepSpeed its own swapper classes back (engines already built keep theirs)."""
+    with _lock:
+        _restore()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    with _lock:
+        return bool(_installed)

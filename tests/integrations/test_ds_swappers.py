@@ -1,0 +1,201 @@
+"""aio's buffer rules inside DeepSpeed's ZeRO-3 NVMe swappers (issue 43).
+
+Every case trains a few steps under DeepSpeed 0.19 on CPU (DS_ACCELERATOR=cpu,
+gloo) with HF Transformers' documented ZeRO-3 NVMe block (parameter
+buffer_count 5, optimizer buffer_count 4, stage3_max_reuse_distance and
+max_live_parameters 1e9, the Trainer's ``auto`` values), in configs where
+DeepSpeed's own swappers assert. The oracle is DeepSpeed's CPU-offload run
+of the same model and batches: the losses must be equal bit for bit on every
+rank (a swapper that moves the wrong bytes at the wrong time shows up there,
+and nowhere else: the naive eviction below trains without an error).
+
+Several cases share one process group (ds_swapper_train.py runs them one
+after the other), so a module costs one start of DeepSpeed per rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])")
+
+from .ds_swapper_run import run_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("deepspeed-swappers")]
+
+HF = {}  # the defaults of ds_swapper_train.CASE_DEFAULTS are HF's block
+MLP6 = {"layers": 6}  # 6 swappable weights, 5 buffers: DeepSpeed's smallest failing config
+PIPE = {"layers": 8, "pipeline": True, "sub_group_size": 300_000}
+PREFETCH = {"model": "gpt", "layers": 2, "prefetch": 5e7, "param_buffers": 32}  # tied embedding
+
+ONE_RANK = [
+    {"name": "mlp6-cpu", "offload": "cpu", **MLP6},
+    {"name": "mlp6", **MLP6},
+    {"name": "mlp6-naive", "swappers": "naive", **MLP6},
+    {"name": "mlp8-cpu", "offload": "cpu", "layers": 8, "sub_group_size": 300_000},
+    {"name": "pipe", **PIPE},
+    {"name": "ckpt-plain", "layers": 8, "sub_group_size": 300_000, "checkpointing": "plain"},
+    {"name": "ckpt-reentrant", **PIPE, "checkpointing": "reentrant", "prefetch": 5e7},
+    {"name": "prefetch-cpu", "offload": "cpu", **PREFETCH},
+    {"name": "prefetch", **PREFETCH},
+    # Negative controls last: DeepSpeed's own classes, same configs.
+    {"name": "mlp6-ds", "swappers": "ds", **MLP6},
+    {"name": "pipe-ds", "swappers": "ds", **PIPE},
+    {"name": "prefetch-ds", "swappers": "ds", **PREFETCH},
+]
+
+# Two ranks: h=768 so that half an h x h weight is still swappable (1 MiB).
+MLP2 = {"width": 768, "layers": 6}
+GPT2 = {"model": "gpt", "layers": 2}
+PIPE2 = {"width": 768, "layers": 6, "pipeline": True, "sub_group_size": 300_000}
+RESUME = {**PIPE2, "steps": 5, "persistence": "auto"}
+
+
+def two_rank_cases(ckpt: str) -> list[dict]:
+    return [
+        {"name": "mlp-cpu", "offload": "cpu", **MLP2},
+        {"name": "mlp", **MLP2},
+        {"name": "gpt-cpu", "offload": "cpu", **GPT2},
+        {"name": "gpt", **GPT2},
+        {"name": "pipe-cpu", "offload": "cpu", **RESUME},
+        {"name": "pipe-full", **RESUME, "save_at": 3, "ckpt": ckpt},
+        {"name": "pipe-resumed", **RESUME, "load": True, "ckpt": ckpt},
+        {"name": "mlp-ds", "swappers": "ds", **MLP2},
+        {"name": "gpt-ds", "swappers": "ds", **GPT2},
+        {"name": "pipe-ds", "swappers": "ds", **PIPE2},
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("one-rank"), ONE_RANK, world=1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    work = tmp_path_factory.mktemp("two-ranks")
+    return run_ranks(work, two_rank_cases(str(work / "ckpt")), world=2)
+
+
+def trained(results, name: str, steps: int = 3) -> list[list[float]]:
+    """Each rank's losses of case `name`, which must have trained every step."""
+    for r in results:
+        rec = r[name]
+        assert rec["error"] is None, f"{name}: {rec['error']}\n{rec.get('traceback', '')}"
+        assert len(rec["losses"]) == steps, rec["losses"]
+    return [r[name]["losses"] for r in results]
+
+
+def counters(results, name: str) -> dict[str, int]:
+    rec = results[0][name]
+    return {**rec["param_counters"], **rec["optimizer_counters"]}
+
+
+def test_held_partitions_past_buffer_count_equal_cpu_offload(one_rank):
+    # DeepSpeed: "Not enough buffers 0 for swapping 1" at step 2 (below).
+    assert trained(one_rank, "mlp6") == trained(one_rank, "mlp6-cpu")
+    c = counters(one_rank, "mlp6")
+    assert c["evicted"] > 0 and c["held_peak"] > 0 and c["held_peak_bytes"] > 0
+
+
+def test_naive_eviction_fails_the_comparison(one_rank):
+    """Mutation: dropping a gathered parameter's partition (DeepSpeed's plain
+    release) instead of keeping it trains without an error, to wrong losses."""
+    rec = one_rank[0]["mlp6-naive"]
+    assert rec["param_counters"]["evicted"] > 0
+    assert rec["error"] is not None or rec["losses"] != one_rank[0]["mlp6-cpu"]["losses"]
+
+
+def test_pipelined_optimizer_backpressure_equals_cpu_offload(one_rank):
+    # DeepSpeed: pipelined_optimizer_swapper.py:219 at step 1 (below).
+    assert trained(one_rank, "pipe") == trained(one_rank, "mlp8-cpu")
+    c = counters(one_rank, "pipe")
+    assert c["writes_completed_early"] > 0
+    assert c["read_ahead_skipped"] + c["read_ahead_dropped"] > 0
+    assert c["evicted"] > 0
+
+
+@pytest.mark.parametrize("case", ["ckpt-plain", "ckpt-reentrant"])
+def test_activation_checkpointing_equals_cpu_offload(one_rank, case):
+    assert trained(one_rank, case) == trained(one_rank, "mlp8-cpu")
+    assert counters(one_rank, case)["evicted"] > 0
+
+
+def test_prefetch_lists_a_recurring_parameter_once(one_rank):
+    # DeepSpeed: "param N already assigned swap buffer id M" (below).
+    assert trained(one_rank, "prefetch") == trained(one_rank, "prefetch-cpu")
+    assert counters(one_rank, "prefetch")["deduplicated"] > 0
+
+
+NEGATIVE = {
+    "mlp6-ds": ("partitioned_param_swapper.py:310", "Not enough buffers 0 for swapping 1"),
+    "pipe-ds": ("pipelined_optimizer_swapper.py:219", ""),
+    "prefetch-ds": ("partitioned_param_swapper.py:185", "already assigned swap buffer id"),
+    "mlp-ds": ("partitioned_param_swapper.py:310", "Not enough buffers 0 for swapping 1"),
+    "gpt-ds": ("partitioned_param_swapper.py:310", "Not enough buffers 0 for swapping 1"),
+}
+
+
+@pytest.mark.parametrize("case", ["mlp6-ds", "pipe-ds", "prefetch-ds"])
+def test_deepspeeds_own_swappers_still_assert(one_rank, case):
+    """Negative control: if DeepSpeed fixes an assert, this says so (and
+    aio's classes may go for that DeepSpeed)."""
+    where, text = NEGATIVE[case]
+    for r in one_rank:
+        rec = r[case]
+        assert rec["error"] is not None and rec["error"].startswith("AssertionError"), rec["error"]
+        assert rec["where"] == where and text in rec["error"]
+
+
+def test_summary_line_once_per_run(one_rank):
+    lines = [x for x in one_rank[0]["_stderr"].splitlines() if "aio's buffer rules" in x]
+    assert len(lines) == 1, lines
+    held = r"held [1-9]\d* gathered partitions past buffer_count=[\d/]+ in ordinary memory"
+    assert re.search(held, lines[0])
+    assert re.search(r"took [1-9]\d* repeated prefetch entries once", lines[0])
+    assert re.search(r"[1-9]\d* writes completed early", lines[0])
+
+
+@pytest.mark.parametrize("case", ["mlp", "gpt"])
+def test_two_ranks_equal_cpu_offload_on_every_rank(two_ranks, case):
+    theirs = trained(two_ranks, f"{case}-cpu")
+    assert trained(two_ranks, case) == theirs
+    assert theirs[0] != theirs[1]  # each rank's own batch: both ranks compared
+    assert all(r[case]["param_counters"]["evicted"] > 0 for r in two_ranks)
+
+
+def test_two_ranks_pipelined_and_resumed_exactly(two_ranks):
+    """HF's block with pipelining and its auto persistence threshold: trains
+    as CPU offload does, and a step-3 checkpoint in DeepSpeed's format
+    resumes in a fresh engine to the same losses, on both ranks."""
+    full = trained(two_ranks, "pipe-full", steps=5)
+    assert full == trained(two_ranks, "pipe-cpu", steps=5)
+    assert trained(two_ranks, "pipe-resumed", steps=2) == [f[3:] for f in full]
+    assert counters(two_ranks, "pipe-full")["writes_completed_early"] > 0
+
+
+@pytest.mark.parametrize("case", ["mlp-ds", "gpt-ds", "pipe-ds"])
+def test_two_ranks_deepspeeds_own_swappers_still_assert(two_ranks, case):
+    where, text = NEGATIVE.get(case, ("pipelined_optimizer_swapper.py:219", ""))
+    for r in two_ranks:
+        rec = r[case]
+        assert rec["error"] is not None and rec["error"].startswith("AssertionError"), rec["error"]
+        assert rec["where"] == where and text in rec["error"]
+
+
+@pytest.mark.slow
+def test_three_ranks_pipelined_equal_cpu_offload(tmp_path):
+    cfg = {"width": 1024, "layers": 6, "pipeline": True, "sub_group_size": 400_000}
+    results = run_ranks(
+        tmp_path,
+        [
+            {"name": "cpu", "offload": "cpu", **cfg},
+            {"name": "aio", **cfg},
+            {"name": "ds", "swappers": "ds", **cfg},
+        ],
+        world=3,
+    )
+    assert trained(results, "aio") == trained(results, "cpu")
+    assert all(r["ds"]["where"] == "pipelined_optimizer_swapper.py:219" for r in results)
