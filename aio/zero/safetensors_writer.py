@@ -196,12 +196,22 @@ class _Progress:
 
 def _write_one(out_dir: str, shard: list[Source], meta: dict[str, str], done: _Progress) -> str:
     """One shard under a temporary name (returned), whole and fsynced."""
-    fd, tmp = _create(out_dir)
-    try:
+
+    def write(fd: int, tmp: str) -> None:
         _write_all(fd, header_bytes(shard, meta), tmp)
         for s in shard:
             _write_all(fd, _raw(s), tmp)
             done.add(s.nbytes)
+
+    return _new_file(out_dir, write)
+
+
+def _new_file(out_dir: str, write: Callable[[int, str], None]) -> str:
+    """A file made by `write(fd, path)` under a temporary name (returned),
+    fsynced; removed if anything fails."""
+    fd, tmp = _create(out_dir)
+    try:
+        write(fd, tmp)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -234,17 +244,7 @@ def byte_view(t: Any) -> memoryview:
 
 
 def _write_file(out_dir: str, data: bytes) -> str:
-    fd, tmp = _create(out_dir)
-    try:
-        _write_all(fd, data, tmp)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
-    return tmp
+    return _new_file(out_dir, lambda fd, tmp: _write_all(fd, data, tmp))
 
 
 def _create(out_dir: str) -> tuple[int, str]:
