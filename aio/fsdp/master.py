@@ -14,7 +14,6 @@ memory); a resident shard still gets it, so memory and master agree.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,33 +48,13 @@ def is_nvme_adam(opt: Any) -> bool:
     return isinstance(opt, NVMeAdam)
 
 
-def _pieces(opt: Any) -> tuple[dict[int, list[tuple[Any, int, int, int]]], set[int]]:
-    """Per parameter index: (space, drive offset, byte offset in the local
-    tensor, bytes) of its master slices; and the parameters some of whose
-    master is not on the drive yet (read from its source at the first step)."""
-    sw = opt._swapper
-    out: dict[int, list[tuple[Any, int, int, int]]] = defaultdict(list)
-    missing: set[int] = set()
-    for i, sg in enumerate(opt._subgroups):
-        ext = sw.master_extent(i)
-        for pc in sg.pieces:
-            if ext is None:
-                missing.add(pc.param)
-                continue
-            space, base = ext
-            out[pc.param].append(
-                (space, base + FLOAT32_BYTES * pc.offset, FLOAT32_BYTES * pc.start, FLOAT32_BYTES * pc.count)
-            )
-    return out, missing
-
-
 def master_sources(opt: Any, groups: list[Any]) -> dict[int, Source]:
     """A master-weights Source for every group all of whose shards are
     float32 parameters of `opt` with their whole master on the drive."""
-    if getattr(opt, "_swapper", None) is None:
+    index = opt.parameter_index()
+    if not index:
         return {}
-    pieces, missing = _pieces(opt)
-    index = {id(p): k for k, p in enumerate(opt._params)}
+    pieces, missing = opt.master_slices()
     out = {}
     for g in groups:
         src = _source(g, index, pieces, missing)
@@ -109,17 +88,9 @@ def skip_released_write_back(opt: Any) -> Any:
     """Make `opt`'s step copy its new master weights only into parameters
     whose storage is in memory (the tier reads the released ones from the
     master); returns the function that undoes it."""
-
-    def write_back(index: int, master: torch.Tensor) -> None:
-        for pc in opt._subgroups[index].pieces:
-            flat = opt._flat(pc.param)
-            if flat.untyped_storage().nbytes() == 0:
-                continue  # released by the tier: it reads these values from the master
-            flat[pc.start : pc.start + pc.count].copy_(master[pc.offset : pc.offset + pc.count])
-
-    opt._write_back = write_back  # an instance attribute: NVMeAdam.step passes self._write_back
+    opt.skip_freed_parameters = True
 
     def undo() -> None:
-        opt.__dict__.pop("_write_back", None)
+        opt.skip_freed_parameters = False
 
     return undo

@@ -353,7 +353,7 @@ class ParamTier:
     def _after_step(self) -> None:
         self._resident_depth -= 1
         if self._master_opt is not None:
-            self._master_opt._swapper.flush()  # the drive's master copy is current
+            self._master_opt.flush_master()  # the drive's master copy is current
             sources = master_sources(self._master_opt, self.groups)
             self._fit_pool(max((s.staging_bytes for s in sources.values()), default=0))
         else:

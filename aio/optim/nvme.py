@@ -239,9 +239,46 @@ class NVMeAdam(torch.optim.Optimizer):
 
     def _write_back(self, index: int, master: torch.Tensor) -> None:
         for pc in self._subgroups[index].pieces:
-            self._flat(pc.param)[pc.start : pc.start + pc.count].copy_(
-                master[pc.offset : pc.offset + pc.count]
-            )
+            flat = self._flat(pc.param)
+            if self.skip_freed_parameters and flat.untyped_storage().nbytes() == 0:
+                continue  # freed by an offload tier, which reads these values from the master
+            flat[pc.start : pc.start + pc.count].copy_(master[pc.offset : pc.offset + pc.count])
+
+    # -- what a parameter tier reads (aio.fsdp) ----------------------------------------------
+    # Parameters freed by an offload tier (storage resized to 0) are skipped
+    # when a step writes the new master weights back into the parameters;
+    # set by aio.fsdp.offload_params, which reads them from master_slices().
+    skip_freed_parameters = False
+
+    def parameter_index(self) -> dict[int, int]:
+        """``id(param) -> k``: each parameter's index in :meth:`master_slices`
+        (empty before the first step or load laid the sub-groups out)."""
+        return {id(p): k for k, p in enumerate(self._params)} if self._swapper is not None else {}
+
+    def master_slices(self) -> tuple[dict[int, list[tuple[Any, int, int, int]]], set[int]]:
+        """Where each parameter's fp32 master weights are on the drive, by
+        parameter index: ``(swap space, byte offset there, byte offset in
+        the parameter's local tensor, bytes)`` slices; and the indices some
+        of whose master is not on the drive yet (never stepped, or held in a
+        buffer: call :meth:`flush_master` first)."""
+        out: dict[int, list[tuple[Any, int, int, int]]] = {}
+        missing: set[int] = set()
+        sw = self._swapper
+        for i, sg in enumerate(self._subgroups if sw is not None else []):
+            ext = sw.master_extent(i) if sw is not None else None
+            for pc in sg.pieces:
+                if ext is None:
+                    missing.add(pc.param)
+                    continue
+                space, base = ext
+                out.setdefault(pc.param, []).append((space, base + 4 * pc.offset, 4 * pc.start, 4 * pc.count))
+        return out, missing
+
+    def flush_master(self) -> None:
+        """Write the master weights the swapper still holds in buffers to
+        the drive, so :meth:`master_slices` reads current values."""
+        if self._swapper is not None:
+            self._swapper.flush()
 
     def _count_steps(self, sw: _Swapper, grads: Mapping[int, Any]) -> None:
         """Each parameter's ``step`` in self.state: its sub-groups' count
