@@ -191,13 +191,15 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rss() -> int:
+def rss() -> int:
+    """This process's resident memory now, in bytes."""
     import psutil
 
     return int(psutil.Process().memory_info().rss)
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """Bytes as ``1.23 GiB``, or ``456 MiB`` under a GiB."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
@@ -352,8 +354,8 @@ def _print_estimate(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     """Print the estimate before allocating (and its warnings); the predicted peak RSS."""
     est = estimate_run(args, cfg)
     print(
-        f"estimate before allocating: pinned {_gib(est.pinned_bytes)}, drive {_gib(sum(est.nvme.values()))}, "
-        f"peak RSS {_gib(est.peak_rss_bytes)}",
+        f"estimate before allocating: pinned {gib(est.pinned_bytes)}, drive {gib(sum(est.nvme.values()))}, "
+        f"peak RSS {gib(est.peak_rss_bytes)}",
         file=out,
     )
     for problem in est.check():
@@ -395,7 +397,7 @@ def train_offloaded(args: argparse.Namespace, cfg: dict[str, Any], out: Any) -> 
     print(
         f"model: {n / 1e6:.1f}M parameters ({args.layers} layers, width {args.width}); "
         f"set-up {setup:.1f} s (model {built:.1f} s, trainer {setup - built:.1f} s); "
-        f"pinned buffers {_gib(trainer.pinned_bytes())}; fp32 optimizer state {_gib(n * 12)}",
+        f"pinned buffers {gib(trainer.pinned_bytes())}; fp32 optimizer state {gib(n * 12)}",
         file=out,
     )
     grads = trainer.stats()["gradients"]
@@ -458,7 +460,7 @@ def _print_floor(
     """One step's bytes by category and, with drive rates, the floor: bytes
     read / read GB/s + bytes written / write GB/s. Returns the floor (0 without rates)."""
     for d in ("read", "written"):
-        parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(moved[d].items()))
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in sorted(moved[d].items()))
         print(f"      {d:7s} {parts or 'nothing'}", file=out)
     if not rates:
         return 0.0
@@ -501,7 +503,7 @@ def _offloaded_steps(
         rates.append(moved / dt / 1e9)
         print(
             f"step {step + 1:3d}  loss {loss.item():.4f}  {dt * 1000:7.0f} ms  "
-            f"{rates[-1]:5.2f} GB/s ({_gib(moved)})  peak RSS {_gib(peak_rss())}",
+            f"{rates[-1]:5.2f} GB/s ({gib(moved)})  peak RSS {gib(peak_rss())}",
             file=out,
             flush=True,
         )
@@ -606,8 +608,8 @@ def baseline_skip_reason(args: argparse.Namespace, available: int | None = None)
     if need <= BASELINE_MEMORY_SHARE * avail:
         return None
     return (
-        f"training this model in memory takes about {_gib(need)} ({per} B per parameter: parameters, "
-        f"gradients, AdamW's states), more than {BASELINE_MEMORY_SHARE:.0%} of the {_gib(avail)} available"
+        f"training this model in memory takes about {gib(need)} ({per} B per parameter: parameters, "
+        f"gradients, AdamW's states), more than {BASELINE_MEMORY_SHARE:.0%} of the {gib(avail)} available"
     )
 
 
@@ -616,7 +618,7 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2] if s else math.nan
 
 
-def _number_arg(lo: float, strictly: bool = False) -> Any:
+def number_arg(lo: float, strictly: bool = False) -> Any:
     """An argparse type: a finite float >= lo (> lo when strictly)."""
 
     def parse(text: str) -> float:
@@ -633,7 +635,7 @@ def _number_arg(lo: float, strictly: bool = False) -> Any:
     return parse
 
 
-def _model_arguments(ap: argparse.ArgumentParser) -> None:
+def model_arguments(ap: argparse.ArgumentParser) -> None:
     """The GPT's shape."""
     from ._cli import int_in
 
@@ -687,7 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
         "else (plain training through aio.zero)",
     )
     ap.add_argument("--steps", type=int_in(1, big), default=10, help="optimizer steps to train")
-    _model_arguments(ap)
+    model_arguments(ap)
     ap.add_argument(
         "--batch",
         type=int_in(1, 1 << 24),
@@ -695,10 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences per micro-batch",
     )
     ap.add_argument("--gas", type=int_in(1, 1 << 20), default=1, help="gradient accumulation steps")
-    ap.add_argument("--clip", type=_number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
+    ap.add_argument("--clip", type=number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
     ap.add_argument(
         "--lr",
-        type=_number_arg(0.0),
+        type=number_arg(0.0),
         default=None,
         help=f"AdamW learning rate (default: {BASE_LR:g} x {BASE_WIDTH}/width, at most {BASE_LR:g})",
     )
@@ -854,9 +856,9 @@ def _train(args: argparse.Namespace) -> int:
             result["step_ratio"] = ratio
         state = off["params"] * 12  # fp32 master weights and Adam's two moments
         print(
-            f"offloaded run: peak RSS {_gib(off['peak_rss'])} ({_gib(off['predicted_peak_rss'])} predicted), "
-            f"pinned {_gib(off['pinned_bytes'])}, median {_median(off['gbps']):.2f} GB/s to/from the drive; "
-            f"the fp32 optimizer state ({_gib(state)}) is {state / off['peak_rss']:.1f}x the peak RSS "
+            f"offloaded run: peak RSS {gib(off['peak_rss'])} ({gib(off['predicted_peak_rss'])} predicted), "
+            f"pinned {gib(off['pinned_bytes'])}, median {_median(off['gbps']):.2f} GB/s to/from the drive; "
+            f"the fp32 optimizer state ({gib(state)}) is {state / off['peak_rss']:.1f}x the peak RSS "
             f"({'more than' if state > off['peak_rss'] else 'less than'} the process ever held in memory)",
             file=out,
         )

@@ -36,14 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int_in(1, 1024), help="launch this many ranks on this host (torchrun)")
     ap.add_argument("--nvme-path", nargs="+", metavar="DIR", help="drive directory (default: a temp dir)")
     ap.add_argument("--steps", type=int_in(1, 1 << 40), default=10, help="optimizer steps to train")
-    single._model_arguments(ap)
+    single.model_arguments(ap)
     ap.add_argument(
         "--batch", type=int_in(1, 1 << 24), default=single.DEFAULT_BATCH, help="sequences per rank"
     )
-    ap.add_argument("--clip", type=single._number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
+    ap.add_argument("--clip", type=single.number_arg(0.0), default=1.0, help="gradient clipping (0: off)")
     ap.add_argument(
         "--lr",
-        type=single._number_arg(0.0),
+        type=single.number_arg(0.0),
         default=None,
         help="AdamW learning rate (default: aio-train's, 0.001 x 256/width, at most 0.001)",
     )
@@ -182,7 +182,7 @@ def _tiered(args: argparse.Namespace, rank: int, device: Any, nvme: list[str], r
 def _print_step(
     rank: int, step: int, loss: float, dt: float, moved: tuple[int, int], pinned: int, rates: Any
 ) -> None:
-    gib = single._gib
+    gib = single.gib
     line = (
         f"[rank {rank}] step {step + 1:3d}  loss {loss:.4f}  {dt * 1000:7.0f} ms  drive read {gib(moved[0])} "
         f"written {gib(moved[1])}  peak RSS {gib(single.peak_rss())}  pinned {gib(pinned)}"
@@ -241,7 +241,7 @@ def _rank_main(args: argparse.Namespace) -> int:
     nvme = args.nvme_path or [tmp]
     try:
         rates = _floor(args, nvme[0]) if args.floor else None
-        start = single._rss()
+        start = single.rss()
         run = _tiered(args, rank, device, nvme, rates)
         run.update(rank=rank, world=world, peak_rss=single.peak_rss(), drive_gbps=rates, start_rss=start)
         run["predicted_peak_rss"] = start + predicted_peak_rss(args, world, run)
@@ -274,7 +274,7 @@ def _floor(args: argparse.Namespace, where: str) -> dict[str, float]:
 
 
 def _report(args: argparse.Namespace, rank: int, run: dict[str, Any]) -> None:
-    gib = single._gib
+    gib = single.gib
     t, o = run["tier"], run["optimizer"]
     print(
         f"[rank {rank}] done: peak RSS {gib(run['peak_rss'])} (predicted at most "
