@@ -571,6 +571,11 @@ def _patch_engine_start() -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
         warn_if_params_stay_in_cpu(getattr(self, "optimizer", None))
+        module = getattr(self, "module", None)
+        if module is not None:
+            from .ds_swappers import warn_if_built_before
+
+            warn_if_built_before(module)
         _register_swap_cleanup(self)
 
     __init__._aio_wrapped = True  # type: ignore[attr-defined]

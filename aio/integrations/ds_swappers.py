@@ -222,7 +222,10 @@ def install(*, force: bool = False, param_swapper: Any = None, optimizer_swapper
     Does nothing (and says why, once, in a log line) for a DeepSpeed outside
     ``SUPPORTED`` or, unless `force`, when ``AIO_DEEPSPEED_SWAPPERS=0``.
     `param_swapper` / `optimizer_swapper` replace aio's classes (tests).
-    Engines built before the call keep the classes they were built with.
+    A model built under ``zero.Init`` before the call keeps DeepSpeed's
+    parameter swapper (the build makes it; :func:`warn_if_built_before`
+    says so when its engine starts), and an engine built before it keeps
+    DeepSpeed's optimizer swapper.
     """
     import deepspeed
 
@@ -239,6 +242,8 @@ def install(*, force: bool = False, param_swapper: Any = None, optimizer_swapper
         if not _said_off:
             _said_off = True
             _log.info("%s=0: DeepSpeed's NVMe swappers keep DeepSpeed's own buffer rules", ENV_SWITCH)
+        with _lock:
+            _restore()  # an earlier install() goes too: the switch means off
         return False
     from deepspeed.runtime.zero import partition_parameters as pp
     from deepspeed.runtime.zero import stage3
@@ -255,6 +260,28 @@ def install(*, force: bool = False, param_swapper: Any = None, optimizer_swapper
         orig = pp.Init._ensure_availability_of_partitioned_params
         _installed.append((pp.Init, "_ensure_availability_of_partitioned_params", orig))
         pp.Init._ensure_availability_of_partitioned_params = _wrap_ensure_availability(orig)
+    return True
+
+
+def warn_if_built_before(module: Any) -> bool:
+    """Log one warning when `module`'s parameters page through DeepSpeed's
+    own parameter swapper while aio's classes are installed: the model was
+    built under ``zero.Init`` (which makes the swapper) before
+    :func:`install` ran, so aio's buffer rules do not apply to it. Returns
+    whether it warned."""
+    if not installed():
+        return False
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
+
+    swapper = next((getattr(p, "nvme_swapper", None) for p in module.parameters()), None)
+    if type(swapper) is not AsyncPartitionedParameterSwapper:
+        return False
+    _log.warning(
+        "this DeepSpeed engine's parameters page through DeepSpeed's own swapper (it asserts 'Not enough "
+        "buffers' on HF's NVMe block): its model was built under deepspeed.zero.Init before "
+        "aio.integrations.deepspeed.enable(); call enable() (or set AIO_DEEPSPEED=1) before building the "
+        "model (zero.Init, from_pretrained)"
+    )
     return True
 
 

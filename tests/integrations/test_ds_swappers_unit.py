@@ -277,3 +277,40 @@ def test_other_deepspeed_versions_are_left_untouched(monkeypatch, caplog):
         monkeypatch.undo()
         if was:
             ds_swappers.install()
+
+
+def test_the_switch_off_also_undoes_an_earlier_install(monkeypatch):
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    from aio.integrations import ds_swappers
+
+    ds_swappers.uninstall()
+    own = pp.AsyncPartitionedParameterSwapper
+    try:
+        assert ds_swappers.install()
+        assert pp.AsyncPartitionedParameterSwapper is not own
+        monkeypatch.setenv(ds_swappers.ENV_SWITCH, "0")
+        assert not ds_swappers.install()
+        assert pp.AsyncPartitionedParameterSwapper is own and not ds_swappers.installed()
+    finally:
+        ds_swappers.uninstall()
+
+
+def test_a_model_built_before_enable_is_told(caplog):
+    import torch
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
+
+    from aio.integrations import ds_swappers
+
+    model = torch.nn.Linear(2, 2)
+    model.weight.nvme_swapper = object.__new__(AsyncPartitionedParameterSwapper)  # DeepSpeed's own class
+    ds_swappers.uninstall()
+    assert not ds_swappers.warn_if_built_before(model)  # not installed: nothing to say
+    try:
+        assert ds_swappers.install()
+        assert ds_swappers.warn_if_built_before(model)
+        assert "before aio.integrations.deepspeed.enable()" in caplog.text
+        model.weight.nvme_swapper = object.__new__(ds_swappers.param_swapper_class())
+        assert not ds_swappers.warn_if_built_before(model)
+    finally:
+        ds_swappers.uninstall()
