@@ -142,8 +142,34 @@ class ParamTier:
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._before_step()))
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
+        self._watch_other_optimizers(optimizer)
         if self._master_opt is not None:
             self._handles.append(skip_released_write_back(self._master_opt))
+
+    def _watch_other_optimizers(self, attached: torch.optim.Optimizer | None) -> None:
+        """An optimizer not given to offload_params (built after it, a second
+        one) that steps these parameters gets the same bracket: the shards
+        loaded before its step, written and freed after. Without it the step
+        reads freed storage: a segfault, not an exception."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        mine = {id(s.fsdp_param.sharded_param) for g in self.groups for s in g.shards}
+        stepping: set[int] = set()
+
+        def pre(opt: Any, *_: Any) -> None:
+            if opt is attached or self.closed:
+                return
+            if any(id(p) in mine for group in opt.param_groups for p in group["params"]):
+                stepping.add(id(opt))
+                self._before_step()
+
+        def post(opt: Any, *_: Any) -> None:
+            if id(opt) in stepping:
+                stepping.discard(id(opt))
+                self._after_step()
+
+        self._handles.append(register_optimizer_step_pre_hook(pre))
+        self._handles.append(register_optimizer_step_post_hook(post))
 
     def _guard(self, what: str) -> Any:
         def hook(*_: Any, **__: Any) -> None:
@@ -482,6 +508,12 @@ def offload_params(
     read the shards from its master weights after its first step and write
     none (see :mod:`aio.fsdp.master`). Returns the
     :class:`ParamTier` (``stats()``, ``resident()``, ``close()``).
+
+    Between steps the shards' storage is freed: read or change parameters
+    (state dicts, DCP, EMA, weight norms, ``full_tensor()``) only inside
+    ``with tier.resident():`` -- ``state_dict()``/``load_state_dict()``
+    outside it raise :class:`TierError`, but any other read of freed
+    storage crashes the process (see docs/fsdp.md).
     """
     return ParamTier(
         model, nvme_path, optimizer, window=window, pin_memory=pin_memory, aio=aio,

@@ -115,6 +115,11 @@ class NVMeAdam(torch.optim.Optimizer):
                 f"{type(self).__name__}.add_param_group after the first step: the sub-groups on the drive "
                 "are laid out; add every param group before the first step()"
             )
+        params = param_group.get("params")
+        listed = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        if len({id(p) for p in listed}) != len(listed):
+            # torch warns and steps such a parameter twice; one master copy cannot.
+            raise ValueError(f"param group {len(self.param_groups)} lists a parameter twice")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_group(group, f"param group {len(self.param_groups) - 1}")
@@ -377,10 +382,17 @@ class NVMeAdam(torch.optim.Optimizer):
             sw.drop_cached(write_back=False)
             sw.broken = None
         fresh = [i for i, (_, step) in enumerate(plan) if step is None]
-        for i, (values, step) in enumerate(plan):
-            if step is not None:
-                sw.write_state(i, values, {"step": torch.tensor(step)})
-        sw.initialize_many((i, _copier(plan[i][0]["param"])) for i in fresh)
+        try:
+            for i, (values, step) in enumerate(plan):
+                if step is not None:
+                    sw.write_state(i, values, {"step": torch.tensor(step)})
+            sw.initialize_many((i, _copier(plan[i][0]["param"])) for i in fresh)
+        except BaseException:
+            # Some sub-groups hold the loaded state, others the old one (a
+            # Ctrl-C, a failed write): a step from that mix would train on
+            # in silence. Refused until a load_state_dict() runs to its end.
+            sw.broken = f"{type(self).__name__}.load_state_dict() was interrupted part-way; load it again"
+            raise
         for k, p in enumerate(self._params):
             step = _loaded_step(self.state.get(p, {}), k)
             if step is not None:

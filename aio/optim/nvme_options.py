@@ -13,6 +13,7 @@ over several drives.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,8 +44,7 @@ class RankInfo:
 def rank_info() -> RankInfo:
     """From torch.distributed when it is initialized, else the launcher's
     environment (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), else one process."""
-    env = os.environ
-    rank = int(env.get("RANK", "0") or 0)
+    rank = _env_int("RANK", 0, 0)
     try:
         import torch.distributed as dist
 
@@ -52,9 +52,24 @@ def rank_info() -> RankInfo:
             rank = dist.get_rank()
     except ImportError:  # a torch without torch.distributed
         pass
-    local_rank = int(env.get("LOCAL_RANK", str(rank)) or rank)
-    local_world = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return RankInfo(rank, local_rank, max(1, local_world))
+    local_rank = _env_int("LOCAL_RANK", rank, 0)
+    return RankInfo(rank, local_rank, _env_int("LOCAL_WORLD_SIZE", 1, 1))
+
+
+def _env_int(name: str, default: int, lo: int) -> int:
+    """The launcher's variable `name` as an int >= `lo` (unset or empty:
+    `default`); anything else is a ValueError naming it (a LOCAL_WORLD_SIZE
+    of 0 taken as 1 would give this rank the whole node's memory budget)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = lo - 1
+    if value < lo:
+        raise ValueError(f"environment variable {name}={text!r}: an integer >= {lo} (as torchrun sets it)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,11 @@ def _paths(nvme_path: Any, info: RankInfo) -> list[str]:
                     f"nvme_path {p!r}: only {{rank}} and {{local_rank}} may be filled in ({e})"
                 ) from None
         out.append(p)
-    return nvme_path_list(out)
+    paths = nvme_path_list(out)
+    for d in paths:  # said at construction, not at the first step
+        if not os.path.isdir(d):
+            raise FileNotFoundError(errno.ENOENT, "nvme_path: not an existing directory", d)
+    return paths
 
 
 def _block(offload_optimizer: Mapping[str, Any] | None) -> dict[str, Any]:

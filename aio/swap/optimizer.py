@@ -483,7 +483,8 @@ class OptimizerSwapper:
         except BaseException as e:
             self.broken = (
                 f"writing kept optimizer state back failed ({type(e).__name__}: {e}); the swapped "
-                "optimizer state is incomplete. Restore it with import_checkpoint()"
+                "optimizer state is incomplete. Restore it with import_checkpoint() "
+                "(NVMeAdamW: load_state_dict())"
             )
             raise
         finally:
@@ -505,7 +506,7 @@ class OptimizerSwapper:
             self.drop_cached(write_back=False)
             self.broken = (
                 f"writing master weights failed ({type(e).__name__}: {e}); the swapped optimizer "
-                "state is incomplete. Restore it with import_checkpoint()"
+                "state is incomplete. Restore it with import_checkpoint() (NVMeAdamW: load_state_dict())"
             )
             raise
 
@@ -631,7 +632,8 @@ class OptimizerSwapper:
             io.abort()
             self.broken = (
                 f"optimizer step {self.steps + 1} failed ({type(e).__name__}: {e}); the swapped "
-                "optimizer state is partly updated. Restore it with import_checkpoint()"
+                "optimizer state is partly updated. Restore it with import_checkpoint() "
+                "(NVMeAdamW: load_state_dict())"
             )
             raise
 

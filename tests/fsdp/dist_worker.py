@@ -125,7 +125,9 @@ def _train(model, opt, rank, steps=STEPS, start=0, tier=None) -> tuple[list[floa
     return losses, resident
 
 
-def _compare(rank, tmp, opt_kind="torch", ac=False, window=2, from_master=True, **shard_kw) -> dict:
+def _compare(
+    rank, tmp, opt_kind="torch", ac=False, window=2, from_master=True, late_opt=False, **shard_kw
+) -> dict:
     from aio.fsdp import offload_params
 
     ref = _shard(_model(ac), **shard_kw)
@@ -133,10 +135,14 @@ def _compare(rank, tmp, opt_kind="torch", ac=False, window=2, from_master=True, 
     lt, _ = _train(ref, ref_opt, rank)
     pt = _full(ref)
     model = _shard(_model(ac), **shard_kw)
-    opt = _optimizer(opt_kind, model, tmp)
-    tier = offload_params(
-        model, os.path.join(tmp, "drive"), opt, window=window, params_from_master=from_master
-    )
+    if late_opt:  # the optimizer built after the tier, never given to it
+        tier = offload_params(model, os.path.join(tmp, "drive"), window=window)
+        opt = _optimizer(opt_kind, model, tmp)
+    else:
+        opt = _optimizer(opt_kind, model, tmp)
+        tier = offload_params(
+            model, os.path.join(tmp, "drive"), opt, window=window, params_from_master=from_master
+        )
     watch = _Watch(model, tier)
     la, resident = _train(model, opt, rank, tier=tier)
     with tier.resident(modified=False):
@@ -162,6 +168,16 @@ def _compare(rank, tmp, opt_kind="torch", ac=False, window=2, from_master=True, 
 
 def case_plain(rank, tmp):
     return _compare(rank, tmp)
+
+
+def case_late_optimizer(rank, tmp):
+    """An optimizer built after offload_params, not given to it: its step
+    is bracketed all the same (it read freed shards: SIGSEGV)."""
+    return _compare(rank, tmp, late_opt=True)
+
+
+def case_late_nvme(rank, tmp):
+    return _compare(rank, tmp, opt_kind="nvme", late_opt=True)
 
 
 def case_prefetch(rank, tmp):

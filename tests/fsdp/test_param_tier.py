@@ -35,7 +35,7 @@ pytestmark = [
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
     "plain", "prefetch", "ac", "ac_prefetch", "grouped", "root_keep", "bf16_offload",
-    "window1", "miss", "nvme", "nvme_own", "nvme_bf16", "dcp", "dcp_nvme",
+    "window1", "miss", "nvme", "nvme_own", "nvme_bf16", "dcp", "dcp_nvme", "late_optimizer", "late_nvme",
 ]  # fmt: skip
 THREE = ["ac_prefetch", "grouped", "bf16_offload", "nvme_bf16"]
 TRAINING = set(TWO) - {"miss", "dcp", "dcp_nvme"}

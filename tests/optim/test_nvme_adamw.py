@@ -211,3 +211,44 @@ def test_swapper_read_and_write_state(tmp_path) -> None:
     with pytest.raises(TypeError, match="float32 CPU tensor"):
         sw.write_state(0, {"param": torch.zeros(1000, dtype=torch.float64)})
     sw.close()
+
+
+def test_bad_launcher_values_paths_and_duplicates_are_refused_at_construction(tmp_path, monkeypatch) -> None:
+    m = _model()
+    for bad in ("0", "-3", "abc", "2.0"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+            NVMeAdamW(m.parameters(), nvme_path=str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(FileNotFoundError, match="nvme_path"):
+        NVMeAdamW(m.parameters(), nvme_path=str(tmp_path / "missing"))
+    w = m[0].weight
+    with pytest.raises(ValueError, match="twice"):
+        NVMeAdamW([w, w], nvme_path=str(tmp_path))
+
+
+def test_an_interrupted_load_refuses_to_step_until_loaded_again(tmp_path, monkeypatch) -> None:
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    ob = NVMeAdamW(b.parameters(), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=300)
+    _steps([(a, oa, None), (b, ob, None)], 0, 2)
+    saved = ob.state_dict()
+    _steps([(b, ob, None)], 2, 2)
+    sw = ob._swapper
+    calls = {"n": 0}
+    real = type(sw).write_state
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the first sub-group took the loaded state
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(sw), "write_state", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ob.load_state_dict(saved)
+    monkeypatch.undo()
+    with pytest.raises(Exception, match="interrupted part-way"):
+        _steps([(b, ob, None)], 2, 1)  # a mix of loaded and old sub-groups: refused
+    ob.load_state_dict(saved)  # a whole load restores it
+    ob.close()
