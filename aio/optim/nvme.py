@@ -285,15 +285,21 @@ class NVMeAdam(torch.optim.Optimizer):
         if self._swapper is not None:
             self._swapper.flush()
 
-    def _count_steps(self, sw: _Swapper, grads: Mapping[int, Any]) -> None:
-        """Each parameter's ``step`` in self.state: its sub-groups' count
-        (one with no local elements counts on by itself, when it has a
-        gradient: torch's AdamW skips a parameter without one)."""
+    def _sync_steps(self, sw: _Swapper) -> set[int]:
+        """Each parameter's ``step`` in self.state from its sub-groups'
+        count on the drive; returns the parameter indices set."""
         counted = set()
         for i, pc in pieces_of(self._subgroups):
             scalars = sw.groups[i].scalars or {}
             self.state[self._params[pc.param]]["step"] = torch.tensor(float(scalars.get("step", 0.0)))
             counted.add(pc.param)
+        return counted
+
+    def _count_steps(self, sw: _Swapper, grads: Mapping[int, Any]) -> None:
+        """Each parameter's ``step`` in self.state: its sub-groups' count
+        (one with no local elements counts on by itself, when it has a
+        gradient: torch's AdamW skips a parameter without one)."""
+        counted = self._sync_steps(sw)
         for k, p in enumerate(self._params):
             if k not in counted and k in grads:
                 st = self.state[p]
@@ -305,6 +311,11 @@ class NVMeAdam(torch.optim.Optimizer):
         ``exp_avg_sq`` (DTensors laid out as DTensor parameters), read from
         the drive; this rank's moments are held in memory while it is used
         (8 bytes per local element in float32)."""
+        if self._swapper is not None:
+            # The swapper's own counts: a step interrupted after its update but
+            # before self.state was counted (a Ctrl-C) must not save the old
+            # step beside the new moments (a wrong bias correction on resume).
+            self._sync_steps(self._swapper)
         sd = super().state_dict()
         if self._swapper is None:
             return sd

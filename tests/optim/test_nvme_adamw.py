@@ -252,3 +252,22 @@ def test_an_interrupted_load_refuses_to_step_until_loaded_again(tmp_path, monkey
         _steps([(b, ob, None)], 2, 1)  # a mix of loaded and old sub-groups: refused
     ob.load_state_dict(saved)  # a whole load restores it
     ob.close()
+
+
+@bits
+def test_state_dict_counts_steps_from_the_drive_after_an_interrupted_count(tmp_path, monkeypatch) -> None:
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    ob = NVMeAdamW(b.parameters(), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=300)
+    _steps([(a, oa, None), (b, ob, None)], 0, 1)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # a Ctrl-C right after the swapped step
+
+    monkeypatch.setattr(NVMeAdamW, "_count_steps", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _steps([(b, ob, None)], 1, 1)
+    monkeypatch.undo()
+    _steps([(a, oa, None)], 1, 1)
+    assert _same(a, b) and _same_state(oa.state_dict(), ob.state_dict())  # step 2 beside step-2 moments
+    ob.close()
