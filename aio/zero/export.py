@@ -53,16 +53,18 @@ def torch_dtype(dtype: Any) -> Any:
     raise ValueError(f"dtype {dtype!r}: one of fp32, bf16, fp16 (or a torch floating dtype)")
 
 
-def state_dict_layout(module: Any, store: Any) -> list[tuple[str, int | None]]:
+def state_dict_layout(module: Any, store: Any, state: Any = None) -> list[tuple[str, int | None]]:
     """``module.state_dict()``'s keys in order, each with the part id of the
     store's parameter it holds (None for a buffer or a parameter the store
-    does not own). Nothing is read. Entries that are no tensors (a module's
+    does not own). Nothing is read; `state`: that state_dict(keep_vars=True)
+    when the caller has it already. Entries that are no tensors (a module's
     ``get_extra_state()``) have no place in safetensors: left out, said once."""
     import torch
 
     out: list[tuple[str, int | None]] = []
     skipped = []
-    for key, v in module.state_dict(keep_vars=True).items():
+    state = module.state_dict(keep_vars=True) if state is None else state
+    for key, v in state.items():
         if not isinstance(v, torch.Tensor):
             skipped.append(key)
             continue
@@ -133,7 +135,7 @@ def save_pretrained(
         p = params[part]
         return Source("", tuple(p.aio_shape), p.dtype, lambda: store.read(p).view(p.aio_shape))
 
-    layout = state_dict_layout(module, store)
+    layout = state_dict_layout(module, store, state)
     sources = _sources(layout, param, lambda key: state[key].detach(), dtype, tie_once=_is_hf(module))
     extra = hf_files(module, dtype or store.dtype)
     return write_shards(save_directory, sources, max_shard_size, progress=progress, extra_files=extra)
