@@ -30,14 +30,15 @@ CUDA_LIBS=(
 # the CUDA simulator (dispatch modes, streams, events), optimizer param
 # groups and LR schedulers, GradScaler and autocast, checkpoints
 # (torch.load with safe_globals), module hooks and CUDA streams, FSDP2 /
-# FSDP1 / DDP / DCP under aio.optim (tests/optim). The rest of
+# FSDP1 / DDP / DCP under aio.optim (tests/optim), a stored parameter's
+# class and torch function dispatch (tests/zero/test_stored_param.py). The rest of
 # the suite runs once, on the default torch (CI time: each file here costs
 # a second worker's torch import and its tests again).
 TESTS=(
   tests/zero/test_cuda_sim.py tests/zero/test_param_groups.py tests/zero/test_scaler.py
   tests/zero/test_checkpoint.py tests/zero/test_hooks.py tests/zero/test_streams.py
   tests/optim/test_distributed.py tests/optim/test_nvme_adamw.py
-  tests/test_rss_estimate.py
+  tests/zero/test_stored_param.py tests/test_rss_estimate.py
 )
 
 install() {

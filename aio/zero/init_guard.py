@@ -36,26 +36,10 @@ from typing import Any
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-# Operations on a placeholder that are about the placeholder, not the values.
-_PASS = {
-    "to", "float", "half", "bfloat16", "double", "cpu", "cuda", "type", "requires_grad_",
-    "dtype", "device", "requires_grad", "grad", "is_meta", "is_cuda", "layout", "names",
-    "_is_view", "is_leaf", "grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks",
-    "__repr__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__",
-    "data_ptr", "is_floating_point", "is_complex", "element_size",
-}  # fmt: skip
-_SHAPE = {"shape", "size", "dim", "ndim", "numel", "nelement", "__len__"}
-
-
-def _name(func: Any) -> str:
-    """The name of a torch function: a property's getter and setter are
-    `__get__`/`__set__` of a descriptor named for the property; the getter is
-    named for the property, the setter ``set:<property>``."""
-    name = getattr(func, "__name__", "")
-    owner = getattr(func, "__self__", None)
-    if name in ("__get__", "__set__") and owner is not None and hasattr(owner, "__name__"):
-        return owner.__name__ if name == "__get__" else f"set:{owner.__name__}"
-    return name
+from .stored_param import PASS_NAMES as _PASS
+from .stored_param import SHAPE_NAMES as _SHAPE
+from .stored_param import shallow_args as _shallow
+from .stored_param import torch_function_name as _name
 
 
 class PlaceholderGuard(TorchFunctionMode):
@@ -161,17 +145,6 @@ def _detached(p: Any) -> Any:
     import torch
 
     return torch.empty(p.aio_shape, dtype=p.dtype, device="meta")
-
-
-def _shallow(args: tuple, kwargs: dict) -> list[Any]:
-    """The arguments, and the items of list/tuple arguments (torch.cat's), one level deep."""
-    out: list[Any] = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            out.extend(a)
-        else:
-            out.append(a)
-    return out
 
 
 def _aliased(params: list[Any], out: Any) -> list[Any]:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..swap import ParamSwapper, PoolExhaustedError, State, SwapStateError
+from . import stored_param
 from .malloc import BUILD_MMAP_THRESHOLD, TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD, set_mmap_threshold
 from .streams import DeviceCopies, HostCopies, copies_for
 from .uploads import UploadPolicy, Uploads
@@ -106,6 +107,9 @@ class ParamStore:
         # A trainer steps these parameters (master weights elsewhere decide
         # their values): set by OffloadTrainer once built.
         self.trained = False
+        # > 0 while Module.state_dict() runs on a module of these parameters:
+        # its detach() of a placeholder is answered by the state-dict hooks.
+        self.state_dict_calls = 0
         self.closed = False
 
     # -- adoption ------------------------------------------------------------------------
@@ -161,6 +165,7 @@ class ParamStore:
             param.data = self._host(part_id).view(param.aio_shape)
         else:
             param.data = self.copies.placeholder(self.dtype)
+        stored_param.mark(param)
 
     def forget_orphans(self) -> list[int]:
         """Give back the partitions of parameters that no longer exist (a
