@@ -3,7 +3,7 @@
 tier, every variant in a process group of its own (gloo on CPU; NCCL where
 ``--backend nccl`` and GPUs are there).
 
-    python bench/fsdp_step.py [--world 2] [--variants torch,cpu-adam,nvme,ds-nvme]
+    python bench/fsdp_step.py [--world 2] [--variants torch,cpu-adam,nvme,nvme-drive,ds-nvme]
         [--layers 4 --width 512 --heads 8 --vocab 8192 --seq 64 --batch 2]
         [--warmup 1] [--steps 3] [--dir /local_nvme] [--drive-mib 256] [--json out.json]
 
@@ -12,8 +12,14 @@ Variants:
   torch     FSDP2 + CPUOffloadPolicy + torch.optim.AdamW (its default, foreach
             where torch picks it)
   cpu-adam  the same with aio.optim.CPUAdamW (aio's fused CPU kernel)
-  nvme      FSDP2 + aio.optim.NVMeAdamW: each rank's fp32 master weights and
-            Adam moments on its drive (a folder per rank under --dir)
+  nvme      FSDP2 + aio.optim.NVMeAdamW at its default (master="auto": here,
+            with fp32 parameters in CPU memory, "params"): each rank's Adam
+            moments on its drive (a folder per rank under --dir), the fp32
+            master weights the parameters themselves
+  nvme-params  the same with master="params" asked for
+  nvme-drive   the same with master="drive": the fp32 master weights on the
+            drive beside the moments (12 bytes per element, 24 moved per step,
+            against 8 and 16)
   ds-nvme   DeepSpeed ZeRO-3 with ``offload_optimizer: nvme`` on aio's handle
             (aio.integrations.deepspeed), DS_ACCELERATOR=cpu; its JIT-built
             cpu_adam op loads before anything is timed (a first build takes
@@ -53,7 +59,8 @@ import time
 import traceback
 from typing import Any
 
-VARIANTS = ("torch", "cpu-adam", "nvme", "ds-nvme")
+VARIANTS = ("torch", "cpu-adam", "nvme", "nvme-params", "nvme-drive", "ds-nvme")
+MASTER = {"nvme": "auto", "nvme-params": "params", "nvme-drive": "drive"}  # NVMeAdamW's master=
 LR = 1e-3
 
 
@@ -124,8 +131,9 @@ def _optimizer(a: argparse.Namespace, variant: str, params: Any, folder: str) ->
     from aio.optim import NVMeAdamW
 
     return NVMeAdamW(
-        params, lr=LR, nvme_path=folder, sub_group_size=a.sub_group_size, buffer_count=a.buffer_count
-    )
+        params, lr=LR, nvme_path=folder, sub_group_size=a.sub_group_size, buffer_count=a.buffer_count,
+        master=MASTER[variant],
+    )  # fmt: skip
 
 
 def _ds_engine(a: argparse.Namespace, folder: str) -> Any:
@@ -329,6 +337,13 @@ def print_table(rows: list[dict[str, Any]], a: argparse.Namespace, rates: dict[s
     by = {r["variant"]: r for r in rows if "error" not in r}
     if "torch" in by and "cpu-adam" in by:
         print(f"torch AdamW step / aio CPUAdamW step: {by['torch']['opt s'] / by['cpu-adam']['opt s']:.2f}x")
+    if "nvme-drive" in by and ("nvme-params" in by or "nvme" in by):
+        params = by.get("nvme-params") or by["nvme"]
+        print(
+            "NVMeAdamW optimizer step, master on the drive / in the parameters: "
+            f"{by['nvme-drive']['opt s'] / params['opt s']:.2f}x "
+            f"({by['nvme-drive']['aio MB/step']:.1f} / {params['aio MB/step']:.1f} MB moved)"
+        )
     if "nvme" in by and "ds-nvme" in by:
         print(f"DeepSpeed NVMe step / NVMeAdamW step: {by['ds-nvme']['s/step'] / by['nvme']['s/step']:.2f}x")
 

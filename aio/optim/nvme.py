@@ -1,6 +1,8 @@
-"""NVMeAdam / NVMeAdamW: torch optimizers whose fp32 master weights and Adam
-moments live on the drive, for PyTorch's own engines (FSDP2, FSDP1, DDP and
-ZeRO-1, one process).
+"""NVMeAdam / NVMeAdamW: torch optimizers whose Adam moments live on the
+drive, and their fp32 master weights with them or, when the parameters are
+float32 in CPU memory, in the parameters themselves (``master=``, see
+:mod:`aio.optim.nvme_master`), for PyTorch's own engines (FSDP2, FSDP1, DDP
+and ZeRO-1, one process).
 
 Each rank keeps the state of the parameters it is given -- for a DTensor
 (FSDP2), its local shard -- in sub-groups (:mod:`aio.optim.layout`) paged
@@ -21,6 +23,7 @@ moments DTensors for DTensor parameters (DCP saves, loads and reshards them).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,6 +33,7 @@ from ..swap.optimizer import OptimizerSwapper
 from . import CPUAdam, _check_hyper, _unsupported
 from .dtensor import check_pair, like, local_of
 from .layout import SubGroup, local_flat, pack, pieces_of
+from .nvme_master import TIER_WARNING, check_live, check_master, not_a_master, params_refused, resolve_master
 from .nvme_options import SwapOptions, check_pinned, resolve, sub_group_size
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -38,12 +42,17 @@ _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
 
 class _Swapper(OptimizerSwapper):
     """The swapper with gradients held in memory (no room for them on the
-    drive) unless ``gradients="nvme"``."""
+    drive) unless ``gradients="nvme"``, and the master weights on the drive
+    unless they are the parameters (``master="params"``)."""
 
     gradients_on_drive = False
+    master_on_drive = True
 
     def gradient_slot(self) -> bool:
         return self.gradients_on_drive
+
+    def master_slot(self) -> bool:
+        return self.master_on_drive
 
 
 class NVMeAdam(torch.optim.Optimizer):
@@ -57,11 +66,14 @@ class NVMeAdam(torch.optim.Optimizer):
     ``pipeline_read``, ``pipeline_write``, ``pin_memory`` (DeepSpeed's names,
     aio's defaults; or an ``offload_optimizer`` block in DeepSpeed's format),
     ``optimizer_states`` ("fp32" or "bf16" moments on the drive),
-    ``gradients`` ("cpu": held in memory, "nvme": on the drive) and
+    ``gradients`` ("cpu": held in memory, "nvme": on the drive),
     ``host_memory_budget`` (of the node, divided among its
-    ``LOCAL_WORLD_SIZE`` ranks). Parameters must be float32 (a DTensor's
-    local tensor contiguous); every parameter with elements on this rank
-    needs a gradient at a step, or none does.
+    ``LOCAL_WORLD_SIZE`` ranks) and ``master`` (where the fp32 master
+    weights live: "drive", "params" -- the parameters themselves, float32 in
+    CPU memory -- or "auto", the default; see :mod:`aio.optim.nvme_master`).
+    Parameters must be float32 (a DTensor's local tensor contiguous); every
+    parameter with elements on this rank needs a gradient at a step, or
+    none does.
     """
 
     def __init__(
@@ -83,6 +95,7 @@ class NVMeAdam(torch.optim.Optimizer):
         offload_optimizer: Mapping[str, Any] | None = None,
         match_torch: bool = False,
         threads: int | None = None,
+        master: str = "auto",
         **swap: Any,
     ) -> None:
         defaults = {
@@ -99,6 +112,8 @@ class NVMeAdam(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} got unexpected keyword arguments {unknown}")
         self.match_torch = match_torch
         self.threads = threads
+        self.master = check_master(master)
+        self._master_mode: str | None = None  # "params" or "drive" once laid out
         self.options: SwapOptions = resolve({"nvme_path": nvme_path, **swap}, offload_optimizer)
         self._swapper: _Swapper | None = None
         self._subgroups: list[SubGroup] = []
@@ -124,7 +139,11 @@ class NVMeAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_group(group, f"param group {len(self.param_groups) - 1}")
         for p in group["params"]:
-            _check_param(p, f"param group {len(self.param_groups) - 1}")
+            where = f"param group {len(self.param_groups) - 1}"
+            _check_param(p, where)
+            why = not_a_master(p) if self.master == "params" else None
+            if why is not None:  # said at construction, not at the first step
+                raise params_refused(self.master, f"{where}: a parameter", why)
 
     def _ensure_layout(self) -> _Swapper:
         """The swapper, laid out now from the parameters param_groups hold
@@ -149,18 +168,41 @@ class NVMeAdam(torch.optim.Optimizer):
             state_dtype=o.state_dtype, group_hyper=[_hyper(g) for g in self.param_groups],
         )  # fmt: skip
         sw.gradients_on_drive = o.gradients == "nvme"
+        mode = resolve_master(self.master, params, self.skip_freed_parameters, _name)
+        sw.master_on_drive = mode == "drive"
         try:
             for i, sg in enumerate(subgroups):
                 sw.register_subgroup(i, sg.numel, sg.group)
             if subgroups:
                 check_pinned(o, sw.planned_pinned_bytes())
             self._params, self._subgroups = params, subgroups
-            sw.initialize_many((i, self._fill_master(i)) for i in range(len(subgroups)))
+            self._init_masters(sw, range(len(subgroups)))
         except BaseException:
             sw.close()
             raise
-        self._swapper = sw
+        self._swapper, self._master_mode = sw, mode
         return sw
+
+    def _init_masters(self, sw: _Swapper, indices: Iterable[int]) -> None:
+        """Sub-groups `indices` start from the parameters as they are now:
+        their master weights copied to the drive, or (the parameters being
+        the master) read from the parameters at each step."""
+        if sw.master_slot():
+            sw.initialize_many((i, self._fill_master(i)) for i in indices)
+            return
+        for i in indices:
+            sw.initialize_from(i, self._master_source(i))
+
+    def _master_source(self, i: int) -> Callable[[torch.Tensor], list[Any]]:
+        """Sub-group `i`'s master weights read from the parameters (master="params")."""
+
+        def source(out: torch.Tensor) -> list[Any]:
+            for pc in self._subgroups[i].pieces:
+                src = self._flat(pc.param)
+                out[pc.offset : pc.offset + pc.count].copy_(src[pc.start : pc.start + pc.count])
+            return []  # copied now: nothing left in flight
+
+        return source
 
     def _fill_master(self, i: int) -> Callable[[torch.Tensor], None]:
         def fill(out: torch.Tensor) -> None:
@@ -197,6 +239,9 @@ class NVMeAdam(torch.optim.Optimizer):
         grads = self._local_grads()
         if grads is None:
             return loss
+        if self._master_mode == "params":  # checked before anything changes
+            for k in grads:
+                check_live(local_flat(self._params[k], _name(k)), _name(k))
         sw.torch_groups.update(sw.optimizer, [_hyper(g) for g in self.param_groups])
         self._take_grads(sw, grads)
         sw.step(after=self._write_back)
@@ -250,22 +295,44 @@ class NVMeAdam(torch.optim.Optimizer):
             flat[pc.start : pc.start + pc.count].copy_(master[pc.offset : pc.offset + pc.count])
 
     # -- what a parameter tier reads (aio.fsdp) ----------------------------------------------
-    # Parameters freed by an offload tier (storage resized to 0) are skipped
-    # when a step writes the new master weights back into the parameters;
-    # set by aio.fsdp.offload_params, which reads them from master_slices().
-    skip_freed_parameters = False
+    _skip_freed = False
+
+    @property
+    def master_mode(self) -> str | None:
+        """Where the fp32 master weights are: ``"drive"`` or ``"params"``
+        (the ``master`` option resolved at the layout); None before it."""
+        return self._master_mode
+
+    @property
+    def skip_freed_parameters(self) -> bool:
+        """Parameters freed by an offload tier (storage resized to 0) are
+        skipped when a step writes the new master weights back into the
+        parameters; set by aio.fsdp.offload_params, which reads them from
+        :meth:`master_slices`. With the master weights in the parameters
+        there are none to read: a warning, and the tier keeps its own copy."""
+        return self._skip_freed
+
+    @skip_freed_parameters.setter
+    def skip_freed_parameters(self, value: bool) -> None:
+        if value and (self._master_mode or self.master) == "params":
+            warnings.warn(TIER_WARNING, stacklevel=2)
+        self._skip_freed = bool(value)
 
     def parameter_index(self) -> dict[int, int]:
         """``id(param) -> k``: each parameter's index in :meth:`master_slices`
-        (empty before the first step or load laid the sub-groups out)."""
-        return {id(p): k for k, p in enumerate(self._params)} if self._swapper is not None else {}
+        (empty before the first step or load laid the sub-groups out, and
+        with the master weights in the parameters: none is on the drive)."""
+        if self._swapper is None or self._master_mode == "params":
+            return {}
+        return {id(p): k for k, p in enumerate(self._params)}
 
     def master_slices(self) -> tuple[dict[int, list[tuple[Any, int, int, int]]], set[int]]:
         """Where each parameter's fp32 master weights are on the drive, by
         parameter index: ``(swap space, byte offset there, byte offset in
         the parameter's local tensor, bytes)`` slices; and the indices some
         of whose master is not on the drive yet (never stepped, or held in a
-        buffer: call :meth:`flush_master` first)."""
+        buffer: call :meth:`flush_master` first) -- every one with the master
+        weights in the parameters (``master_mode == "params"``)."""
         out: dict[int, list[tuple[Any, int, int, int]]] = {}
         missing: set[int] = set()
         sw = self._swapper
@@ -346,8 +413,10 @@ class NVMeAdam(torch.optim.Optimizer):
         """torch's load_state_dict (a checkpoint of torch's AdamW loads too),
         the moments written to the drive and the master weights taken from
         the parameters as they are now (load the model first, as DCP's
-        set_state_dict does). Checked whole before the drive changes: a bad
-        state_dict is a ValueError naming the parameter, nothing changed."""
+        set_state_dict does; with ``master_mode == "params"`` they are the
+        parameters, whenever loaded). Checked whole before the drive
+        changes: a bad state_dict is a ValueError naming the parameter,
+        nothing changed."""
         sw = self._ensure_layout()
         old_state, old_groups = self.state, [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
@@ -366,16 +435,18 @@ class NVMeAdam(torch.optim.Optimizer):
     def _plan_load(self) -> list[tuple[dict[str, torch.Tensor], float | None]]:
         """Per sub-group: its tensors to write and step count (None: never stepped)."""
         plan = []
+        # The master weights go to the drive only when they live there.
+        names = ("param", *MOMENTS) if self._master_mode == "drive" else MOMENTS
         for i, sg in enumerate(self._subgroups):
-            values = {"param": torch.empty(sg.numel, dtype=torch.float32)}
-            values.update({n: torch.empty(sg.numel, dtype=torch.float32) for n in MOMENTS})
+            values = {n: torch.empty(sg.numel, dtype=torch.float32) for n in names}
             steps = set()
             for pc in sg.pieces:
                 st = self.state.get(self._params[pc.param], {})
                 steps.add(_loaded_step(st, pc.param))
-                values["param"][pc.offset : pc.offset + pc.count].copy_(
-                    self._flat(pc.param)[pc.start : pc.start + pc.count]
-                )
+                if "param" in values:
+                    values["param"][pc.offset : pc.offset + pc.count].copy_(
+                        self._flat(pc.param)[pc.start : pc.start + pc.count]
+                    )
                 for n in MOMENTS if st else ():
                     src = _loaded_moment(st, n, self._params[pc.param], pc.param)
                     values[n][pc.offset : pc.offset + pc.count].copy_(src[pc.start : pc.start + pc.count])
@@ -397,7 +468,10 @@ class NVMeAdam(torch.optim.Optimizer):
             for i, (values, step) in enumerate(plan):
                 if step is not None:
                     sw.write_state(i, values, {"step": torch.tensor(step)})
-            sw.initialize_many((i, _copier(plan[i][0]["param"])) for i in fresh)
+            if sw.master_slot():
+                sw.initialize_many((i, _copier(plan[i][0]["param"])) for i in fresh)
+            else:
+                self._init_masters(sw, fresh)
         except BaseException:
             # Some sub-groups hold the loaded state, others the old one (a
             # Ctrl-C, a failed write): a step from that mix would train on
@@ -412,8 +486,9 @@ class NVMeAdam(torch.optim.Optimizer):
     # -- lifecycle ----------------------------------------------------------------------------
     def swap_stats(self) -> dict[str, Any]:
         """The swapper's counters (bytes read and written, sub-groups, swap
-        folder, pinned and drive bytes); empty before the first step."""
-        return {} if self._swapper is None else self._swapper.stats()
+        folder, pinned and drive bytes) and ``master`` (:attr:`master_mode`);
+        empty before the first step."""
+        return {} if self._swapper is None else {**self._swapper.stats(), "master": self._master_mode}
 
     def close(self) -> None:
         """Free the buffers and remove this rank's swap folder (the optimizer

@@ -8,7 +8,9 @@ aligned extent of the swap file::
 
 (without the gradient where :meth:`OptimizerSwapper.gradient_slot` says the
 gradients are only ever held in memory, as aio.zero's trainer does with
-``aio_zero.gradients: cpu``).
+``aio_zero.gradients: cpu``; without the master weights where
+:meth:`OptimizerSwapper.master_slot` says they live elsewhere, as
+NVMeAdamW's ``master="params"`` keeps them in the model's fp32 parameters).
 
 The optimizer's state tensors are discovered by stepping the optimizer once
 on a probe parameter, not hard-coded, so any elementwise torch optimizer
@@ -193,7 +195,8 @@ class OptimizerSwapper:
         parts: dict[str, tuple[int, Any]] = {}
         off = 0
         grad = [("grad", torch.float32)] if self.gradient_slot() else []
-        for name, dtype in [*grad, ("param", torch.float32), *self.spec]:
+        master = [("param", torch.float32)] if self.master_slot() else []
+        for name, dtype in [*grad, *master, *self.spec]:
             if name in self.narrowed:
                 dtype = torch.bfloat16
             parts[name] = (off, dtype)
@@ -205,6 +208,24 @@ class OptimizerSwapper:
         (write_gradient()); a subclass that only ever holds gradients in
         memory (hold_gradient()) leaves it out: 4 bytes per element less drive."""
         return True
+
+    def master_slot(self) -> bool:
+        """Whether each sub-group's extent holds its fp32 master weights. A
+        subclass whose masters live elsewhere (the model's fp32 parameters in
+        CPU memory) leaves them out: every sub-group then takes them from its
+        :meth:`initialize_from` source when it is stepped (so a change made to
+        them between steps is stepped from, as torch's optimizers do) and the
+        step's `after` callback is the only place the new values go: 4 bytes
+        per element less drive and 8 less I/O per step. Such a swapper has no
+        :meth:`master_extent`, and no :meth:`export_checkpoint` (the master
+        weights would be missing from it)."""
+        return True
+
+    def _no_master_slot(self, index: int) -> ValueError:
+        return ValueError(
+            f"sub-group {index}'s master weights are not on the drive (master_slot() is False: "
+            "they live in their initialize_from() source); change them there"
+        )
 
     def _no_gradient_slot(self, index: int) -> ValueError:
         return ValueError(
@@ -287,6 +308,8 @@ class OptimizerSwapper:
         import torch
 
         def dtype(name: str) -> Any:  # a narrowed state is float32 in its buffer once widened
+            if name not in g.parts:  # master weights kept off the drive (master_slot): float32
+                return torch.float32
             return torch.float32 if widened and name in self.narrowed else g.parts[name][1]
 
         return {name: BufferPool.view(leases[name], dtype(name), g.numel) for name in leases}
@@ -332,6 +355,11 @@ class OptimizerSwapper:
         import torch
 
         self._check_usable()
+        if not self.master_slot():
+            raise ValueError(
+                "this swapper keeps no master weights on the drive (master_slot() is False): "
+                "initialize_from() each sub-group with their source instead"
+            )
         self.drop_cached()
         pool = self._pool()
         pending: collections.deque[tuple[_SubGroup, Lease, IOFuture]] = collections.deque()
@@ -377,7 +405,9 @@ class OptimizerSwapper:
         its master weights from their source while initialize_from() left one."""
         import torch
 
-        if name == "param" and g.master_source is not None:
+        if name == "param" and (g.master_source is not None or name not in g.parts):
+            if g.master_source is None:
+                raise SwapStateError(f"sub-group {g.index} has no master weights: initialize_from() it first")
             futs = list(g.master_source(lease.tensor(torch.float32, g.numel)))
             self.count_io("read", name, sum(int(f.nbytes) for f in futs))  # what it copied was no I/O
             return futs
@@ -656,6 +686,11 @@ class OptimizerSwapper:
         widen = bool(self.narrowed) and not isinstance(self.optimizer, CPUAdam)
         for name in self.narrowed if widen else []:
             widen_bf16(leases[name].tensor(torch.uint8), g.numel)
+        if "param" not in g.parts:
+            # Master weights kept off the drive (master_slot): taken from their
+            # source now, not when read ahead or kept from the last step, so a
+            # change made to them since (a model load) is what gets stepped.
+            _wait_all(self._start_part_read(g, "param", leases["param"]))
         views = self._views(g, leases, widened=widen)
         if "grad" not in views:
             views["grad"] = g.grad_mem
@@ -665,8 +700,11 @@ class OptimizerSwapper:
             narrow_bf16(raw, g.numel)
             raw[2 * g.numel : self._part_io(g, name)[1]].zero_()  # padding: no float32 leftovers
         # The drive copy is stale from here until the write lands (and the
-        # master weights' source is past: they are in the buffers now).
-        g.valid, g.master_source = False, None
+        # master weights' source is past: they are in the buffers now),
+        # unless the source is where the master weights live (master_slot).
+        g.valid = False
+        if "param" in g.parts:
+            g.master_source = None
         self.counters["subgroup_steps"] += 1
         if after is not None:
             after(g.index, views["param"])
@@ -679,7 +717,7 @@ class OptimizerSwapper:
         :meth:`flush` ran; a reader elsewhere (a parameter swapper reading
         float32 parameters from it) must not write it: the swapper owns it."""
         g = self.groups[index]
-        if g.master_source is not None:
+        if g.master_source is not None or "param" not in g.parts:
             return None
         return self.space, g.offset + g.parts["param"][0]
 
@@ -692,6 +730,8 @@ class OptimizerSwapper:
 
         self._check_usable()
         g = self.groups[index]
+        if "param" not in g.parts:
+            raise self._no_master_slot(index)
         self.drop_cached()  # nothing kept in a buffer may overwrite it later
         lease = self._pool().try_acquire()
         if lease is None:  # waiting could hang: nothing gives a buffer back meanwhile
@@ -749,17 +789,18 @@ class OptimizerSwapper:
         out = torch.empty(g.numel, dtype=torch.float32) if out is None else out
         _check_state_tensor(out, g, f"read_state(out) for {name!r}")
         self.drop_cached()  # the drive copy must be current
-        off = g.offset + g.parts[name][0]
         if name == "param" and g.master_source is not None:
             _wait_all(g.master_source(out))
+        elif name not in g.parts:
+            raise SwapStateError(f"sub-group {index} has no master weights: initialize_from() it first")
         elif name != "param" and g.scalars is None:
             out.zero_()  # set-up never writes the zeros (see initialize())
         elif name in self.narrowed:
             low = torch.empty(g.numel, dtype=torch.bfloat16)
-            self.space.sync_read(low, off)
+            self.space.sync_read(low, g.offset + g.parts[name][0])
             out.copy_(low)
         else:
-            self.space.sync_read(out, off)
+            self.space.sync_read(out, g.offset + g.parts[name][0])
         return out
 
     def write_state(self, index: int, values: dict[str, Any], scalars: dict[str, Any] | None = None) -> None:
@@ -776,6 +817,8 @@ class OptimizerSwapper:
         for name, t in values.items():
             _check_state_tensor(t, self._state_part(index, name), f"write_state({name!r})")
         g = self.groups[index]
+        if "param" in values and "param" not in g.parts:
+            raise self._no_master_slot(index)
         states = {n for n, _ in self.spec}
         if g.scalars is None and (scalars is not None or states & set(values)):
             missing = sorted(states - set(values)) + ([] if scalars is not None else ["scalars"])
@@ -812,6 +855,7 @@ class OptimizerSwapper:
         leaves no half-written checkpoint under that name)."""
 
         self._check_usable()
+        self._check_checkpointable()
         self.drop_cached()  # the drive copy must be current
         for i, g in sorted(self.groups.items()):
             if g.master_source is not None and g.valid:  # never stepped: store them first
@@ -853,6 +897,14 @@ class OptimizerSwapper:
             )
             write_manifest(tmp, manifest)
 
+    def _check_checkpointable(self) -> None:
+        if not self.master_slot():
+            raise ValueError(
+                "this swapper keeps no master weights on the drive (master_slot() is False), so its "
+                "checkpoint would not hold them: save the optimizer's state with the model's weights "
+                "(NVMeAdamW: state_dict())"
+            )
+
     def _saved_parts(self) -> list[str]:
         """The tensors a step writes back and a checkpoint holds: all but the gradient."""
         return ["param", *(n for n, _ in self.spec)]
@@ -868,6 +920,7 @@ class OptimizerSwapper:
         without changing anything. Returns what apply_checkpoint() needs. A
         malformed manifest or scalar state is a ValueError naming the folder."""
         self._check_open()
+        self._check_checkpointable()
         require_complete(directory)
         try:
             with open(os.path.join(directory, "manifest.json")) as f:
@@ -1010,6 +1063,7 @@ class OptimizerSwapper:
         files. Only an I/O error can still fail here; then the swapper refuses
         further use (and export) until a checkpoint is imported again."""
         self._check_open()
+        self._check_checkpointable()
         manifest, extra = verified["manifest"], verified["extra"]
         try:
             chunks = []
@@ -1052,6 +1106,7 @@ class OptimizerSwapper:
             "steps": self.steps,
             "state_tensors": [n for n, _ in self.spec],
             "state_dtype": self.state_dtype,
+            "master_on_drive": self.master_slot(),
             "pinned_buffer_bytes": self.pinned_bytes(),
             "drive_bytes": self.space.size,
             "broken": self.broken,
@@ -1182,6 +1237,8 @@ class _StepIO:
         futs: list[IOFuture] = []
         try:
             for name, lease in zip(sw._saved_parts(), leases, strict=True):
+                if name not in g.parts:  # master weights kept off the drive (master_slot)
+                    continue
                 off, n = sw._part_io(g, name)
                 futs.append(sw.space.write(lease.buffer()[:n], off))
                 sw.count_io("written", name, n)
@@ -1246,6 +1303,10 @@ class _StepIO:
         while another read is partial); False when nothing was started."""
         sw, g = self.sw, self.sw.groups[i]
         names = [n for n in g.parts if n != "grad" or g.grad_mem is None]
+        if "param" not in g.parts:
+            # Master weights kept off the drive take a buffer but no read:
+            # leased last, so a partial read ahead spends its buffers on reads.
+            names.append("param")
         if self.partial and not must:
             return False
         leases = self._lease(len(names), must)
@@ -1280,6 +1341,8 @@ class _StepIO:
         fresh = {n for n, _ in sw.spec} if g.scalars is None else set()
         for name, lease in zip(names, leases, strict=True):
             have[name] = lease
+            if name not in g.parts:
+                continue  # master weights kept off the drive: taken from their source when stepped
             if name in fresh:
                 lease.tensor(torch.uint8)[: sw._part_io(g, name)[1]].zero_()
                 continue
@@ -1335,7 +1398,7 @@ class _StepIO:
         futs: list[IOFuture] = []
         try:
             for i, (leases, _futs, dirty) in self.reads.items():
-                if dirty:
+                if dirty and "param" in sw.groups[i].parts:
                     futs.append(sw._start_part_write(sw.groups[i], "param", leases["param"]))
         except BaseException:
             _settle_started(futs)

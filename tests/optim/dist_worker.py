@@ -6,7 +6,10 @@ those files, never from the exit status (gloo may abort at teardown).
 
 Every case trains the same tiny model twice on the same engine, once with
 torch.optim.AdamW(foreach=False) and once with aio's optimizer, and reports
-whether losses and full parameters are bit-identical (torch.equal)."""
+whether losses and full parameters are bit-identical (torch.equal). The
+parameters are float32 on the CPU here, so NVMeAdamW's default (``master=
+"auto"``) keeps its master weights in them; the ``*_drive`` cases and the
+DCP interchange run ``master="drive"`` too."""
 
 from __future__ import annotations
 
@@ -123,6 +126,42 @@ def case_fsdp2_offload(rank, tmp):
     return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
 
 
+def case_fsdp2_drive(rank, tmp):
+    b = lambda: _fsdp2(_model(), offload=True)  # noqa: E731
+    pair = (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank, master="drive"))
+    return _compare(b, pair, rank)
+
+
+def case_tier_master(rank, tmp):
+    """With aio.fsdp's parameter tier: master="auto" keeps the master weights
+    on the drive, where the tier reads the parameters from; master="params"
+    warns and the tier keeps its own copy (params_from_master off). Both
+    bit-identical to torch."""
+    import warnings
+
+    from aio.fsdp import offload_params
+
+    out = {}
+    for master in ("auto", "params"):
+        model = _fsdp2(_model())
+        opt = _nvme(model.parameters(), tmp, rank, master=master)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tier = offload_params(model, os.path.join(tmp, "drive"), opt)
+        losses = _train(model, opt, STEPS, rank)
+        with tier.resident(modified=False):
+            full = _full(model)
+        warned = any("params_from_master" in str(w.message) for w in caught)
+        out[master] = (losses, full, opt.master_mode, tier.stats()["params_from_master"], warned)
+        tier.close()
+        opt.close()
+    ref = _fsdp2(_model())
+    lt = _train(ref, _torch(ref.parameters()), STEPS, rank)
+    pt = _full(ref)
+    equal = all(ls == lt and all(map(torch.equal, p, pt)) for ls, p, *_ in out.values())
+    return {"equal": equal, "modes": {m: v[2:] for m, v in out.items()}}
+
+
 def case_fsdp2_bf16(rank, tmp):
     b = lambda: _fsdp2(_model(), offload=True, bf16=True)  # noqa: E731
     return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
@@ -216,7 +255,10 @@ def _ckpt_run(kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model = _fsdp2(_model())
-    opt = _torch(model.parameters()) if kind == "torch" else _nvme(model.parameters(), tmp, rank)
+    if kind == "torch":
+        opt = _torch(model.parameters())
+    else:
+        opt = _nvme(model.parameters(), tmp, rank, master="drive" if kind == "aio-drive" else "auto")
     if load_from:
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
@@ -232,22 +274,27 @@ def _ckpt_run(kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0):
     return losses, full
 
 
+CKPT_KINDS = ("torch", "aio", "aio-drive")  # aio: master weights in the parameters here
+
+
 def case_dcp_save(rank, tmp):
-    """3 steps, then a DCP save, by torch's AdamW and by aio's."""
+    """3 steps, then a DCP save, by torch's AdamW and by aio's (both masters)."""
     out = {}
-    for kind in ("torch", "aio"):
+    for kind in CKPT_KINDS:
         out[kind] = _ckpt_run(kind, rank, tmp, save_to=os.path.join(tmp, f"ckpt_{kind}"))
-    return {"equal": out["torch"][0] == out["aio"][0], "losses": out["aio"][0]}
+    return {"equal": out["torch"][0] == out["aio"][0] == out["aio-drive"][0], "losses": out["aio"][0]}
 
 
 def case_dcp_load(rank, tmp):
     """Load the checkpoints the 2-rank group saved (resharded to this
     world), 3 more steps: aio from aio's and from torch's (interchange),
-    torch from torch's and from aio's -- all four bit-identical."""
+    torch from torch's and from aio's, aio with either master from a
+    checkpoint of the other -- all bit-identical."""
+    pairs = [(k, s) for k in ("torch", "aio") for s in ("torch", "aio")]
+    pairs += [("aio-drive", "aio"), ("aio", "aio-drive")]
     runs = {
         (kind, src): _ckpt_run(kind, rank, tmp, load_from=os.path.join(tmp, f"ckpt_{src}"), start=3)
-        for kind in ("torch", "aio")
-        for src in ("torch", "aio")
+        for kind, src in pairs
     }
     ref_l, ref_p = runs[("torch", "torch")]
     equal = all(ls == ref_l and all(map(torch.equal, p, ref_p)) for ls, p in runs.values())
@@ -297,18 +344,20 @@ def case_fsdp1(rank, tmp):
 
 def case_rank_folders(rank, tmp):
     """Each rank's swap files in its own folder under the per-user one,
-    about 1/N of the state each."""
-    model = _fsdp2(_model())
-    opt = _nvme(model.parameters(), tmp, rank)
-    _train(model, opt, 1, rank)
-    st = opt.swap_stats()
+    about 1/N of the state each (with either master)."""
+    out = {}
+    for master in ("params", "drive"):
+        model = _fsdp2(_model())
+        opt = _nvme(model.parameters(), tmp, rank, master=master)
+        _train(model, opt, 1, rank)
+        out[master] = opt.swap_stats()
+        opt.close()
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
-    opt.close()
     return {
         "equal": True,
-        "swap_dir": st["swap_dir"],
-        "drive_bytes": st["drive_bytes"],
+        "swap_dir": out["params"]["swap_dir"],
+        "drive_bytes": {m: st["drive_bytes"] for m, st in out.items()},
         "local": local,
         "total": total,
     }

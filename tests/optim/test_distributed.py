@@ -3,9 +3,10 @@
 shards, a rank holding no rows of a parameter), FSDP1 use_orig_params, DDP,
 DDP + ZeroRedundancyOptimizer, param groups + LambdaLR + clip_grad_norm_ on
 DTensors, the Accelerate-style parameter swap, get_optimizer_state_dict
-without a hidden step, and a DCP save on 2 ranks loaded on 3 (torch <-> aio
-both ways). Every case is bit-identical (torch.equal) to
-torch.optim.AdamW(foreach=False) on the same engine.
+without a hidden step, a DCP save on 2 ranks loaded on 3 (torch <-> aio
+both ways, master weights in the parameters <-> on the drive), and
+aio.fsdp's parameter tier with either master. Every case is bit-identical
+(torch.equal) to torch.optim.AdamW(foreach=False) on the same engine.
 
 Two process groups (2 and 3 ranks) run all the cases (dist_worker.py); each
 case's verdict is written per rank before the next starts, so a gloo abort
@@ -31,8 +32,9 @@ pytestmark = [
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
-    "fsdp2", "fsdp2_offload", "fsdp2_bf16", "cpu_adamw_dtensor", "groups_lambda_clip",
+    "fsdp2", "fsdp2_offload", "fsdp2_drive", "fsdp2_bf16", "cpu_adamw_dtensor", "groups_lambda_clip",
     "accelerate_swap", "no_hidden_step", "dcp_save", "ddp", "zero1", "fsdp1", "rank_folders",
+    "tier_master",
 ]  # fmt: skip
 THREE = ["fsdp2", "dcp_load", "zero1", "fsdp1", "rank_folders"]
 
@@ -53,7 +55,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], l
         sub = os.path.join(out, f"w{world}")
         os.makedirs(sub)
         if world == 3:
-            for name in ("ckpt_torch", "ckpt_aio"):
+            for name in ("ckpt_torch", "ckpt_aio", "ckpt_aio-drive"):
                 src = os.path.join(out, "w2", name)
                 if os.path.isdir(src):
                     os.symlink(src, os.path.join(sub, name))
@@ -86,9 +88,21 @@ def test_each_rank_its_own_folder_and_share(results: dict, world: int) -> None:
     for rank, r in enumerate(per_rank):
         assert f"-rank{rank}-optimizer-" in os.path.basename(r["swap_dir"])
         assert os.path.basename(os.path.dirname(r["swap_dir"])) == f"aio-swap-{os.geteuid()}"
-        # 12 bytes (master, two moments) per local element, whole 4 KiB blocks per tensor.
-        assert 12 * r["local"] <= r["drive_bytes"] <= 12 * r["local"] + 3 * 4096 * 8
+        # Per local element 8 bytes (two moments; the master weights are the
+        # parameters) or 12 (master on the drive too), whole 4 KiB blocks per tensor.
+        for master, per in (("params", 8), ("drive", 12)):
+            got = r["drive_bytes"][master]
+            assert per * r["local"] <= got <= per * r["local"] + 3 * 4096 * 8, (master, got)
         assert r["local"] <= r["total"] // world + 3 * 65
+
+
+def test_the_parameter_tier_and_the_master(results: dict) -> None:
+    # auto: on the drive, where the tier reads every group's parameters from;
+    # params: a warning, and the tier keeps its own copy of every group.
+    for res in results[(2, "tier_master")]:
+        modes = res["modes"]
+        assert modes["auto"][0] == "drive" and modes["auto"][1] > 0 and not modes["auto"][2], res
+        assert modes["params"] == ["params", 0, True], res
 
 
 def test_get_optimizer_state_dict_takes_no_step(results: dict) -> None:

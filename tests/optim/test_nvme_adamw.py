@@ -1,8 +1,10 @@
 """aio.optim.NVMeAdamW in one process: bit-identical (torch.equal) to
 torch.optim.AdamW(foreach=False) with param groups and a LambdaLR, torch <->
 aio state_dict interchange both ways, the lazy layout, the per-rank budget
-and nvme_path templates, and its errors (typed, naming the parameter,
-nothing changed). Multi-rank engines: test_distributed.py."""
+and nvme_path templates, the master weights in the parameters or on the drive
+(``master=``: bytes on the drive and moved per step, both interchangeable),
+and its errors (typed, naming the parameter, nothing changed). Multi-rank
+engines: test_distributed.py."""
 
 from __future__ import annotations
 
@@ -53,10 +55,14 @@ def _same_state(sa: dict, sb: dict) -> bool:
 
 
 @bits
-def test_plain_loop_groups_lambda_lr_and_interchange(tmp_path) -> None:
+@pytest.mark.parametrize("master", ["params", "drive"])
+def test_plain_loop_groups_lambda_lr_and_interchange(tmp_path, master) -> None:
+    other = {"params": "drive", "drive": "params"}[master]
     a, b = _model(), _model()
     oa = torch.optim.AdamW(_groups(a), lr=1e-2, foreach=False)
-    ob = NVMeAdamW(_groups(b), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=500)
+    ob = NVMeAdamW(
+        _groups(b), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=500, master=master
+    )
     warm = lambda s: min(1.0, (s + 1) / 3)  # noqa: E731
     pairs = [
         (a, oa, torch.optim.lr_scheduler.LambdaLR(oa, warm)),
@@ -65,19 +71,23 @@ def test_plain_loop_groups_lambda_lr_and_interchange(tmp_path) -> None:
     _steps(pairs, 0, 5)
     assert _same(a, b)
     assert ob.swap_stats()["subgroups"] > 2  # a tensor spans sub-groups
+    assert ob.master_mode == ob.swap_stats()["master"] == master
     sa, sb = oa.state_dict(), ob.state_dict()
     assert _same_state(sa, sb)
-    # torch's checkpoint into aio, aio's into torch: both continue as torch does.
-    c, d = _model(), _model()
-    c.load_state_dict(a.state_dict())
-    d.load_state_dict(a.state_dict())
-    oc = NVMeAdamW(_groups(c), lr=1e-2, nvme_path=str(tmp_path), match_torch=True)
+    # torch's checkpoint into aio (the other master), aio's into torch and into
+    # aio with the other master: all continue as torch does.
+    c, d, e = _model(), _model(), _model()
+    for m in (c, d, e):
+        m.load_state_dict(a.state_dict())
+    oc = NVMeAdamW(_groups(c), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, master=other)
     oc.load_state_dict(sa)
     od = torch.optim.AdamW(_groups(d), lr=1e-2, foreach=False)
     od.load_state_dict(sb)
-    _steps([(a, oa, None), (c, oc, None), (d, od, None)], 5, 3)
-    assert _same(a, c) and _same(a, d)
-    for o in (ob, oc):
+    oe = NVMeAdamW(_groups(e), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, master=other)
+    oe.load_state_dict(sb)
+    _steps([(a, oa, None), (c, oc, None), (d, od, None), (e, oe, None)], 5, 3)
+    assert _same(a, c) and _same(a, d) and _same(a, e)
+    for o in (ob, oc, oe):
         o.close()
 
 
@@ -271,3 +281,137 @@ def test_state_dict_counts_steps_from_the_drive_after_an_interrupted_count(tmp_p
     _steps([(a, oa, None)], 1, 1)
     assert _same(a, b) and _same_state(oa.state_dict(), ob.state_dict())  # step 2 beside step-2 moments
     ob.close()
+
+
+def _sgd_like_steps(params: list, opt, start: int, n: int) -> list[dict]:
+    """`n` steps on fixed random gradients; each step's swap counters."""
+    out = []
+    for step in range(start, start + n):
+        g = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        out.append(dict(opt.swap_stats()) if hasattr(opt, "swap_stats") else {})
+    return out
+
+
+@bits
+def test_master_in_the_parameters_moves_16_bytes_a_step_and_keeps_8_on_the_drive(tmp_path) -> None:
+    """master="params": 8 bytes per element on the drive (two moments) and
+    16 of I/O per step (each read and written once), against 12 and 24 with
+    the master on the drive -- for every element the step does not find in
+    its buffers (the sub-group the last step kept). Bit-identical to torch
+    either way, a change made to the parameters between steps included."""
+    n, size = 8192, 1024  # 8 sub-groups of whole 4 KiB blocks: the counts are exact
+    torch.manual_seed(0)
+    init = [torch.randn(n // 2) for _ in range(2)]
+    runs = {}
+    for master in ("params", "drive", "torch"):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        if master == "torch":
+            opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+        else:
+            opt = NVMeAdamW(params, lr=1e-2, nvme_path=str(tmp_path), match_torch=True,
+                            sub_group_size=size, master=master)  # fmt: skip
+        stats = _sgd_like_steps(params, opt, 0, 2)
+        with torch.no_grad():
+            params[0].mul_(0.5)  # the parameters changed outside step() (torch steps from them)
+        stats += _sgd_like_steps(params, opt, 2, 3)
+        runs[master] = (params, stats, opt)
+    ref = runs["torch"][0]
+    assert all(torch.equal(p, q) for p, q in zip(ref, runs["params"][0], strict=True))
+    assert not torch.equal(ref[0], runs["drive"][0][0])  # the drive's master overrode the change
+    for master, per_element in (("params", 8), ("drive", 12)):
+        _, stats, opt = runs[master]
+        assert stats[-1]["drive_bytes"] == per_element * n and stats[-1]["master"] == master
+        for before, after in zip(stats[1:], stats[2:], strict=False):  # steps 3 to 5: steady
+            cached = after["cached_subgroups"] - before["cached_subgroups"]
+            moved = per_element * (n - cached * size)
+            assert after["bytes_read"] - before["bytes_read"] == moved, (master, before, after)
+            assert after["bytes_written"] - before["bytes_written"] == moved, (master, before, after)
+        if master == "params":  # the master weights: not one byte on the drive
+            by_part = stats[-1]["bytes_by_part"]
+            assert by_part["read"].get("param", 0) == 0 and "param" not in by_part["written"]
+        opt.close()
+
+
+def test_master_option_errors(tmp_path) -> None:
+    m = _model()
+    with pytest.raises(ValueError, match="master must be one of"):
+        NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), master="cpu")
+    for p, what in (
+        (torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), "float32"),
+        (torch.nn.Parameter(torch.zeros(3, device="meta")), "is on meta"),  # a CUDA one alike
+    ):
+        with pytest.raises(TypeError, match=what):
+            NVMeAdamW([p], nvme_path=str(tmp_path), master="params")
+    # auto keeps the master weights on the drive for parameters that cannot be it
+    from aio.optim.nvme_master import resolve_master
+
+    on_gpu = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device="meta"))]
+    assert resolve_master("auto", on_gpu, False, str) == "drive"
+    assert resolve_master("auto", on_gpu[:1], False, str) == "params"
+    assert resolve_master("auto", on_gpu[:1], True, str) == "drive"  # a tier reads the master
+    opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), master="params")
+    _steps([(m, opt, None)], 0, 1)
+    before = [p.detach().clone() for p in m.parameters()]
+    m[0].weight.untyped_storage().resize_(0)  # as an offload tier frees a shard
+    with pytest.raises(ValueError, match=r"parameter 0 .*storage is freed"):
+        opt.step()  # the gradients of step 1 are still there
+    m[0].weight.untyped_storage().resize_(before[0].numel() * 4)
+    with torch.no_grad():
+        m[0].weight.copy_(before[0])
+    assert {float(s["step"]) for s in opt.state.values()} == {1.0}  # nothing was stepped
+    _steps([(m, opt, None)], 1, 1)  # and nothing is broken
+    m[2].bias.data = m[2].bias.data.to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"parameter 3 .*bfloat16"):
+        opt.step()
+    opt.close()
+
+
+def test_master_and_the_parameter_tier_api(tmp_path) -> None:
+    """aio.fsdp.offload_params reads parameters from the master on the drive:
+    auto, told so before its layout, keeps them there; with the master in
+    the parameters there is nothing to read (empty index, a warning)."""
+    m = _model()
+    auto = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path))
+    auto.skip_freed_parameters = True  # what offload_params sets
+    _steps([(m, auto, None)], 0, 1)
+    assert auto.master_mode == "drive" and auto.parameter_index()
+    auto.close()
+    plain = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path))
+    _steps([(m, plain, None)], 0, 1)
+    assert plain.master_mode == "params" and plain.parameter_index() == {}
+    slices, missing = plain.master_slices()
+    assert slices == {} and missing == {0, 1, 2, 3}
+    plain.flush_master()
+    with pytest.warns(UserWarning, match="params_from_master"):
+        plain.skip_freed_parameters = True
+    plain.close()
+    with pytest.warns(UserWarning, match="params_from_master"):
+        NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), master="params").skip_freed_parameters = True
+
+
+def test_swapper_without_a_master_slot(tmp_path) -> None:
+    from aio.swap import OptimizerSwapper
+
+    class Outside(OptimizerSwapper):
+        def master_slot(self) -> bool:
+            return False
+
+    sw = Outside(str(tmp_path), torch.optim.Adam, {"lr": 1e-2})
+    sw.register_subgroup(0, 1024)
+    with pytest.raises(ValueError, match="initialize_from"):
+        sw.initialize(0, torch.zeros(1024))
+    master = torch.randn(1024)
+    sw.initialize_from(0, lambda out: [out.copy_(master)][:0])
+    # gradient and two moments, no master weights
+    assert sw.stats()["drive_bytes"] == 12 * 1024 and sw.master_extent(0) is None
+    assert torch.equal(sw.read_state(0, "param"), master)
+    with pytest.raises(ValueError, match="not on the drive"):
+        sw.write_state(0, {"param": master})
+    with pytest.raises(ValueError, match="not on the drive"):
+        sw.update_master(0, lambda t: None)
+    with pytest.raises(ValueError, match="checkpoint"):
+        sw.export_checkpoint(str(tmp_path / "ckpt"))
+    sw.close()

@@ -1,0 +1,97 @@
+"""Where :class:`aio.optim.NVMeAdamW` keeps its fp32 master weights
+(``master=``): on the drive beside the moments, or in the parameters.
+
+``"drive"``: 12 bytes per element on the drive (master and two fp32
+moments), 24 of I/O per step; the parameters get a copy after each step and
+may live anywhere (a GPU). ``"params"``: the parameters themselves are the
+master (they must be float32 tensors in CPU memory, as FSDP2 with
+``CPUOffloadPolicy`` or a model on the CPU keeps them): 8 bytes per element
+on the drive, 16 of I/O per step, no memory added. ``"auto"`` (the default)
+takes ``"params"`` when every parameter's local tensor is float32 on the
+CPU and no :func:`aio.fsdp.offload_params` tier reads parameters from the
+master weights (it frees the parameters between steps and needs a master
+on the drive); else ``"drive"``. Decided when the sub-groups are laid out
+(the first step or load), from the parameters held then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .dtensor import local_of
+
+MASTERS = ("auto", "params", "drive")
+FLOAT32_BYTES = 4
+
+
+def check_master(master: Any) -> str:
+    """The ``master`` option, checked: one of :data:`MASTERS`."""
+    if not isinstance(master, str) or master not in MASTERS:
+        raise ValueError(f"master must be one of {MASTERS}, got {master!r}")
+    return master
+
+
+def not_a_master(p: Any) -> str | None:
+    """Why parameter `p` cannot be its own fp32 master weights (its local
+    tensor is not float32 in CPU memory), or None when it can."""
+    local = local_of(p)
+    if local.dtype != torch.float32:
+        return f"is {local.dtype}"
+    if local.device.type != "cpu":
+        return f"is on {local.device}"
+    return None
+
+
+def params_refused(requested: str, name: str, why: str) -> TypeError:
+    """The error for a parameter that cannot be the master under ``master='params'``."""
+    return TypeError(
+        f"{name} {why}: master={requested!r} uses the parameters as the fp32 master weights, so "
+        "they must be float32 tensors in CPU memory; use master='drive' (or 'auto') to keep the "
+        "master weights on the drive"
+    )
+
+
+def resolve_master(requested: str, params: Sequence[Any], tier_reads_master: bool, name: Any) -> str:
+    """``"params"`` or ``"drive"`` for the parameters laid out now
+    (`name(k)` names parameter k). With ``"params"`` asked for, a parameter
+    that cannot be the master is a TypeError naming it."""
+    if requested == "drive":
+        return "drive"
+    for k, p in enumerate(params):
+        why = not_a_master(p)
+        if why is None:
+            continue
+        if requested == "params":
+            raise params_refused(requested, name(k), why)
+        return "drive"
+    # auto: a tier that frees the parameters between steps reads them back
+    # from the master on the drive; keep it there (its default path).
+    return "drive" if requested == "auto" and tier_reads_master else "params"
+
+
+def check_live(flat: torch.Tensor, name: str) -> None:
+    """Before a step reads the master weights from a parameter: TypeError
+    unless it is still float32 on the CPU (``.data`` may have been replaced
+    since the layout), ValueError if its storage was freed (an offload tier
+    released it: reading would read freed memory, without an error). A
+    tensor with no elements here is in no sub-group: nothing to check."""
+    if not flat.numel():
+        return
+    if flat.dtype != torch.float32 or flat.device.type != "cpu":
+        raise params_refused("params", name, f"is {flat.dtype} on {flat.device} now")
+    if flat.untyped_storage().nbytes() < (flat.storage_offset() + flat.numel()) * FLOAT32_BYTES:
+        raise ValueError(
+            f"{name}: its storage is freed (an offload tier released it), and with master='params' "
+            "it holds the master weights; make it resident before the step, or use master='drive'"
+        )
+
+
+TIER_WARNING = (
+    "NVMeAdamW keeps its master weights in the parameters (master='params'), not on the drive, so "
+    "aio.fsdp.offload_params cannot read the parameters from them (params_from_master): the tier "
+    "reads and writes the shards itself. For the tier's master path build NVMeAdamW with "
+    "master='drive', or with master='auto' and give it to offload_params before its first step"
+)
