@@ -17,6 +17,11 @@ partition_parameters.py "pp", partitioned_param_coordinator.py "coord"):
    (``synchronize_reads`` would mark a stale buffer AVAILABLE), nor, on a
    device, while the device copy out of it may still run.
 4. Nothing is written here but at DeepSpeed's own write points.
+5. What is kept in ordinary memory stays under the held cap
+   (``ds_swappers.held_cap``); past it a gathered partition is released
+   only where the parameter holds its own copy (the drive has the
+   partition: parameters are not written between steps), and a released
+   partition is not read ahead again while its parameter stays gathered.
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (
 )
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from .ds_swappers import PARAM_COUNTERS, buffers_short, bump, note_buffer_count, peak
+from .ds_swappers import (
+    PARAM_COUNTERS,
+    buffers_short,
+    bump,
+    held_cap,
+    held_cap_short,
+    note_buffer_count,
+    note_held_cap,
+    peak,
+)
 
 
 def _landed(param: Any) -> bool:
@@ -49,15 +63,24 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return False
 
 
+def _nbytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
+
+
 class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
     """DeepSpeed's parameter swapper with aio's buffer rules: when buffers
     run short it evicts gathered partitions to ordinary memory, drops
     prefetched partitions nobody gathers, waits for reads, and only then
-    raises (a ValueError naming ``offload_param.buffer_count``)."""
+    raises (a ValueError naming ``offload_param.buffer_count``). What it
+    keeps in ordinary memory stays under ``self.cap`` (see rule 5)."""
 
     def __init__(self, ds_config: Any, model_dtype: Any) -> None:
+        # The cap first: a bad aio_zero block fails before any buffer is pinned.
+        self.cap = held_cap(getattr(ds_config, "_param_dict", None))
         super().__init__(ds_config, model_dtype)
         self.counters: dict[str, int] = dict.fromkeys(PARAM_COUNTERS, 0)
+        self._released: set[int] = set()  # gathered, partition released past the cap (on the drive)
+        self._capped = False  # a gathered partition kept its buffer for want of room under the cap
         self._holders: dict[int, Any] = {}  # ds_id -> parameter whose partition holds a buffer
         self._since: dict[int, int] = {}  # ds_id -> when it got its buffer (oldest evicted first)
         self._tick = 0
@@ -66,6 +89,7 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
         self._gathering: frozenset[int] = frozenset()
         self._events: dict[int, Any] = {}  # buffer id -> device event to wait for before reuse
         note_buffer_count("param", self.param_buffer_count)
+        note_held_cap(self.cap)
 
     @contextlib.contextmanager
     def gathering(self, params: Iterable[Any]) -> Iterator[None]:
@@ -112,10 +136,30 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
         ]
         return sorted(found, key=lambda p: -self._since[p.ds_id])
 
+    def _keeps_own_copy(self, param: Any) -> bool:
+        """Whether a gathered parameter's data is not a view of the buffers
+        (several ranks: the gather's output; a device: the copy there)."""
+        return not _shares_storage(param.data, self.buffers)
+
+    def _givable(self) -> list[Any]:
+        """The evictable parameters that can give their buffer back now:
+        kept in ordinary memory while the cap allows, else released if they
+        hold their own copy."""
+        room = self.cap.nbytes - self._private_bytes
+        found = []
+        for p in self._evictable():
+            n = _nbytes(p.ds_tensor)
+            if n <= room:
+                room -= n
+                found.append(p)
+            elif self._keeps_own_copy(p):
+                found.append(p)
+        return found
+
     def available_swap_in_buffers(self) -> int:
         """Free buffers plus those gathered parameters can give back: the
         bound of the coordinator's NVMe prefetch."""
-        return len(self.available_buffer_ids) + len(self._evictable())
+        return len(self.available_buffer_ids) + len(self._givable())
 
     # giving buffers back
     def _give_back(self, param: Any) -> None:
@@ -129,28 +173,53 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
             self.available_numel -= self.param_id_to_numel[pid]
         self.available_buffer_ids.append(buffer_id)
 
+    def _fence(self, param: Any) -> None:
+        """On a device, the buffer's reuse waits for an event recorded after
+        the device copy that read it (rule 3)."""
+        if param.data.device.type != "cpu":
+            event = get_accelerator().Event()
+            event.record()
+            self._events[self.param_id_to_buffer_id[param.ds_id]] = event
+
     def _evict_gathered(self, param: Any) -> None:
         """Keep a gathered partition in ordinary memory, AVAILABLE (rule 2),
-        and give its buffer back; on a device, its reuse waits for an event
-        recorded after the device copy that read it (rule 3)."""
+        and give its buffer back (rule 3: fenced on a device)."""
         part = param.ds_tensor
         private = part.data.to("cpu", copy=True)
         if _shares_storage(param.data, part.data):
             # One rank on the CPU: the parameter is a view of the buffer.
             offset = (param.data.data_ptr() - part.data.data_ptr()) // part.element_size()
             param.data = private.narrow(0, offset, param.data.numel()).view(param.data.shape)
-        elif param.data.device.type != "cpu":
-            event = get_accelerator().Event()
-            event.record()
-            self._events[self.param_id_to_buffer_id[param.ds_id]] = event
+        else:
+            self._fence(param)
         part.data = private
-        nbytes = private.numel() * private.element_size()
+        nbytes = _nbytes(private)
         self._private[param.ds_id] = nbytes
         self._private_bytes += nbytes
         self._give_back(param)
         bump(self.counters, "evicted")
         peak(self.counters, "held_peak", len(self._private))
         peak(self.counters, "held_peak_bytes", self._private_bytes)
+
+    def _release_gathered(self, param: Any) -> None:
+        """Past the cap: give a gathered partition's buffer back without a
+        copy (its parameter holds its own; the drive has the partition).
+        NOT_AVAILABLE until DeepSpeed releases the parameter (rule 5)."""
+        self._fence(param)
+        super().remove_partition_and_release_buffers([param])
+        self._holders.pop(param.ds_id, None)
+        self._released.add(param.ds_id)
+        bump(self.counters, "released")
+
+    def restore_released(self, param: Any) -> None:
+        """A buffer again for a partition released past the cap, before
+        DeepSpeed copies an update of its parameter into it (ds_swappers
+        wraps ``Init._partition_param``); the copy fills it."""
+        if param.ds_id not in self._released:
+            return
+        buffer = self.get_buffer(param, param.ds_tensor.ds_numel)
+        param.ds_tensor.data = buffer.data
+        param.ds_tensor.status = PartitionedParamStatus.AVAILABLE
 
     def _drop(self, param: Any) -> None:
         """Drop a landed prefetched partition (read again when needed)."""
@@ -161,16 +230,24 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
     def _forget(self, pid: int) -> None:
         self._holders.pop(pid, None)
         self._since.pop(pid, None)
+        self._released.discard(pid)
         self._private_bytes -= self._private.pop(pid, 0)
 
     def _free(self) -> int:
         return len(self.available_buffer_ids)
 
     def _evict_until(self, need: int) -> None:
+        """Give back gathered partitions' buffers, oldest first, until `need`
+        are free: kept in ordinary memory under the cap, released past it."""
         for p in self._evictable():
             if self._free() >= need:
                 return
-            self._evict_gathered(p)
+            if self._private_bytes + _nbytes(p.ds_tensor) <= self.cap.nbytes:
+                self._evict_gathered(p)
+            elif self._keeps_own_copy(p):
+                self._release_gathered(p)
+            else:  # one rank on the CPU: the parameter is the buffer; it stays
+                self._capped = True
 
     def _drop_until(self, need: int) -> None:
         for p in self._droppable():
@@ -180,9 +257,11 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
 
     def _make_room(self, need: int, speculative: bool) -> int:
         """Free buffers until `need` are free; returns how many are.
-        A speculative request (the prefetch) only evicts gathered
-        partitions; a needed one also drops prefetched ones, then waits
-        for the reads in flight, and raises if that is not enough."""
+        A speculative request (the prefetch) only evicts (or, past the
+        cap, releases) gathered partitions; a needed one also drops
+        prefetched ones, then waits for the reads in flight, and raises if
+        that is not enough: nothing else would free a buffer."""
+        self._capped = False
         self._evict_until(need)
         if speculative or self._free() >= need:
             return self._free()
@@ -193,6 +272,9 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
             self._evict_until(need)
             self._drop_until(need)
         if self._free() < need:
+            if self._capped:
+                n, held = len(self._private), self._private_bytes
+                raise held_cap_short(self.param_buffer_count, n, held, self.cap)
             held = self.param_buffer_count - self._free()
             raise buffers_short(
                 "offload_param", self.param_buffer_count, need + held, "one gather of parameters"
@@ -211,6 +293,7 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
             self._tick += 1
             self._holders[p.ds_id] = p
             self._since[p.ds_id] = self._tick
+            self._released.discard(p.ds_id)
 
     def _allocate_and_return_buffers_for_swap_in(self, params: list[Any]) -> Any:
         self._take_buffer_ids(params)
@@ -227,7 +310,11 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
                 bump(self.counters, "deduplicated")
                 continue
             seen.add(p.ds_id)
-            if p.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE:
+            # A partition released past the cap is not read ahead while its
+            # parameter is still gathered: nothing reads it (rule 5).
+            if p.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE and not (
+                async_op and p.ds_id in self._released
+            ):
                 todo.append(p)
         free = self._make_room(len(todo), speculative=async_op)
         if len(todo) > free:

@@ -32,6 +32,15 @@ only who gets a buffer when:
     (``ValueError`` naming ``offload_param.buffer_count``).
     ``available_swap_in_buffers`` counts the buffers gathered parameters
     could give back, so the NVMe prefetch keeps reading ahead.
+    What it keeps in ordinary memory is capped (:func:`held_cap`:
+    ``aio_zero.host_memory_budget``, by default half the memory available
+    when the swapper is built, shared by the ranks of the node); past the
+    cap a gathered partition whose parameter holds its own copy (several
+    ranks, or a device) is *released* instead (NOT_AVAILABLE; the drive has
+    it; not read ahead again while gathered), and one whose parameter is a
+    view of the buffer (one rank on the CPU) keeps its buffer: a gather that
+    then finds none raises (a ValueError naming the cap), never waits for a
+    buffer nothing would free.
     Overrides: ``available_swap_in_buffers``, ``swap_in``,
     ``_allocate_and_return_buffers_for_swap_in``, ``get_buffer``,
     ``swap_into_buffer``, ``swap_out_and_release`` (a partition updated in
@@ -51,7 +60,10 @@ only who gets a buffer when:
 (``partition_parameters.AsyncPartitionedParameterSwapper``,
 ``stage3.PipelinedOptimizerSwapper``) and wraps
 ``Init._ensure_availability_of_partitioned_params`` so the parameter swapper
-knows which partitions the gather in progress reads (never dropped).
+knows which partitions the gather in progress reads (never dropped), and
+``Init._partition_param`` so a partition released past the cap gets a buffer
+back before DeepSpeed writes an update into it (``GatheredParameters`` with
+``modifier_rank``).
 :func:`uninstall` restores them. ``aio.integrations.deepspeed.enable()``
 calls :func:`install` unless ``AIO_DEEPSPEED_SWAPPERS=0``.
 
@@ -71,6 +83,8 @@ import atexit
 import functools
 import os
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .._log import logger
@@ -94,10 +108,12 @@ PARAM_COUNTERS = (
     "trimmed_prefetch",  # prefetch entries not read for want of a buffer
     "rebuffered",  # partitions updated in their ordinary-memory copy, given a buffer to be written
     "device_waits",  # buffers whose reuse waited for a device copy's event
+    "released",  # gathered partitions past the held cap given back without a copy (the drive has them)
 )
 OPTIMIZER_COUNTERS = ("writes_completed_early", "read_ahead_dropped", "read_ahead_skipped")
 _totals: dict[str, int] = dict.fromkeys(PARAM_COUNTERS + OPTIMIZER_COUNTERS, 0)
 _buffer_counts: dict[str, set[int]] = {"param": set(), "optimizer": set()}
+_held_caps: dict[int, str] = {}  # cap bytes -> where it comes from, each distinct cap once
 _atexit_registered = False
 _said_off = False  # the switched-off line is logged once
 
@@ -141,6 +157,86 @@ def note_buffer_count(kind: str, count: int) -> None:
     atexit.register(_log_summary)
 
 
+HOST_MEMORY_BUDGET = 0.5  # aio_zero.host_memory_budget's default (aio.config.train.AioZeroConfig)
+BUDGET_KEY = "aio_zero.host_memory_budget"
+
+
+@dataclass(frozen=True)
+class HeldCap:
+    """The most bytes of gathered partitions the parameter swapper keeps in
+    ordinary memory, and where that number comes from (for log lines)."""
+
+    nbytes: int
+    source: str
+
+
+def _ranks_on_node() -> int:
+    """Ranks sharing this node's budget: LOCAL_WORLD_SIZE (torchrun), else
+    LOCAL_SIZE (DeepSpeed's launcher), else 1."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        text = os.environ.get(name, "").strip()
+        if not text:
+            continue
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"environment variable {name}={text!r}: an integer >= 1, as launchers set it")
+        return int(text)
+    return 1
+
+
+def held_cap(param_dict: Mapping[str, Any] | None, available: int | None = None) -> HeldCap:
+    """The held cap for a DeepSpeed config dict: ``aio_zero.host_memory_budget``
+    (aio's host-memory budget, a block DeepSpeed ignores; default 0.5), a
+    fraction of `available` (default: this machine's available memory now)
+    or bytes, divided among the node's ranks."""
+    block = (param_dict or {}).get("aio_zero") or {}
+    if not isinstance(block, Mapping):
+        raise ValueError(f"aio_zero must be a mapping (a JSON object), got {type(block).__name__}")
+    setting = block.get("host_memory_budget", HOST_MEMORY_BUDGET)
+    ok = isinstance(setting, (int, float)) and not isinstance(setting, bool) and setting > 0
+    if not ok or (setting > 1 and not float(setting).is_integer()):
+        raise ValueError(
+            f"{BUDGET_KEY}: a fraction of available memory (0 < x <= 1) or a whole number of bytes, "
+            f"got {setting!r}"
+        )
+    from ..config.gradients import host_memory_budget
+    from ..config.memory import format_bytes
+
+    if setting > 1:
+        what = f"{int(setting)} bytes"
+    else:
+        if available is None:
+            import psutil
+
+            available = int(psutil.virtual_memory().available)
+        what = f"{setting:g} of {format_bytes(available)} available"
+    ranks = _ranks_on_node()
+    nbytes = host_memory_budget(float(setting), available) // ranks
+    return HeldCap(nbytes, f"{BUDGET_KEY} {what}" + (f" / {ranks} ranks" if ranks > 1 else ""))
+
+
+def note_held_cap(cap: HeldCap) -> None:
+    """Record a parameter swapper's held cap for the summary line."""
+    with _lock:
+        _held_caps.setdefault(cap.nbytes, cap.source)
+
+
+def held_cap_short(have: int, held: int, held_bytes: int, cap: HeldCap) -> ValueError:
+    """The error for a gather that finds no buffer when every buffer holds a
+    gathered partition that can neither move to ordinary memory (the cap)
+    nor be released (one rank on the CPU: the parameter is a view of its
+    buffer). Nothing would free a buffer, so waiting would hang."""
+    from ..config.memory import format_bytes
+
+    return ValueError(
+        f"zero_optimization.offload_param.buffer_count={have} is too small for the parameters DeepSpeed "
+        "keeps gathered (stage3_max_reuse_distance, stage3_max_live_parameters): every buffer holds a "
+        "gathered partition, and moving one more to ordinary memory would pass aio's cap of "
+        f"{format_bytes(cap.nbytes)} ({cap.source}; {held} partitions, {format_bytes(held_bytes)} held now); "
+        f"raise offload_param.buffer_count or {BUDGET_KEY}, or lower stage3_max_reuse_distance / "
+        "stage3_max_live_parameters"
+    )
+
+
 def buffers_short(key: str, have: int, need: int, what: str) -> ValueError:
     """The error for a pool that aio's rules cannot make do with: names the
     config key and the count to set."""
@@ -161,13 +257,21 @@ def summary_line() -> str | None:
     t = summary()
     if not any(t.values()):
         return None
+    from ..config.memory import format_bytes
+
     # One engine per process, as a rule: one count each (several: all of them).
     pb, ob = ("/".join(str(n) for n in sorted(_buffer_counts[k])) or "-" for k in ("param", "optimizer"))
+    with _lock:
+        # Several engines (a fraction of available memory differs each time): the smallest cap.
+        n = min(_held_caps, default=None)
+        caps = "-" if n is None else f"{format_bytes(n)}, {_held_caps[n]}"
+        if len(_held_caps) > 1:
+            caps += f", the smallest of {len(_held_caps)}"
     return (
         f"DeepSpeed NVMe swappers on aio's buffer rules: held {t['evicted']} gathered partitions past "
         f"buffer_count={pb} in ordinary memory (at most {t['held_peak']} at once, "
-        f"{t['held_peak_bytes'] / 2**20:.1f} MiB; bounded by the gathered parameters, "
-        f"stage3_max_live_parameters), dropped {t['dropped_prefetch']} prefetched partitions, "
+        f"{format_bytes(t['held_peak_bytes'])}; cap {caps}), released {t['released']} past the cap "
+        f"without a copy, dropped {t['dropped_prefetch']} prefetched partitions, "
         f"took {t['deduplicated']} repeated prefetch entries once, waited {t['waited']} times for reads, "
         f"trimmed {t['trimmed_prefetch']} prefetch entries, "
         f"re-buffered {t['rebuffered']} updated partitions, "
@@ -215,6 +319,23 @@ def _wrap_ensure_availability(orig: Any) -> Any:
     return ensure
 
 
+def _wrap_partition_param(orig: Any) -> Any:
+    """``Init._partition_param`` that, before DeepSpeed copies an updated
+    parameter into its partition (``has_been_updated``), gives a partition
+    the parameter swapper released past its cap a buffer again."""
+
+    @functools.wraps(orig)
+    def partition_param(self: Any, param: Any, *args: Any, **kwargs: Any) -> Any:
+        updated = kwargs.get("has_been_updated", args[1] if len(args) > 1 else False)
+        restore = getattr(getattr(param, "nvme_swapper", None), "restore_released", None)
+        if updated and restore is not None:
+            restore(param)
+        return orig(self, param, *args, **kwargs)
+
+    partition_param._aio_wrapped = True  # type: ignore[attr-defined]
+    return partition_param
+
+
 def install(*, force: bool = False, param_swapper: Any = None, optimizer_swapper: Any = None) -> bool:
     """Put aio's swapper classes at DeepSpeed's construction sites; returns
     whether they are in place.
@@ -257,9 +378,13 @@ def install(*, force: bool = False, param_swapper: Any = None, optimizer_swapper
         for owner, attr, cls in sites:
             _installed.append((owner, attr, getattr(owner, attr)))
             setattr(owner, attr, cls)
-        orig = pp.Init._ensure_availability_of_partitioned_params
-        _installed.append((pp.Init, "_ensure_availability_of_partitioned_params", orig))
-        pp.Init._ensure_availability_of_partitioned_params = _wrap_ensure_availability(orig)
+        for attr, wrap in (
+            ("_ensure_availability_of_partitioned_params", _wrap_ensure_availability),
+            ("_partition_param", _wrap_partition_param),
+        ):
+            orig = getattr(pp.Init, attr)
+            _installed.append((pp.Init, attr, orig))
+            setattr(pp.Init, attr, wrap(orig))
     return True
 
 

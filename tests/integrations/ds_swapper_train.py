@@ -52,6 +52,7 @@ CASE_DEFAULTS: dict[str, Any] = {
     "prefetch": "auto",  # "auto" (HF: 0.9 h^2) or a number
     "persistence": 0,  # or "auto" (HF: 10 h)
     "max_in_cpu": 0,
+    "host_budget": None,  # aio_zero.host_memory_budget: the held cap (None: aio's default)
     "checkpointing": None,  # None | "reentrant" | "plain": activation checkpointing per layer
     "save_at": 0,  # save a checkpoint after this step (to "ckpt")
     "load": False,  # resume from "ckpt" at its step
@@ -128,7 +129,9 @@ def ds_config(c: dict[str, Any], nvme: str, world: int) -> dict[str, Any]:
     else:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    extra = {} if c["host_budget"] is None else {"aio_zero": {"host_memory_budget": c["host_budget"]}}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "train_batch_size": 4 * world,

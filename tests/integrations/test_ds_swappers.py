@@ -16,10 +16,13 @@ after the other), so a module costs one start of DeepSpeed per rank.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install .[deepspeed])")
+
+from aio.integrations import ds_swappers  # noqa: E402
 
 from .ds_swapper_run import run_ranks  # noqa: E402
 
@@ -40,6 +43,9 @@ ONE_RANK = [
     {"name": "ckpt-reentrant", **PIPE, "checkpointing": "reentrant", "prefetch": 5e7},
     {"name": "prefetch-cpu", "offload": "cpu", **PREFETCH},
     {"name": "prefetch", **PREFETCH},
+    # A held cap below one partition: one rank's gathered parameters are their
+    # buffers, so at step 2 the gather raises rather than wait.
+    {"name": "mlp6-capped", **MLP6, "host_budget": 100_000},
     # Negative controls last: DeepSpeed's own classes, same configs.
     {"name": "mlp6-ds", "swappers": "ds", **MLP6},
     {"name": "pipe-ds", "swappers": "ds", **PIPE},
@@ -51,6 +57,7 @@ MLP2 = {"width": 768, "layers": 6}
 GPT2 = {"model": "gpt", "layers": 2}
 PIPE2 = {"width": 768, "layers": 6, "pipeline": True, "sub_group_size": 300_000}
 RESUME = {**PIPE2, "steps": 5, "persistence": "auto"}
+CAP2 = 1_500_000  # aio_zero.host_memory_budget in bytes
 
 
 def two_rank_cases(ckpt: str) -> list[dict]:
@@ -59,6 +66,8 @@ def two_rank_cases(ckpt: str) -> list[dict]:
         {"name": "mlp", **MLP2},
         {"name": "gpt-cpu", "offload": "cpu", **GPT2},
         {"name": "gpt", **GPT2},
+        # Held cap 1.5 MB: one gathered partition (1 MiB) kept, the others released.
+        {"name": "gpt-capped", **GPT2, "host_budget": CAP2},
         {"name": "pipe-cpu", "offload": "cpu", **RESUME},
         {"name": "pipe-full", **RESUME, "save_at": 3, "ckpt": ckpt},
         {"name": "pipe-resumed", **RESUME, "load": True, "ckpt": ckpt},
@@ -156,6 +165,22 @@ def test_summary_line_once_per_run(one_rank):
     assert re.search(held, lines[0])
     assert re.search(r"took [1-9]\d* repeated prefetch entries once", lines[0])
     assert re.search(r"[1-9]\d* writes completed early", lines[0])
+    # The held bytes against their cap (the smallest of the engines': mlp6-capped's).
+    assert re.search(
+        r"at most [1-9]\d* at once, [\d.]+ [KMG]iB; cap 97\.7 KiB, aio_zero\.host_memory_budget", lines[0]
+    )
+
+
+def test_past_the_held_cap_one_rank_raises_instead_of_waiting(one_rank):
+    """One rank on the CPU: a gathered parameter is a view of its buffer, so
+    past the cap no buffer can come back; the gather raises, naming both
+    settings, instead of waiting for a release that would never come."""
+    rec = one_rank[0]["mlp6-capped"]
+    error = rec["error"] or ""
+    assert error.startswith("ValueError: zero_optimization.offload_param.buffer_count=5 "), error
+    assert "cap of 97.7 KiB (aio_zero.host_memory_budget 100000 bytes" in error
+    assert rec["losses"] == one_rank[0]["mlp6-cpu"]["losses"][:1]  # step 1 keeps nothing gathered
+    assert rec["param_counters"]["held_peak_bytes"] <= 100_000
 
 
 @pytest.mark.parametrize("case", ["mlp", "gpt"])
@@ -164,6 +189,119 @@ def test_two_ranks_equal_cpu_offload_on_every_rank(two_ranks, case):
     assert trained(two_ranks, case) == theirs
     assert theirs[0] != theirs[1]  # each rank's own batch: both ranks compared
     assert all(r[case]["param_counters"]["evicted"] > 0 for r in two_ranks)
+
+
+def test_past_the_held_cap_partitions_are_released_and_losses_stay_exact(two_ranks):
+    """Two ranks: a gathered parameter holds its own copy (the all-gather's
+    output), so past the cap its partition is released instead of kept (the
+    drive has it); training stays bit-identical to CPU offload."""
+    assert trained(two_ranks, "gpt-capped") == trained(two_ranks, "gpt-cpu")
+    for r in two_ranks:
+        c = r["gpt-capped"]["param_counters"]
+        assert c["evicted"] > 0 and c["released"] > 0, c
+        assert 0 < c["held_peak_bytes"] <= CAP2
+    line = next(x for x in two_ranks[0]["_stderr"].splitlines() if "aio's buffer rules" in x)
+    assert re.search(r"released [1-9]\d* past the cap", line)
+
+
+def test_held_cap_comes_from_aios_host_memory_budget(monkeypatch):
+    from aio.integrations.ds_swappers import held_cap
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    cap = held_cap({}, available=8 << 30)  # the default: half the available memory
+    assert cap.nbytes == 4 << 30 and cap.source == "aio_zero.host_memory_budget 0.5 of 8.0 GiB available"
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # DeepSpeed's launcher: the node's ranks share it
+    assert held_cap({"aio_zero": {"host_memory_budget": 0.25}}, available=8 << 30).nbytes == 512 << 20
+    assert held_cap({"aio_zero": {"host_memory_budget": 4e9}}).nbytes == 1_000_000_000
+    for bad in (0, -1, 1.5e9 + 0.5, True, "1e9"):
+        with pytest.raises(ValueError, match="aio_zero.host_memory_budget"):
+            held_cap({"aio_zero": {"host_memory_budget": bad}})
+
+
+@pytest.fixture
+def aio_enabled():
+    """enable() for the test (DeepSpeed's swappers on aio's handle); disable() after unless it was on."""
+    import aio.integrations.deepspeed as aio_ds
+
+    before = aio_ds.is_enabled()
+    aio_ds.enable()
+    yield
+    if not before:
+        aio_ds.disable()
+
+
+def capped_swapper(tmp_path, monkeypatch, buffer_count: int, budget: float):
+    """aio's parameter swapper (no engine) with ``aio_zero.host_memory_budget``
+    `budget`, as test_ds_swappers_unit.py makes one."""
+    import deepspeed
+    import torch
+
+    from .test_ds_swappers_unit import NUMEL
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+    offload = SimpleNamespace(nvme_path=str(tmp_path), buffer_size=NUMEL, buffer_count=buffer_count)
+    aio_config = {
+        "use_gds": False,
+        "block_size": 1 << 20,
+        "queue_depth": 8,
+        "single_submit": False,
+        "overlap_events": True,
+        "intra_op_parallelism": 1,
+    }
+    cfg = SimpleNamespace(
+        zero_config=SimpleNamespace(offload_param=offload),
+        aio_config=aio_config,
+        _param_dict={"aio_zero": {"host_memory_budget": budget}},
+    )
+    return ds_swappers.param_swapper_class()(cfg, torch.float32)
+
+
+def gather_copy(sw, *params) -> None:
+    """What a gather on several ranks (or onto a device) does: partitions
+    available, then each parameter gets data of its own (not a view)."""
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    with sw.gathering(params):
+        sw.swap_in([p for p in params if p.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE], False)
+    for p in params:
+        p.data = p.ds_tensor.data.clone()
+        p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def test_released_partition_is_not_read_ahead_and_gets_a_buffer_for_an_update(
+    tmp_path, monkeypatch, aio_enabled
+):
+    """Past the cap (2 bytes: nothing is kept) a gathered partition is
+    released; the NVMe prefetch does not read it again while its parameter is
+    gathered; GatheredParameters(modifier_rank=...) gets it a buffer back
+    (Init._partition_param, wrapped) and the update reaches the drive."""
+    import torch
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from .test_ds_swappers_unit import on_drive, values
+
+    sw = capped_swapper(tmp_path, monkeypatch, buffer_count=2, budget=2)
+    a, b, c = (on_drive(sw, i) for i in range(3))
+    gather_copy(sw, a)
+    gather_copy(sw, b)
+    gather_copy(sw, c)  # a's buffer goes back, nothing copied
+    assert sw.counters["released"] == 1 and sw.counters["evicted"] == 0 and sw._private_bytes == 0
+    assert a.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE and torch.equal(a.data, values(a))
+    sw.swap_in([a], async_op=True)  # the coordinator's NVMe prefetch: a is still gathered
+    assert a.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE and not sw.inflight_params
+    update = ds_swappers._wrap_partition_param(lambda self, p, **kw: p.ds_tensor.copy_(p.data))
+    a.nvme_swapper = sw  # as zero.Init sets it
+    a.data = a.data + 100  # modified by the modifier rank
+    update(None, a, has_been_updated=True)  # b's buffer goes back (released) for it
+    assert sw.counters["released"] == 2 and torch.equal(a.ds_tensor, values(a) + 100)
+    sw.swap_out_and_release([a])
+    a.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    sw.remove_partition_and_release_buffers([b, c])
+    gather_copy(sw, a)
+    assert torch.equal(a.data, values(a) + 100)
 
 
 def test_two_ranks_pipelined_and_resumed_exactly(two_ranks):
