@@ -33,7 +33,15 @@ from ..swap.optimizer import OptimizerSwapper
 from . import CPUAdam, _check_hyper, _unsupported
 from .dtensor import check_pair, like, local_of
 from .layout import SubGroup, local_flat, pack, pieces_of
-from .nvme_master import TIER_WARNING, check_live, check_master, not_a_master, params_refused, resolve_master
+from .nvme_master import (
+    TIER_WARNING,
+    check_live,
+    check_master,
+    not_a_master,
+    params_refused,
+    resolve_master,
+    user_stacklevel,
+)
 from .nvme_options import SwapOptions, check_pinned, resolve, sub_group_size
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -56,8 +64,10 @@ class _Swapper(OptimizerSwapper):
 
 
 class NVMeAdam(torch.optim.Optimizer):
-    """``torch.optim.Adam`` with its fp32 master weights and moments on the
-    drive (``decoupled_weight_decay=True``: AdamW; see :class:`NVMeAdamW`).
+    """``torch.optim.Adam`` with its moments on the drive and its fp32 master
+    weights on the drive too or, float32 CPU parameters, in the parameters
+    themselves (``master=``); ``decoupled_weight_decay=True``: AdamW (see
+    :class:`NVMeAdamW`).
 
     Torch's arguments and state format, plus: ``nvme_path`` (a directory, a
     list of drives to stripe, ``{local_rank}``/``{rank}`` filled in per
@@ -118,6 +128,7 @@ class NVMeAdam(torch.optim.Optimizer):
         self._swapper: _Swapper | None = None
         self._subgroups: list[SubGroup] = []
         self._params: list[Any] = []
+        self._numels: list[int] = []  # each parameter's local elements at the layout
         self._grads: dict[int, torch.Tensor] = {}
         super().__init__(params, defaults)
 
@@ -136,14 +147,16 @@ class NVMeAdam(torch.optim.Optimizer):
             # torch warns and steps such a parameter twice; one master copy cannot.
             raise ValueError(f"param group {len(self.param_groups)} lists a parameter twice")
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_group(group, f"param group {len(self.param_groups) - 1}")
-        for p in group["params"]:
-            where = f"param group {len(self.param_groups) - 1}"
+        k = len(self.param_groups) - 1
+        group = self.param_groups[k]
+        _check_group(group, f"param group {k}")
+        names = group.get("param_names")  # torch keeps them for named_parameters()
+        for j, p in enumerate(group["params"]):
+            where = f"param group {k}, parameter {j}" + (f" ({names[j]!r})" if names else "")
             _check_param(p, where)
             why = not_a_master(p) if self.master == "params" else None
             if why is not None:  # said at construction, not at the first step
-                raise params_refused(self.master, f"{where}: a parameter", why)
+                raise params_refused(self.master, where, why)
 
     def _ensure_layout(self) -> _Swapper:
         """The swapper, laid out now from the parameters param_groups hold
@@ -151,15 +164,33 @@ class NVMeAdam(torch.optim.Optimizer):
         if self._swapper is not None:
             return self._swapper
         params = [p for g in self.param_groups for p in g["params"]]
+        numels = [local_flat(p, _name(k)).numel() for k, p in enumerate(params)]
+        # Decided before the swapper exists: a refused mode leaves no swap folder behind.
+        mode = resolve_master(self.master, params, self.skip_freed_parameters, _name)
         per_group, k = [], 0
         for g in self.param_groups:
-            per_group.append(
-                [(k + j, local_flat(p, _name(k + j)).numel()) for j, p in enumerate(g["params"])]
-            )
+            per_group.append([(j, numels[j]) for j in range(k, k + len(g["params"]))])
             k += len(g["params"])
         total = max((sum(n for _, n in grp) for grp in per_group), default=0)
         size = sub_group_size(self.options, total)
         subgroups = pack(per_group, size)
+        sw = self._new_swapper(size, mode)
+        try:
+            for i, sg in enumerate(subgroups):
+                sw.register_subgroup(i, sg.numel, sg.group)
+            if subgroups:
+                check_pinned(self.options, sw.planned_pinned_bytes())
+            self._params, self._subgroups, self._numels = params, subgroups, numels
+            self._init_masters(sw, range(len(subgroups)))
+        except BaseException:
+            sw.close()
+            raise
+        self._swapper, self._master_mode = sw, mode
+        return sw
+
+    def _new_swapper(self, size: int, mode: str) -> _Swapper:
+        """The swapper for sub-groups of at most `size` elements, the master
+        weights on the drive in `mode` "drive"."""
         o = self.options
         sw = _Swapper(
             o.nvme_path, CPUAdam, {"match_torch": self.match_torch, "threads": self.threads},
@@ -168,19 +199,7 @@ class NVMeAdam(torch.optim.Optimizer):
             state_dtype=o.state_dtype, group_hyper=[_hyper(g) for g in self.param_groups],
         )  # fmt: skip
         sw.gradients_on_drive = o.gradients == "nvme"
-        mode = resolve_master(self.master, params, self.skip_freed_parameters, _name)
         sw.master_on_drive = mode == "drive"
-        try:
-            for i, sg in enumerate(subgroups):
-                sw.register_subgroup(i, sg.numel, sg.group)
-            if subgroups:
-                check_pinned(o, sw.planned_pinned_bytes())
-            self._params, self._subgroups = params, subgroups
-            self._init_masters(sw, range(len(subgroups)))
-        except BaseException:
-            sw.close()
-            raise
-        self._swapper, self._master_mode = sw, mode
         return sw
 
     def _init_masters(self, sw: _Swapper, indices: Iterable[int]) -> None:
@@ -213,14 +232,19 @@ class NVMeAdam(torch.optim.Optimizer):
         return fill
 
     def _flat(self, index: int) -> torch.Tensor:
-        """Parameter `index`'s flattened local tensor, checked against the layout."""
+        """Parameter `index`'s flattened local tensor, checked against the
+        layout (its size then, looked up: this runs for every piece of every
+        step)."""
         flat = local_flat(self._params[index], _name(index))
-        want = sum(pc.count for _, pc in pieces_of(self._subgroups) if pc.param == index)
-        if want and flat.numel() != want:
-            raise ValueError(
-                f"{_name(index)} has {flat.numel()} local elements, {want} when the sub-groups were laid out"
-            )
+        self._check_numel(index, flat.numel())
         return flat
+
+    def _check_numel(self, index: int, numel: int) -> None:
+        if numel != self._numels[index]:
+            raise ValueError(
+                f"{_name(index)} has {numel} local elements, {self._numels[index]} when the sub-groups "
+                "were laid out (the layout is fixed at the first step or load); give it its size back"
+            )
 
     # -- the step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -241,7 +265,7 @@ class NVMeAdam(torch.optim.Optimizer):
             return loss
         if self._master_mode == "params":  # checked before anything changes
             for k in grads:
-                check_live(local_flat(self._params[k], _name(k)), _name(k))
+                check_live(self._flat(k), _name(k))
         sw.torch_groups.update(sw.optimizer, [_hyper(g) for g in self.param_groups])
         self._take_grads(sw, grads)
         sw.step(after=self._write_back)
@@ -253,17 +277,20 @@ class NVMeAdam(torch.optim.Optimizer):
         out: dict[int, torch.Tensor] = {}
         missing = []
         for k, p in enumerate(self._params):
+            # Every size and view checked before anything changes: the write-back
+            # of a step would find a resized or non-contiguous one part-way.
+            n = self._flat(k).numel()
             if p.grad is None:
-                if local_of(p).numel():  # none on this rank: FSDP1 leaves its gradient None
+                if n:  # none on this rank: FSDP1 leaves its gradient None
                     missing.append(k)
                 continue
             check_pair(p, p.grad, _name(k))
             g = local_of(p.grad)
             if g.is_sparse or g.dtype != torch.float32:
                 raise TypeError(f"{_name(k)}: its gradient must be dense float32, got {g.dtype} ({g.layout})")
-            if g.numel() != local_of(p).numel():
+            if g.numel() != n:
                 raise ValueError(
-                    f"{_name(k)}: its gradient has {g.numel()} local elements, the parameter more"
+                    f"{_name(k)}: its gradient has {g.numel()} local elements, the parameter {n}"
                 )
             out[k] = g.reshape(-1)
         if not out:
@@ -300,22 +327,27 @@ class NVMeAdam(torch.optim.Optimizer):
     @property
     def master_mode(self) -> str | None:
         """Where the fp32 master weights are: ``"drive"`` or ``"params"``
-        (the ``master`` option resolved at the layout); None before it."""
+        (the ``master`` option resolved at the layout: the first step(), or
+        an earlier load_state_dict() or DCP state-dict call; fixed from then
+        on); None before it."""
         return self._master_mode
 
     @property
     def skip_freed_parameters(self) -> bool:
         """Parameters freed by an offload tier (storage resized to 0) are
         skipped when a step writes the new master weights back into the
-        parameters; set by aio.fsdp.offload_params, which reads them from
-        :meth:`master_slices`. With the master weights in the parameters
-        there are none to read: a warning, and the tier keeps its own copy."""
+        parameters; set by aio.fsdp.offload_params with
+        ``params_from_master=True`` (its default), which reads them from
+        :meth:`master_slices`; ``master="auto"`` laid out while it is set
+        keeps the master weights on the drive. With the master weights in
+        the parameters there are none to read: a warning (pointing at the
+        caller's line outside aio), and the tier keeps its own copy."""
         return self._skip_freed
 
     @skip_freed_parameters.setter
     def skip_freed_parameters(self, value: bool) -> None:
         if value and (self._master_mode or self.master) == "params":
-            warnings.warn(TIER_WARNING, stacklevel=2)
+            warnings.warn(TIER_WARNING, stacklevel=user_stacklevel())
         self._skip_freed = bool(value)
 
     def parameter_index(self) -> dict[int, int]:
@@ -503,8 +535,10 @@ class NVMeAdam(torch.optim.Optimizer):
 
 
 class NVMeAdamW(NVMeAdam):
-    """``torch.optim.AdamW`` with its fp32 master weights and moments on the
-    drive: :class:`NVMeAdam` with decoupled weight decay (default 1e-2)."""
+    """``torch.optim.AdamW`` with its moments on the drive and its fp32
+    master weights there or in the parameters (``master=``, see
+    :class:`NVMeAdam`): :class:`NVMeAdam` with decoupled weight decay
+    (default 1e-2)."""
 
     def __init__(
         self,

@@ -9,13 +9,24 @@ master (they must be float32 tensors in CPU memory, as FSDP2 with
 on the drive, 16 of I/O per step, no memory added. ``"auto"`` (the default)
 takes ``"params"`` when every parameter's local tensor is float32 on the
 CPU and no :func:`aio.fsdp.offload_params` tier reads parameters from the
-master weights (it frees the parameters between steps and needs a master
-on the drive); else ``"drive"``. Decided when the sub-groups are laid out
-(the first step or load), from the parameters held then.
+master weights (``params_from_master=True``, the tier's default: it frees
+the parameters between steps and needs a master on the drive; the tier
+says so through ``skip_freed_parameters``); else ``"drive"``.
+
+The mode is decided once, when the sub-groups are laid out, from the
+parameters held then: at the first ``step()``, or earlier at a
+``load_state_dict()`` (DCP's ``set_state_dict`` too), at DCP's
+``get_state_dict`` on an optimizer with no state (its hidden lr=0 step), or
+when a parameter tier lays it out before its first step. It never changes
+afterwards: parameters moved to a GPU after a CPU layout in ``"params"``
+mode are a TypeError at every step (as torch's AdamW, whose state stays on
+the CPU, fails too); build the optimizer after the move, or use ``"drive"``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,7 +92,12 @@ def check_live(flat: torch.Tensor, name: str) -> None:
     if not flat.numel():
         return
     if flat.dtype != torch.float32 or flat.device.type != "cpu":
-        raise params_refused("params", name, f"is {flat.dtype} on {flat.device} now")
+        raise TypeError(
+            f"{name} is {flat.dtype} on {flat.device} now: the sub-groups were laid out with the "
+            "master weights in the parameters (master_mode 'params'), so they must stay float32 "
+            "tensors in CPU memory. The mode is fixed at the layout: move or cast the model before "
+            "the optimizer's first step (or load), or build it with master='drive'"
+        )
     if flat.untyped_storage().nbytes() < (flat.storage_offset() + flat.numel()) * FLOAT32_BYTES:
         raise ValueError(
             f"{name}: its storage is freed (an offload tier released it), and with master='params' "
@@ -93,5 +109,20 @@ TIER_WARNING = (
     "NVMeAdamW keeps its master weights in the parameters (master='params'), not on the drive, so "
     "aio.fsdp.offload_params cannot read the parameters from them (params_from_master): the tier "
     "reads and writes the shards itself. For the tier's master path build NVMeAdamW with "
-    "master='drive', or with master='auto' and give it to offload_params before its first step"
+    "master='drive', or with master='auto' and give it to offload_params before its sub-groups are "
+    "laid out (which fixes the mode): before its first step(), load_state_dict() or DCP "
+    "get_state_dict()/set_state_dict()"
 )
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning issued by the caller of this
+    function that points at the first frame outside the aio package (the
+    user's line: a warning from aio.fsdp's set-up calling into the optimizer
+    would otherwise point inside aio)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -221,6 +221,18 @@ class OptimizerSwapper:
         weights would be missing from it)."""
         return True
 
+    def _restore_hint(self) -> str:
+        """How a broken swapper (see :attr:`broken`) gets a consistent state
+        back: import_checkpoint() needs the master weights on the drive; a
+        swapper without them is rewritten whole by its owner (NVMeAdamW:
+        load_state_dict() writes every sub-group's state again)."""
+        if self.master_slot():
+            return "Restore it with import_checkpoint() (NVMeAdamW: load_state_dict())"
+        return (
+            "Restore it by writing every sub-group's state again (NVMeAdamW: load_state_dict()); "
+            "import_checkpoint() cannot, the master weights not being on the drive (master_slot() is False)"
+        )
+
     def _no_master_slot(self, index: int) -> ValueError:
         return ValueError(
             f"sub-group {index}'s master weights are not on the drive (master_slot() is False: "
@@ -503,7 +515,8 @@ class OptimizerSwapper:
         reads it started ahead for the next step), first writing the states not
         yet on the drive (unless not `write_back`: they are lost). Called before
         anything else needs the buffers or reads the drive copy. A failed write
-        leaves the swapper refusing use until import_checkpoint()."""
+        leaves the swapper refusing use until restored (import_checkpoint(),
+        or without a master slot its owner writing every sub-group again)."""
         io, self._carry = self._carry, None
         if io is None:
             return
@@ -513,8 +526,7 @@ class OptimizerSwapper:
         except BaseException as e:
             self.broken = (
                 f"writing kept optimizer state back failed ({type(e).__name__}: {e}); the swapped "
-                "optimizer state is incomplete. Restore it with import_checkpoint() "
-                "(NVMeAdamW: load_state_dict())"
+                f"optimizer state is incomplete. {self._restore_hint()}"
             )
             raise
         finally:
@@ -526,7 +538,7 @@ class OptimizerSwapper:
         to be written when the buffers are needed, and the next step starts
         from them without a read. Afterwards every :meth:`master_extent` range
         holds the current weights. A failed write leaves the swapper refusing
-        use until import_checkpoint(), as a failed step does."""
+        use until restored, as a failed step does."""
         self._check_usable()
         if self._carry is None:
             return
@@ -536,7 +548,7 @@ class OptimizerSwapper:
             self.drop_cached(write_back=False)
             self.broken = (
                 f"writing master weights failed ({type(e).__name__}: {e}); the swapped optimizer "
-                "state is incomplete. Restore it with import_checkpoint() (NVMeAdamW: load_state_dict())"
+                f"state is incomplete. {self._restore_hint()}"
             )
             raise
 
@@ -622,9 +634,14 @@ class OptimizerSwapper:
         If anything fails, every I/O still in flight is drained, sub-groups
         whose write did not land are marked invalid, the swapper refuses
         further steps (the optimizer state is now partly stepped), and the
-        error is raised; import_checkpoint() restores a consistent state.
+        error is raised; import_checkpoint() restores a consistent state
+        (without a master slot, the owner writes every sub-group again:
+        NVMeAdamW's load_state_dict()).
+        Without a master slot `after` is required: it is the only place the
+        updated master weights go.
         """
         self._check_usable()
+        self._check_after(after)
         order = sorted(self.groups, reverse=self.steps % 2 == 1)
         # Gradients on the drive take buffers during backward: nothing is kept then.
         write_back = all(self.groups[i].grad_mem is not None for i in order)
@@ -662,10 +679,18 @@ class OptimizerSwapper:
             io.abort()
             self.broken = (
                 f"optimizer step {self.steps + 1} failed ({type(e).__name__}: {e}); the swapped "
-                "optimizer state is partly updated. Restore it with import_checkpoint() "
-                "(NVMeAdamW: load_state_dict())"
+                f"optimizer state is partly updated. {self._restore_hint()}"
             )
             raise
+
+    def _check_after(self, after: Callable[[int, Any], None] | None) -> None:
+        if after is None and not self.master_slot():
+            # The update would land in a buffer and be dropped: moments and step
+            # count advanced, master weights not -- a silent divergence.
+            raise ValueError(
+                "step(after=None) on a swapper without a master slot (master_slot() is False): the "
+                "updated master weights would be thrown away; pass after= to store them in their source"
+            )
 
     def _step_subgroup(
         self,
@@ -756,6 +781,8 @@ class OptimizerSwapper:
         out = torch.empty(g.numel, dtype=torch.float32)
         if g.master_source is not None:
             _wait_all(g.master_source(out))
+        elif "param" not in g.parts:
+            raise SwapStateError(f"sub-group {index} has no master weights: initialize_from() it first")
         else:
             self.space.sync_read(out, g.offset + g.parts["param"][0])
         return out
@@ -763,9 +790,11 @@ class OptimizerSwapper:
     # -- one sub-group's state ----------------------------------------------------------
     def state_names(self) -> list[str]:
         """The tensors of a sub-group :meth:`read_state` and :meth:`write_state`
-        take: ``"param"`` (the fp32 master weights), then each optimizer state
-        (``exp_avg``, ``exp_avg_sq`` for Adam)."""
-        return self._saved_parts()
+        take: ``"param"`` (the fp32 master weights; not listed without a
+        master slot, where read_state() reads them from their source and
+        write_state() refuses them), then each optimizer state (``exp_avg``,
+        ``exp_avg_sq`` for Adam)."""
+        return [n for n in self._saved_parts() if n != "param" or self.master_slot()]
 
     def _state_part(self, index: int, name: str) -> _SubGroup:
         g = self.groups.get(index)

@@ -8,8 +8,10 @@ Every case trains the same tiny model twice on the same engine, once with
 torch.optim.AdamW(foreach=False) and once with aio's optimizer, and reports
 whether losses and full parameters are bit-identical (torch.equal). The
 parameters are float32 on the CPU here, so NVMeAdamW's default (``master=
-"auto"``) keeps its master weights in them; the ``*_drive`` cases and the
-DCP interchange run ``master="drive"`` too."""
+"auto"``) keeps its master weights in them; so that the drive mode keeps
+its coverage, every engine case runs aio's optimizer twice in the same
+process group, with ``"auto"`` (which must pick ``"params"``) and with
+``"drive"`` (torch's reference once), and checks ``master_mode``."""
 
 from __future__ import annotations
 
@@ -99,37 +101,58 @@ def _torch(params, **kw):
     return torch.optim.AdamW(params, lr=LR, foreach=False, **kw)
 
 
-def _compare(build, make_opt_pair, rank, steps=STEPS, sched=False, clip=False) -> dict:
-    """Train build() with torch's AdamW and with aio's; the verdict."""
-    out = {}
-    for kind, make in zip(("torch", "aio"), make_opt_pair, strict=True):
+# (master asked for, the master_mode it must give): under gloo every parameter
+# is float32 on the CPU, so "auto" picks "params"; "drive" is asked for by name.
+MASTERS = (("auto", "params"), ("drive", "drive"))
+
+
+def _compare(
+    build, make_torch, make_aio, rank, steps=STEPS, sched=False, clip=False, masters=MASTERS
+) -> dict:
+    """Train build() with torch's AdamW once and with aio's under each
+    master (``make_aio(model, master)``); the verdict, bit-identical and in
+    the expected ``master_mode`` (``expected`` None: no such attribute)."""
+
+    def run(make):
         model = build()
         opt = make(model)
         lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)) if sched else None
-        out[kind] = (_train(model, opt, steps, rank, sched=lam, clip=clip), _full(model), opt)
-    (lt, pt, _), (la, pa, oa) = out["torch"], out["aio"]
-    res = {"losses_torch": lt, "losses_aio": la, "equal": lt == la and all(map(torch.equal, pt, pa))}
-    if hasattr(oa, "swap_stats"):
-        st = oa.swap_stats()
-        res.update(swap_dir=st.get("swap_dir"), drive_bytes=st.get("drive_bytes"))
-        oa.close()
+        return _train(model, opt, steps, rank, sched=lam, clip=clip), _full(model), opt
+
+    lt, pt, _ = run(make_torch)
+    res: dict = {"losses_torch": lt, "modes": {}, "equal": True}
+    for master, expected in masters:
+        la, pa, opt = run(lambda m, master=master: make_aio(m, master))
+        res["equal"] &= _verdict(res, master, expected, opt, la == lt and all(map(torch.equal, pt, pa)))
+        res[f"losses_{master}"] = la
     return res
 
 
+def _verdict(res: dict, master, expected, opt, same: bool) -> bool:
+    """Record `opt`'s master_mode under `master` (closing it); whether the
+    run was the same as torch's in the expected mode."""
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer's local optimizer
+    mode = getattr(inner, "master_mode", None)
+    res["modes"][str(master)] = mode
+    if hasattr(inner, "close"):
+        inner.close()
+    return same and mode == expected
+
+
+def _plain(tmp, rank):
+    """torch's AdamW and aio's (given its master) over model.parameters()."""
+    return (
+        lambda m: _torch(m.parameters()),
+        lambda m, master: _nvme(m.parameters(), tmp, rank, master=master),
+    )
+
+
 def case_fsdp2(rank, tmp):
-    b = lambda: _fsdp2(_model())  # noqa: E731
-    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
+    return _compare(lambda: _fsdp2(_model()), *_plain(tmp, rank), rank)
 
 
 def case_fsdp2_offload(rank, tmp):
-    b = lambda: _fsdp2(_model(), offload=True)  # noqa: E731
-    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
-
-
-def case_fsdp2_drive(rank, tmp):
-    b = lambda: _fsdp2(_model(), offload=True)  # noqa: E731
-    pair = (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank, master="drive"))
-    return _compare(b, pair, rank)
+    return _compare(lambda: _fsdp2(_model(), offload=True), *_plain(tmp, rank), rank)
 
 
 def case_tier_master(rank, tmp):
@@ -163,55 +186,49 @@ def case_tier_master(rank, tmp):
 
 
 def case_fsdp2_bf16(rank, tmp):
-    b = lambda: _fsdp2(_model(), offload=True, bf16=True)  # noqa: E731
-    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
+    return _compare(lambda: _fsdp2(_model(), offload=True, bf16=True), *_plain(tmp, rank), rank)
 
 
 def case_cpu_adamw_dtensor(rank, tmp):
     from aio.optim import CPUAdamW
 
-    b = lambda: _fsdp2(_model(), offload=True)  # noqa: E731
     return _compare(
-        b,
-        (lambda m: _torch(m.parameters()), lambda m: CPUAdamW(m.parameters(), lr=LR, match_torch=True)),
+        lambda: _fsdp2(_model(), offload=True),
+        lambda m: _torch(m.parameters()),
+        lambda m, _: CPUAdamW(m.parameters(), lr=LR, match_torch=True),
         rank,
+        masters=((None, None),),  # state in memory: no master mode
     )
 
 
 def case_groups_lambda_clip(rank, tmp):
-    b = lambda: _fsdp2(_model())  # noqa: E731
-    pair = (lambda m: _torch(_groups(m)), lambda m: _nvme(_groups(m), tmp, rank, sub_group_size=700))
-    return _compare(b, pair, rank, sched=True, clip=True)
+    return _compare(
+        lambda: _fsdp2(_model()),
+        lambda m: _torch(_groups(m)),
+        lambda m, master: _nvme(_groups(m), tmp, rank, sub_group_size=700, master=master),
+        rank,
+        sched=True,
+        clip=True,
+    )
 
 
 def case_accelerate_swap(rank, tmp):
     """Accelerate/Trainer: the optimizer is built over the unsharded model,
     which is sharded afterwards and its parameters swapped in param_groups."""
-
-    def aio_opt(m):
-        return m._opt
-
-    def build():
+    model_t = _fsdp2(_model())
+    lt = _train(model_t, _torch(model_t.parameters()), STEPS, rank)
+    pt = _full(model_t)
+    res: dict = {"losses_torch": lt, "modes": {}, "equal": True}
+    for master, expected in MASTERS:
         model = _model()
-        model._opt = _nvme(model.parameters(), tmp, rank)  # before sharding: lazy layout
+        opt = _nvme(model.parameters(), tmp, rank, master=master)  # before sharding: lazy layout
         sharded = _fsdp2(model)
-        model._opt.param_groups[0]["params"] = list(sharded.parameters())
-        return sharded
-
-    built = []
-
-    def build_t():
-        return _fsdp2(_model())
-
-    res_t = None
-    model_t = build_t()
-    opt_t = _torch(model_t.parameters())
-    lt = _train(model_t, opt_t, STEPS, rank)
-    model_a = build()
-    la = _train(model_a, aio_opt(model_a), STEPS, rank)
-    equal = lt == la and all(map(torch.equal, _full(model_t), _full(model_a)))
-    del built, res_t
-    return {"losses_torch": lt, "losses_aio": la, "equal": equal}
+        opt.param_groups[0]["params"] = list(sharded.parameters())
+        la = _train(sharded, opt, STEPS, rank)
+        res["equal"] &= _verdict(
+            res, master, expected, opt, la == lt and all(map(torch.equal, pt, _full(sharded)))
+        )
+    return res
 
 
 def case_no_hidden_step(rank, tmp):
@@ -219,31 +236,32 @@ def case_no_hidden_step(rank, tmp):
     gives torch's AdamW state, bit for bit."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    res = {}
-    for kind in ("torch", "aio"):
+    def run(opt_of):
         model = _fsdp2(_model())
-        opt = _torch(model.parameters()) if kind == "torch" else _nvme(model.parameters(), tmp, rank)
+        opt = opt_of(model)
         _train(model, opt, 2, rank)
         before = _full(model)
         opt.zero_grad(set_to_none=True)  # as after a training step: no gradients
         osd1 = get_optimizer_state_dict(model, opt)
         osd2 = get_optimizer_state_dict(model, opt)
-        res[kind] = (osd1, osd2, before, _full(model))
-    (t1, _, _, _), (a1, a2, ab, aa) = res["torch"], res["aio"]
-    same = all(map(torch.equal, ab, aa))
-    steps = sorted({float(s["step"]) for s in a2["state"].values()})
-    match = set(t1["state"]) == set(a1["state"]) and all(
-        torch.equal(_local(t1["state"][k][n]), _local(a1["state"][k][n]))
-        and torch.equal(_local(a1["state"][k][n]), _local(a2["state"][k][n]))
-        for k in t1["state"]
-        for n in ("step", "exp_avg", "exp_avg_sq")
-    )
-    return {
-        "equal": same and match and steps == [2.0],
-        "steps": steps,
-        "params_same": same,
-        "state_match": match,
-    }
+        return osd1, osd2, all(map(torch.equal, before, _full(model))), opt
+
+    t1 = run(lambda m: _torch(m.parameters()))[0]
+    res: dict = {"modes": {}, "equal": True, "steps": [], "params_same": True, "state_match": True}
+    for master, expected in MASTERS:
+        a1, a2, same, opt = run(lambda m, master=master: _nvme(m.parameters(), tmp, rank, master=master))
+        steps = sorted({float(s["step"]) for s in a2["state"].values()})
+        match = set(t1["state"]) == set(a1["state"]) and all(
+            torch.equal(_local(t1["state"][k][n]), _local(a1["state"][k][n]))
+            and torch.equal(_local(a1["state"][k][n]), _local(a2["state"][k][n]))
+            for k in t1["state"]
+            for n in ("step", "exp_avg", "exp_avg_sq")
+        )
+        res["steps"] = sorted(set(res["steps"]) | set(steps))
+        res["params_same"] &= same
+        res["state_match"] &= match
+        res["equal"] &= _verdict(res, master, expected, opt, same and match and steps == [2.0])
+    return res
 
 
 def _local(t):
@@ -304,8 +322,7 @@ def case_dcp_load(rank, tmp):
 def case_ddp(rank, tmp):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    b = lambda: DDP(_model())  # noqa: E731
-    return _compare(b, (lambda m: _torch(m.parameters()), lambda m: _nvme(m.parameters(), tmp, rank)), rank)
+    return _compare(lambda: DDP(_model()), *_plain(tmp, rank), rank)
 
 
 def case_zero1(rank, tmp):
@@ -314,14 +331,15 @@ def case_zero1(rank, tmp):
 
     from aio.optim import NVMeAdamW
 
-    b = lambda: DDP(_model())  # noqa: E731
     path = os.path.join(tmp, "drive")
-    pair = (
+    return _compare(
+        lambda: DDP(_model()),
         lambda m: Z(m.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, foreach=False),
-        lambda m: Z(m.parameters(), optimizer_class=NVMeAdamW, lr=LR, nvme_path=path, match_torch=True),
+        lambda m, master: Z(
+            m.parameters(), optimizer_class=NVMeAdamW, lr=LR, nvme_path=path, match_torch=True, master=master
+        ),
+        rank,
     )
-    res = _compare(b, pair, rank)
-    return res
 
 
 def case_fsdp1(rank, tmp):
@@ -333,13 +351,17 @@ def case_fsdp1(rank, tmp):
     def full(m):  # summon_full_params fails on CPU: every rank's local shards
         return [p.detach().clone() for p in m.parameters()]
 
-    out = {}
-    for kind in ("torch", "aio"):
+    model = b()
+    lt, pt = _train(model, _torch(model.parameters()), STEPS, rank), full(model)
+    res: dict = {"losses_torch": lt, "modes": {}, "equal": True}
+    for master, expected in MASTERS:
         model = b()
-        opt = _torch(model.parameters()) if kind == "torch" else _nvme(model.parameters(), tmp, rank)
-        out[kind] = (_train(model, opt, STEPS, rank), full(model))
-    equal = out["torch"][0] == out["aio"][0] and all(map(torch.equal, out["torch"][1], out["aio"][1]))
-    return {"equal": equal, "losses": out["aio"][0]}
+        opt = _nvme(model.parameters(), tmp, rank, master=master)
+        la = _train(model, opt, STEPS, rank)
+        res["equal"] &= _verdict(
+            res, master, expected, opt, la == lt and all(map(torch.equal, pt, full(model)))
+        )
+    return res
 
 
 def case_rank_folders(rank, tmp):

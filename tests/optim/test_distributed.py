@@ -6,7 +6,10 @@ DTensors, the Accelerate-style parameter swap, get_optimizer_state_dict
 without a hidden step, a DCP save on 2 ranks loaded on 3 (torch <-> aio
 both ways, master weights in the parameters <-> on the drive), and
 aio.fsdp's parameter tier with either master. Every case is bit-identical
-(torch.equal) to torch.optim.AdamW(foreach=False) on the same engine.
+(torch.equal) to torch.optim.AdamW(foreach=False) on the same engine. Every
+engine case runs aio's optimizer with the master weights in the parameters
+("auto", which picks them: fp32 CPU parameters under gloo) and on the drive,
+in the same process group (no extra group: the CI time is in starting them).
 
 Two process groups (2 and 3 ranks) run all the cases (dist_worker.py); each
 case's verdict is written per rank before the next starts, so a gloo abort
@@ -32,11 +35,14 @@ pytestmark = [
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
-    "fsdp2", "fsdp2_offload", "fsdp2_drive", "fsdp2_bf16", "cpu_adamw_dtensor", "groups_lambda_clip",
+    "fsdp2", "fsdp2_offload", "fsdp2_bf16", "cpu_adamw_dtensor", "groups_lambda_clip",
     "accelerate_swap", "no_hidden_step", "dcp_save", "ddp", "zero1", "fsdp1", "rank_folders",
     "tier_master",
 ]  # fmt: skip
 THREE = ["fsdp2", "dcp_load", "zero1", "fsdp1", "rank_folders"]
+# Cases that run aio's optimizer under both masters (dist_worker.MASTERS).
+BOTH = {"fsdp2", "fsdp2_offload", "fsdp2_bf16", "groups_lambda_clip", "accelerate_swap", "no_hidden_step",
+        "ddp", "zero1", "fsdp1"}  # fmt: skip
 
 
 def _run(world: int, out: str, cases: list[str]) -> None:
@@ -78,6 +84,13 @@ def test_bit_identical_to_torch_adamw(results: dict, world: int, case: str) -> N
     for rank, res in enumerate(results[(world, case)]):
         assert res["ok"], f"rank {rank}:\n{res.get('error')}"
         assert res["equal"] is True, f"rank {rank}: {res}"
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cs in ((2, TWO), (3, THREE)) for c in cs if c in BOTH])
+def test_each_engine_case_runs_under_both_masters(results: dict, world: int, case: str) -> None:
+    # auto picks the parameters (fp32 on the CPU here); drive keeps them on the drive.
+    for rank, res in enumerate(results[(world, case)]):
+        assert res.get("modes") == {"auto": "params", "drive": "drive"}, f"rank {rank}: {res}"
 
 
 @pytest.mark.parametrize("world", [2, 3])

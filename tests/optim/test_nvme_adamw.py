@@ -390,6 +390,17 @@ def test_master_and_the_parameter_tier_api(tmp_path) -> None:
     plain.close()
     with pytest.warns(UserWarning, match="params_from_master"):
         NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), master="params").skip_freed_parameters = True
+    # A load lays the sub-groups out (so does DCP's set_state_dict, and its
+    # get_state_dict before a first step): auto is decided there, not at a step.
+    from aio.fsdp.master import skip_released_write_back
+
+    late = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path))
+    late.load_state_dict(late.state_dict())
+    assert late.master_mode == "params"
+    with pytest.warns(UserWarning, match=r"before its sub-groups are laid out.*load_state_dict") as rec:
+        skip_released_write_back(late)  # what offload_params does, from inside aio
+    assert [w.filename for w in rec] == [__file__]  # the user's line, not aio's
+    late.close()
 
 
 def test_swapper_without_a_master_slot(tmp_path) -> None:
@@ -415,3 +426,134 @@ def test_swapper_without_a_master_slot(tmp_path) -> None:
     with pytest.raises(ValueError, match="checkpoint"):
         sw.export_checkpoint(str(tmp_path / "ckpt"))
     sw.close()
+
+
+def test_a_step_walks_the_layout_a_bounded_number_of_times(tmp_path, monkeypatch) -> None:
+    """Many small tensors: each step looks each parameter's size up (computed
+    at the layout) instead of rescanning every sub-group per piece, which
+    made a step quadratic in the number of tensors (2,000 x 64 elements:
+    3.3 s a step)."""
+    import aio.optim.layout as layout
+    import aio.optim.nvme as nvme
+
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(200)]
+    walked = {"pieces": 0}
+    real = layout.pieces_of
+
+    def counted(subgroups):
+        for item in real(subgroups):
+            walked["pieces"] += 1
+            yield item
+
+    monkeypatch.setattr(nvme, "pieces_of", counted)
+    for master in ("params", "drive"):
+        opt = NVMeAdamW(params, nvme_path=str(tmp_path), master=master, sub_group_size=64)
+        _sgd_like_steps(params, opt, 0, 1)
+        walked["pieces"] = 0
+        _sgd_like_steps(params, opt, 1, 2)
+        assert walked["pieces"] <= 2 * 2 * len(params), (master, walked)  # one walk a step
+        opt.close()
+
+
+@pytest.mark.parametrize("master", ["params", "drive"])
+def test_a_resized_or_strided_parameter_is_refused_before_anything_changes(tmp_path, master) -> None:
+    a, b = torch.nn.Parameter(torch.zeros(1024)), torch.nn.Parameter(torch.zeros(1024))
+    opt = NVMeAdamW([a, b], nvme_path=str(tmp_path), master=master, sub_group_size=1024, lr=0.1)
+    _sgd_like_steps([a, b], opt, 0, 2)  # the third step steps a first, then b
+    kept = b.data
+    for bad, grad, what in (
+        (torch.zeros(2048), torch.ones(2048), r"parameter 1 .* has 2048 local elements, 1024 when"),
+        (torch.zeros(32, 32).t(), torch.ones(32, 32), r"parameter 1 .* not contiguous"),
+    ):
+        b.data, b.grad, a.grad = bad, grad, torch.ones(1024)
+        before = a.detach().clone()
+        with pytest.raises(ValueError, match=what):
+            opt.step()
+        assert torch.equal(a, before) and {float(s["step"]) for s in opt.state.values()} == {2.0}
+    b.data = kept
+    _sgd_like_steps([a, b], opt, 2, 1)  # nothing was broken
+    assert {float(s["step"]) for s in opt.state.values()} == {3.0}
+    opt.close()
+
+
+def test_a_mode_refused_at_the_layout_leaves_no_swap_folder(tmp_path) -> None:
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = NVMeAdamW([p], nvme_path=str(tmp_path), master="params")
+    p.data = p.data.to(torch.bfloat16)  # after construction: found at the layout
+    with pytest.raises(TypeError, match=r"parameter 0 .*bfloat16") as ei:
+        opt.step()
+    # While the error is held (its traceback keeps the frames alive, as a
+    # caller logging it does), no swapper may sit open with its folder.
+    root = tmp_path / f"aio-swap-{os.geteuid()}"
+    assert not root.exists() or os.listdir(root) == [], ei
+    assert opt.master_mode is None
+
+
+def test_the_mode_is_fixed_at_the_layout(tmp_path) -> None:
+    """Parameters moved or cast after a layout in params mode: a TypeError
+    at every step naming the parameter, nothing broken (torch's AdamW, its
+    state left on the CPU, fails after a move to a GPU too)."""
+    m = _model()
+    opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path))  # auto
+    _steps([(m, opt, None)], 0, 1)
+    assert opt.master_mode == "params"
+    w = m[0].weight.data
+    m[0].weight.data = w.double()  # as model.double() would (.to("cuda") alike: "on cuda:0")
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"parameter 0 .*float64 on cpu now.*fixed at the layout"):
+            opt.step()
+    m[0].weight.data = w
+    _steps([(m, opt, None)], 1, 1)
+    assert opt.master_mode == "params" and {float(s["step"]) for s in opt.state.values()} == {2.0}
+    opt.close()
+
+
+def test_refusals_at_construction_name_the_parameter(tmp_path) -> None:
+    good, other = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    with pytest.raises(TypeError, match=r"param group 1, parameter 1 is on meta: master='params'"):
+        NVMeAdamW([{"params": [good]}, {"params": [other, meta]}], nvme_path=str(tmp_path), master="params")
+    with pytest.raises(TypeError, match=r"param group 0, parameter 1 \('head'\) is on meta"):
+        NVMeAdamW([("body", good), ("head", meta)], nvme_path=str(tmp_path), master="params")
+    bf16 = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"param group 0, parameter 0 \('x'\): .*dense float32"):
+        NVMeAdamW([("x", bf16)], nvme_path=str(tmp_path))
+
+
+def test_a_failed_step_without_the_master_on_the_drive_names_a_remedy_that_exists(
+    tmp_path, monkeypatch
+) -> None:
+    m = _model()
+    opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), master="params", sub_group_size=300)
+    _steps([(m, opt, None)], 0, 1)
+    saved = opt.state_dict()
+    real = NVMeAdamW._write_back
+    calls = {"n": 0}
+
+    def failing(self, index, master):
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the first sub-group was stepped
+            raise OSError("a failed write")
+        return real(self, index, master)
+
+    monkeypatch.setattr(NVMeAdamW, "_write_back", failing)
+    with pytest.raises(OSError):
+        _steps([(m, opt, None)], 1, 1)
+    monkeypatch.undo()
+    with pytest.raises(Exception, match=r"load_state_dict\(\)") as ei:
+        _steps([(m, opt, None)], 1, 1)
+    assert "Restore it with import_checkpoint" not in str(ei.value)
+    opt.load_state_dict(saved)  # the remedy named: it works
+    _steps([(m, opt, None)], 1, 1)
+    opt.close()
+
+
+def test_gradients_on_the_drive_add_4_bytes_per_element(tmp_path) -> None:
+    """docs/fsdp.md's sizing table: 12 bytes per element with the master in
+    the parameters and gradients="nvme", 16 with the master on the drive."""
+    params = [torch.nn.Parameter(torch.randn(4096))]
+    for master, per_element in (("params", 12), ("drive", 16)):
+        opt = NVMeAdamW(params, nvme_path=str(tmp_path), master=master, gradients="nvme", sub_group_size=1024)
+        _sgd_like_steps(params, opt, 0, 1)
+        assert opt.swap_stats()["drive_bytes"] == per_element * 4096, master
+        opt.close()

@@ -929,3 +929,45 @@ def test_aio_adam_first_step_uses_the_zeroed_buffers_as_its_state(tmp_path, monk
     sw.close()
     assert not [n for n in made if n in SIZES]  # no state tensor of a sub-group's size was made
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class _NoMasterSlot(OptimizerSwapper):
+    """Master weights kept elsewhere (as NVMeAdamW's master="params")."""
+
+    def master_slot(self):
+        return False
+
+
+def test_a_swapper_without_a_master_slot_refuses_what_would_lose_the_master(tmp_path):
+    sw = _NoMasterSlot(str(tmp_path), torch.optim.Adam, {"lr": 1e-1})
+    for i in range(2):
+        sw.register_subgroup(i, 1024)
+    assert sw.state_names() == ["exp_avg", "exp_avg_sq"]  # "param" is not on the drive
+    with pytest.raises(SwapStateError, match="sub-group 0 has no master weights: initialize_from"):
+        sw.read_master(0)  # never initialised: not a KeyError
+    masters = [torch.randn(1024) for _ in range(2)]
+    for i, m in enumerate(masters):
+        sw.initialize_from(i, lambda out, m=m: [out.copy_(m)][:0])
+        sw.hold_gradient(i, torch.ones(1024))
+    before = [m.clone() for m in masters]
+    with pytest.raises(ValueError, match=r"step\(after=None\).*thrown away"):
+        sw.step()  # the update would go nowhere
+    assert sw.steps == 0 and not sw.broken and all(g.scalars is None for g in sw.groups.values())
+    assert all(map(torch.equal, masters, before))
+    calls = []
+
+    def after(i, new):
+        calls.append(i)
+        if len(calls) == 2:
+            raise RuntimeError("stored nowhere")
+        masters[i].copy_(new)
+
+    with pytest.raises(RuntimeError, match="stored nowhere"):
+        sw.step(after=after)
+    # Broken: the remedy it names must exist (import_checkpoint is refused here).
+    assert "load_state_dict" in sw.broken and "Restore it with import_checkpoint" not in sw.broken
+    with pytest.raises(SwapStateError, match="writing every sub-group's state again"):
+        sw.step(after=after)
+    with pytest.raises(ValueError, match="master_slot"):
+        sw.import_checkpoint(str(tmp_path / "none"))
+    sw.close()
