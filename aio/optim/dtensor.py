@@ -77,3 +77,27 @@ def like(p: Any, local: torch.Tensor) -> Any:
     return dtensor_class().from_local(
         local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
+
+
+def shard_of(full: torch.Tensor, p: Any) -> torch.Tensor | None:
+    """This rank's part of `full`, a whole tensor shaped like DTensor `p`,
+    as `p`'s layout cuts it: ``torch.chunk`` along the dimension of each
+    ``Shard`` placement in mesh order (as DTensor and FSDP2 cut; a rank past
+    the last chunk gets none), ``Replicate`` keeping it whole. A view of
+    `full`. None for any other placement (a strided or Partial one) or a
+    rank outside `p`'s mesh: the caller refuses those."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    coordinate = p.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    out = full
+    for i, placement in enumerate(p.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            return None
+        chunks = torch.chunk(out, p.device_mesh.size(i), dim=placement.dim)
+        c = coordinate[i]
+        out = chunks[c] if c < len(chunks) else out.narrow(placement.dim, 0, 0)
+    return out

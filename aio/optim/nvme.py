@@ -12,17 +12,25 @@ weights back into the parameters (FSDP's sharded storage). Nothing here is
 collective: the engine has already reduced the gradients.
 
 Torch's semantics, so frameworks' helpers work unchanged: the layout is made
-at the first step() (or load) from the parameters ``param_groups`` then
-holds (Accelerate and HF Trainer swap them after construction); every
-group's hyper-parameters are read at every step (LR schedulers);
-``self.state`` holds each parameter's ``step`` (never empty after a step,
-so torch.distributed.checkpoint's helpers take no hidden step) and
+at the first step() (or load of a state) from the parameters
+``param_groups`` holds then, and made again for the ones it holds later if
+they are swapped for others, the state following them by position
+(Accelerate and HF Trainer build the optimizer before FSDP2 shards the
+model, load its empty state and then swap its parameters for the sharded
+DTensors; see :meth:`NVMeAdam._relayout`); every group's hyper-parameters
+are read at every step (LR schedulers); ``self.state[p]`` holds each
+parameter's ``step`` and, as stand-ins for the moments on the drive,
+``exp_avg`` and ``exp_avg_sq`` (:data:`ON_DRIVE`: torch's keys, so DCP's
+flattened state -- torchtitan's -- finds them; never empty after a step, so
+torch.distributed.checkpoint's helpers take no hidden step) and
 ``state_dict()``/``load_state_dict()`` are torch's AdamW format, the
 moments DTensors for DTensor parameters (DCP saves, loads and reshards them).
 """
 
 from __future__ import annotations
 
+import collections
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -31,7 +39,7 @@ import torch
 
 from ..swap.optimizer import OptimizerSwapper
 from . import CPUAdam, _check_hyper, _unsupported
-from .dtensor import check_pair, like, local_of
+from .dtensor import check_pair, is_dtensor, like, local_of, shard_of
 from .layout import SubGroup, local_flat, pack, pieces_of
 from .nvme_master import (
     TIER_WARNING,
@@ -46,6 +54,28 @@ from .nvme_options import SwapOptions, check_pinned, resolve, sub_group_size
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
+
+
+class _OnDrive:
+    """The value of ``exp_avg``/``exp_avg_sq`` in ``NVMeAdamW.state[p]``: the
+    moment is on the drive, and :meth:`NVMeAdam.state_dict` reads it. The
+    keys are there because DCP's flattened optimizer state (torchtitan's
+    ``flatten_optimizer_state_dict=True``) rebuilds each parameter's state
+    from the keys of ``optim.state[p]``; the value costs no memory. Not a
+    tensor and without ``.to()``: a framework moving the state to a device
+    (Lightning) leaves it alone, and code that would use it as a moment
+    fails loudly instead of training on a stand-in."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<on the drive: NVMeAdamW.state_dict() reads it>"
+
+    def __reduce__(self) -> str:
+        return "ON_DRIVE"  # a copy or a pickle is this module's one instance
+
+
+ON_DRIVE = _OnDrive()
 
 
 class _Swapper(OptimizerSwapper):
@@ -129,17 +159,20 @@ class NVMeAdam(torch.optim.Optimizer):
         self._subgroups: list[SubGroup] = []
         self._params: list[Any] = []
         self._numels: list[int] = []  # each parameter's local elements at the layout
+        self._sizes: list[int] = []  # each param group's parameter count at the layout
+        self._shapes: list[tuple[int, ...]] = []  # each parameter's local shape at the layout
+        self._whole: list[bool] = []  # whether its local tensor was the whole tensor
         self._grads: dict[int, torch.Tensor] = {}
         super().__init__(params, defaults)
 
     # -- parameters and layout ---------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's add_param_group, until the first step laid the sub-groups
-        out; afterwards a ValueError (the layout is fixed)."""
+        """torch's add_param_group, until the first step (or load of a state)
+        laid the sub-groups out; afterwards a ValueError."""
         if getattr(self, "_swapper", None) is not None:
             raise ValueError(
-                f"{type(self).__name__}.add_param_group after the first step: the sub-groups on the drive "
-                "are laid out; add every param group before the first step()"
+                f"{type(self).__name__}.add_param_group after the first step (or a load of a state): the "
+                "sub-groups on the drive are laid out; add every param group before the first step()"
             )
         params = param_group.get("params")
         listed = [params] if isinstance(params, torch.Tensor) else list(params or [])
@@ -159,11 +192,28 @@ class NVMeAdam(torch.optim.Optimizer):
                 raise params_refused(self.master, where, why)
 
     def _ensure_layout(self) -> _Swapper:
-        """The swapper, laid out now from the parameters param_groups hold
-        (masters copied from them) if this is the first need."""
-        if self._swapper is not None:
-            return self._swapper
+        """The swapper, laid out for the parameters param_groups holds now:
+        at the first need, and again (:meth:`_relayout`, the state following
+        each position) when they are no longer the ones it was laid out for."""
         params = [p for g in self.param_groups for p in g["params"]]
+        sw = self._swapper
+        if sw is not None and self._same_layout(params):
+            return sw
+        if sw is None:
+            return self._lay_out(params)
+        return self._relayout(sw, params, None)
+
+    def _same_layout(self, params: list[Any]) -> bool:
+        """Whether `params` (param_groups' now, in order) are the very
+        tensors of the layout, in param groups of the same sizes."""
+        return (
+            len(params) == len(self._params)
+            and all(map(operator.is_, params, self._params))
+            and [len(g["params"]) for g in self.param_groups] == self._sizes
+        )
+
+    def _lay_out(self, params: list[Any]) -> _Swapper:
+        """Lay the sub-groups out for `params` (masters copied from them)."""
         numels = [local_flat(p, _name(k)).numel() for k, p in enumerate(params)]
         # Decided before the swapper exists: a refused mode leaves no swap folder behind.
         mode = resolve_master(self.master, params, self.skip_freed_parameters, _name)
@@ -181,12 +231,112 @@ class NVMeAdam(torch.optim.Optimizer):
             if subgroups:
                 check_pinned(self.options, sw.planned_pinned_bytes())
             self._params, self._subgroups, self._numels = params, subgroups, numels
+            self._sizes = [len(g["params"]) for g in self.param_groups]
+            self._shapes = [tuple(local_of(p).shape) for p in params]
+            self._whole = [tuple(p.shape) == s for p, s in zip(params, self._shapes, strict=True)]
+            self._grads = {}
             self._init_masters(sw, range(len(subgroups)))
         except BaseException:
             sw.close()
             raise
         self._swapper, self._master_mode = sw, mode
         return sw
+
+    def _relayout(
+        self, old_sw: _Swapper, params: list[Any], fill: Callable[[_Swapper], Any] | None
+    ) -> _Swapper:
+        """Lay the sub-groups out again for `params`, which replaced the
+        parameters of the layout (Accelerate's and HF Trainer's FSDP2 swap
+        after a load of a state), then `fill` the new layout: a load
+        replacing the state, or (None) the old state carried over by
+        position (:meth:`_carried_state`). All or nothing: on any error the
+        old layout and state stay as they were, its swapper open."""
+        if self._skip_freed or "_take_grads" in self.__dict__:
+            # aio.fsdp's tier and gradient stream hold this layout (its swapper, its pieces).
+            raise ValueError(
+                f"{type(self).__name__}: param_groups hold other parameters than when the sub-groups were "
+                "laid out, and aio.fsdp (offload_params / stream_gradients) uses that layout; swap the "
+                "parameters before attaching aio.fsdp, or give the optimizer its parameters back"
+            )
+        carried = self._carried_state(old_sw, params) if fill is None else None
+        old_state = self.state
+        old_groups = [dict(g) for g in self.param_groups]
+        old = (self._params, self._subgroups, self._numels, self._sizes, self._shapes, self._whole)
+        old_mode, old_grads = self._master_mode, self._grads
+        self._swapper = None
+        try:
+            sw = self._lay_out(params)
+            if fill is not None:
+                fill(sw)
+            else:
+                self.state = collections.defaultdict(dict, carried or {})
+                if carried:
+                    self._apply_load(sw, self._plan_load())
+        except BaseException:
+            if self._swapper is not None:
+                self._swapper.close()
+            self._swapper, self.state, self._master_mode, self._grads = old_sw, old_state, old_mode, old_grads
+            self._params, self._subgroups, self._numels, self._sizes, self._shapes, self._whole = old
+            for g, saved in zip(self.param_groups, old_groups, strict=True):
+                g.clear()
+                g.update(saved)
+            raise
+        old_sw.close()
+        return sw
+
+    def _carried_state(self, sw: _Swapper, params: list[Any]) -> dict[Any, dict[str, Any]]:
+        """The state of every position that has one (stepped or loaded), for
+        the parameter now at that position: its step and its moments read
+        from the drive (in memory until written again: 8 bytes per element,
+        as state_dict()). ValueError, before anything changes, when the
+        param groups' sizes changed or a position's state cannot be its
+        new parameter's (:meth:`_moved`)."""
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if sizes != self._sizes:
+            raise ValueError(
+                f"{type(self).__name__}: param_groups now hold {sizes} parameters, {self._sizes} when the "
+                "sub-groups were laid out; the state follows the parameters by position, so swap each "
+                "parameter for its replacement in place (as Accelerate's FSDP2 prepare does)"
+            )
+        steps: dict[int, float] = {}
+        for i, pc in pieces_of(self._subgroups):
+            scalars = sw.groups[i].scalars
+            if scalars is not None:  # stepped, or loaded
+                steps[pc.param] = float(scalars.get("step", 0.0))
+        for k, p in enumerate(self._params):
+            st = self.state.get(p)
+            if not self._numels[k] and st and "step" in st:  # in no sub-group: counted in self.state
+                steps[k] = float(st["step"])
+        if not steps:
+            return {}
+        moments = self._read_moments(sw)
+        return {
+            params[k]: {
+                "step": torch.tensor(step),
+                **{n: like(params[k], self._moved(moments[k][n], k, params[k])) for n in MOMENTS},
+            }
+            for k, step in sorted(steps.items())
+        }
+
+    def _moved(self, flat: torch.Tensor, k: int, new: Any) -> torch.Tensor:
+        """Position `k`'s moment (flat, its layout-time local tensor's) as
+        the local tensor of `new`, the parameter now there: the same local
+        shape as it is, or -- a whole tensor replaced by a DTensor of its
+        shape (FSDP2's fully_shard) -- cut to this rank's shard."""
+        shape, target = self._shapes[k], tuple(local_of(new).shape)
+        t = flat.view(shape)
+        if is_dtensor(new) and self._whole[k] and tuple(new.shape) == shape:
+            part = shard_of(t, new)
+            if part is not None and tuple(part.shape) == target:
+                return part
+        elif target == shape:
+            return t
+        whole = f", a DTensor of shape {tuple(new.shape)}" if is_dtensor(new) else ""
+        raise ValueError(
+            f"{_name(k)} was replaced by a tensor its state cannot follow (local shape {shape} at the "
+            f"layout, {target} now{whole}): the state follows the parameters by position, each "
+            "replaced by the same tensor or its shard"
+        )
 
     def _new_swapper(self, size: int, mode: str) -> _Swapper:
         """The swapper for sub-groups of at most `size` elements, the master
@@ -243,7 +393,7 @@ class NVMeAdam(torch.optim.Optimizer):
         if numel != self._numels[index]:
             raise ValueError(
                 f"{_name(index)} has {numel} local elements, {self._numels[index]} when the sub-groups "
-                "were laid out (the layout is fixed at the first step or load); give it its size back"
+                "were laid out (at the first step or load of a state); give it its size back"
             )
 
     # -- the step ------------------------------------------------------------------------
@@ -328,8 +478,9 @@ class NVMeAdam(torch.optim.Optimizer):
     def master_mode(self) -> str | None:
         """Where the fp32 master weights are: ``"drive"`` or ``"params"``
         (the ``master`` option resolved at the layout: the first step(), or
-        an earlier load_state_dict() or DCP state-dict call; fixed from then
-        on); None before it."""
+        an earlier load_state_dict() of a state or DCP state-dict call;
+        fixed from then on, unless the parameters are swapped for others
+        and laid out again); None before it."""
         return self._master_mode
 
     @property
@@ -384,13 +535,19 @@ class NVMeAdam(torch.optim.Optimizer):
         if self._swapper is not None:
             self._swapper.flush()
 
+    def _set_step(self, p: Any, step: float) -> None:
+        """`p`'s entry in self.state: its step, and torch's keys for its
+        moments with :data:`ON_DRIVE` for values (DCP's flattened load reads
+        the keys; the values are on the drive)."""
+        self.state[p] = {"step": torch.tensor(step), "exp_avg": ON_DRIVE, "exp_avg_sq": ON_DRIVE}
+
     def _sync_steps(self, sw: _Swapper) -> set[int]:
         """Each parameter's ``step`` in self.state from its sub-groups'
         count on the drive; returns the parameter indices set."""
         counted = set()
         for i, pc in pieces_of(self._subgroups):
             scalars = sw.groups[i].scalars or {}
-            self.state[self._params[pc.param]]["step"] = torch.tensor(float(scalars.get("step", 0.0)))
+            self._set_step(self._params[pc.param], float(scalars.get("step", 0.0)))
             counted.add(pc.param)
         return counted
 
@@ -401,8 +558,7 @@ class NVMeAdam(torch.optim.Optimizer):
         counted = self._sync_steps(sw)
         for k, p in enumerate(self._params):
             if k not in counted and k in grads:
-                st = self.state[p]
-                st["step"] = torch.tensor(float(st.get("step", 0.0)) + 1.0)
+                self._set_step(p, float(self.state[p].get("step", 0.0)) + 1.0)
 
     # -- state_dict ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -410,15 +566,19 @@ class NVMeAdam(torch.optim.Optimizer):
         ``exp_avg_sq`` (DTensors laid out as DTensor parameters), read from
         the drive; this rank's moments are held in memory while it is used
         (8 bytes per local element in float32)."""
-        if self._swapper is not None:
+        sw = self._swapper
+        if sw is not None:
+            # Parameters swapped since the layout: their state follows them
+            # (torch's state_dict() would fail on the stale keys).
+            sw = self._ensure_layout()
             # The swapper's own counts: a step interrupted after its update but
             # before self.state was counted (a Ctrl-C) must not save the old
             # step beside the new moments (a wrong bias correction on resume).
-            self._sync_steps(self._swapper)
+            self._sync_steps(sw)
         sd = super().state_dict()
-        if self._swapper is None:
+        if sw is None:
             return sd
-        moments = self._read_moments(self._swapper)
+        moments = self._read_moments(sw)
         state = {}
         for k, st in sd["state"].items():
             p = self._params[k]
@@ -431,7 +591,7 @@ class NVMeAdam(torch.optim.Optimizer):
         return sd
 
     def _read_moments(self, sw: _Swapper) -> dict[int, dict[str, torch.Tensor]]:
-        out = {k: {n: torch.zeros(local_of(p).numel()) for n in MOMENTS} for k, p in enumerate(self._params)}
+        out = {k: {n: torch.zeros(numel) for n in MOMENTS} for k, numel in enumerate(self._numels)}
         for i, sg in enumerate(self._subgroups):
             for name in MOMENTS:
                 flat = sw.read_state(i, name)
@@ -448,21 +608,40 @@ class NVMeAdam(torch.optim.Optimizer):
         set_state_dict does; with ``master_mode == "params"`` they are the
         parameters, whenever loaded). Checked whole before the drive
         changes: a bad state_dict is a ValueError naming the parameter,
-        nothing changed."""
-        sw = self._ensure_layout()
+        nothing changed. A state with no parameter's state in it (an
+        optimizer never stepped: Accelerate loads its own before swapping
+        the parameters) loads only the hyper-parameters before the layout,
+        which it does not make; once laid out, it starts every parameter
+        afresh, as torch's does."""
+        sw = self._swapper
+        if sw is None and not any((state_dict.get("state") or {}).values()):
+            self._load_groups(state_dict, lambda: None)
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        if sw is not None and not self._same_layout(params):
+            # The old state is replaced: laid out afresh, not carried over.
+            self._relayout(sw, params, lambda new: self._load_into(new, state_dict))
+            return
+        self._load_into(self._ensure_layout(), state_dict)
+
+    def _load_into(self, sw: _Swapper, state_dict: dict[str, Any]) -> None:
+        self._apply_load(sw, self._load_groups(state_dict, self._plan_load))
+
+    def _load_groups(self, state_dict: dict[str, Any], plan: Callable[[], Any]) -> Any:
+        """torch's load_state_dict into self.state and param_groups, the
+        groups checked, then `plan()`'s result; on any error both restored."""
         old_state, old_groups = self.state, [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
         try:
             for k, g in enumerate(self.param_groups):
                 _check_group(g, f"param group {k}")
-            plan = self._plan_load()
+            return plan()
         except BaseException:
             self.state = old_state
             for g, saved in zip(self.param_groups, old_groups, strict=True):
                 g.clear()
                 g.update(saved)
             raise
-        self._apply_load(sw, plan)
 
     def _plan_load(self) -> list[tuple[dict[str, torch.Tensor], float | None]]:
         """Per sub-group: its tensors to write and step count (None: never stepped)."""
@@ -513,7 +692,7 @@ class NVMeAdam(torch.optim.Optimizer):
         for k, p in enumerate(self._params):
             step = _loaded_step(self.state.get(p, {}), k)
             if step is not None:
-                self.state[p] = {"step": torch.tensor(step)}
+                self._set_step(p, step)  # the loaded moments are on the drive now
 
     # -- lifecycle ----------------------------------------------------------------------------
     def swap_stats(self) -> dict[str, Any]:

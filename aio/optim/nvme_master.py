@@ -15,12 +15,14 @@ says so through ``skip_freed_parameters``); else ``"drive"``.
 
 The mode is decided once, when the sub-groups are laid out, from the
 parameters held then: at the first ``step()``, or earlier at a
-``load_state_dict()`` (DCP's ``set_state_dict`` too), at DCP's
+``load_state_dict()`` of a state (DCP's ``set_state_dict`` too), at DCP's
 ``get_state_dict`` on an optimizer with no state (its hidden lr=0 step), or
-when a parameter tier lays it out before its first step. It never changes
-afterwards: parameters moved to a GPU after a CPU layout in ``"params"``
-mode are a TypeError at every step (as torch's AdamW, whose state stays on
-the CPU, fails too); build the optimizer after the move, or use ``"drive"``.
+when a parameter tier lays it out before its first step. It changes only
+with a new layout, for parameters swapped for others in ``param_groups``
+(decided again for them): parameters moved to a GPU after a CPU layout in
+``"params"`` mode are a TypeError at every step (as torch's AdamW, whose
+state stays on the CPU, fails too); build the optimizer after the move, or
+use ``"drive"``.
 """
 
 from __future__ import annotations

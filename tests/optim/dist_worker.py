@@ -212,22 +212,64 @@ def case_groups_lambda_clip(rank, tmp):
     )
 
 
+def _full_state(model: torch.nn.Module) -> dict:
+    """A state_dict as of a checkpoint of an unsharded model (3 steps),
+    the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    state = {
+        k: {
+            "step": torch.tensor(3.0),
+            "exp_avg": 0.01 * torch.randn(p.shape, generator=g),
+            "exp_avg_sq": 1e-4 * torch.rand(p.shape, generator=g),
+        }
+        for k, p in enumerate(model.parameters())
+    }
+    return {"state": state, "param_groups": [{**_torch(model.parameters()).state_dict()["param_groups"][0]}]}
+
+
+def _sharded_state(sd: dict, params: list) -> dict:
+    """`sd` (whole tensors) for torch's AdamW over FSDP2's DTensor `params`."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def cut(t, p):  # each rank its own chunk of the same whole tensor: no communication
+        return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
+
+    state = {
+        k: {n: v if n == "step" else cut(v, params[k]) for n, v in st.items()}
+        for k, st in sd["state"].items()
+    }
+    return {**sd, "state": state}
+
+
 def case_accelerate_swap(rank, tmp):
     """Accelerate/Trainer: the optimizer is built over the unsharded model,
-    which is sharded afterwards and its parameters swapped in param_groups."""
-    model_t = _fsdp2(_model())
-    lt = _train(model_t, _torch(model_t.parameters()), STEPS, rank)
-    pt = _full(model_t)
-    res: dict = {"losses_torch": lt, "modes": {}, "equal": True}
-    for master, expected in MASTERS:
-        model = _model()
-        opt = _nvme(model.parameters(), tmp, rank, master=master)  # before sharding: lazy layout
-        sharded = _fsdp2(model)
-        opt.param_groups[0]["params"] = list(sharded.parameters())
-        la = _train(sharded, opt, STEPS, rank)
-        res["equal"] &= _verdict(
-            res, master, expected, opt, la == lt and all(map(torch.equal, pt, _full(sharded)))
-        )
+    which is sharded afterwards and its parameters swapped in param_groups:
+    as is ("swap"), after AcceleratedOptimizer's reload of its own empty
+    state ("reload"), and after a checkpoint loaded into it before the
+    reload ("loaded": the whole tensors' state cut to each rank's shards)."""
+    refs = {}
+    for loaded in (False, True):
+        model_t = _fsdp2(_model())
+        opt_t = _torch(model_t.parameters())
+        if loaded:
+            opt_t.load_state_dict(_sharded_state(_full_state(_model()), list(model_t.parameters())))
+        refs[loaded] = (_train(model_t, opt_t, STEPS, rank), _full(model_t))
+    res: dict = {"losses_torch": refs[False][0], "modes": {}, "equal": True}
+    for variant in ("swap", "reload", "loaded"):
+        lt, pt = refs[variant == "loaded"]
+        for master, expected in MASTERS:
+            model = _model()
+            opt = _nvme(model.parameters(), tmp, rank, master=master)  # before sharding
+            if variant == "loaded":
+                opt.load_state_dict(_full_state(model))  # laid out on the whole tensors
+            if variant != "swap":
+                opt.load_state_dict(opt.state_dict())  # as AcceleratedOptimizer.__init__
+            sharded = _fsdp2(model)
+            opt.param_groups[0]["params"] = list(sharded.parameters())  # fsdp2_switch_optimizer_parameters
+            la = _train(sharded, opt, STEPS, rank)
+            same = la == lt and all(map(torch.equal, pt, _full(sharded)))
+            res["equal"] &= _verdict(res, master, expected, opt, same)
+            res[f"equal_{variant}_{master}"] = same
     return res
 
 

@@ -47,6 +47,14 @@ def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+def _zero_state(opt) -> dict:
+    """A state_dict for `opt` as after one step that moved nothing."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    zero = {k: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            for k, p in enumerate(params)}  # fmt: skip
+    return {"state": zero, "param_groups": opt.state_dict()["param_groups"]}
+
+
 def _same_state(sa: dict, sb: dict) -> bool:
     names = ("step", "exp_avg", "exp_avg_sq")
     return set(sa["state"]) == set(sb["state"]) and all(
@@ -121,6 +129,153 @@ def test_lazy_layout_follows_swapped_params(tmp_path) -> None:
     with pytest.raises(ValueError, match="add_param_group after the first step"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     opt.close()
+
+
+@bits
+def test_a_load_of_an_empty_state_lays_nothing_out(tmp_path) -> None:
+    """Accelerate's AcceleratedOptimizer loads the optimizer's own state
+    (empty: never stepped) before its FSDP2 prepare swaps the parameters in
+    param_groups: the load takes the hyper-parameters only, and the first
+    step lays the sub-groups out on the swapped-in parameters. (It laid
+    them out on the stale ones and trained those, in silence: issue 44.)"""
+    stale, fresh, ref = _model(), _model(), _model()
+    opt = NVMeAdamW(stale.parameters(), lr=1e-3, nvme_path=str(tmp_path), match_torch=True)
+    bad = opt.state_dict()
+    bad["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.load_state_dict(bad)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = 1e-2
+    opt.load_state_dict(sd)
+    assert opt.master_mode is None and opt.swap_stats() == {} and not opt.state
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["amsgrad"] is False
+    opt.param_groups[0]["params"] = list(fresh.parameters())  # fsdp2_switch_optimizer_parameters
+    oref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    _steps([(ref, oref, None), (fresh, opt, None)], 0, 3)
+    assert _same(ref, fresh) and _same(stale, _model())
+    assert _same_state(oref.state_dict(), opt.state_dict())
+    opt.close()
+
+
+def _swap(opt, model: torch.nn.Module) -> None:
+    """Each param group's parameters swapped for `model`'s, in place."""
+    for g, new in zip(opt.param_groups, _groups(model), strict=True):
+        g["params"] = new["params"]
+
+
+@bits
+@pytest.mark.parametrize("master", ["params", "drive"])
+def test_parameters_swapped_after_the_layout_take_its_state_by_position(tmp_path, master) -> None:
+    """A state stepped, or loaded (a checkpoint loaded before Accelerate's
+    swap, then its own state_dict() reloaded), follows the parameters by
+    position when param_groups' are swapped for others: the sub-groups are
+    laid out again for them, the state read from the drive and written for
+    them, the old swap folder removed. Training goes on as torch's would."""
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(_groups(a), lr=1e-2, foreach=False)
+    kw = {
+        "lr": 1e-2,
+        "nvme_path": str(tmp_path),
+        "match_torch": True,
+        "sub_group_size": 500,
+        "master": master,
+    }
+    ob = NVMeAdamW(_groups(b), **kw)
+    _steps([(a, oa, None), (b, ob, None)], 0, 2)
+    c, d, e = _model(), _model(), _model()
+    for m in (c, d, e):
+        m.load_state_dict(a.state_dict())  # the replacements: other tensors, the same values
+    od = NVMeAdamW(_groups(d), **kw)
+    od.load_state_dict(oa.state_dict())
+    od.load_state_dict(od.state_dict())  # what AcceleratedOptimizer does
+    folders = [o.swap_stats()["swap_dir"] for o in (ob, od)]
+    kept = [p.detach().clone() for p in b.parameters()]
+    _swap(ob, c)
+    _swap(od, e)
+    _steps([(a, oa, None), (c, ob, None), (e, od, None)], 2, 2)
+    assert _same(a, c) and _same(a, e) and all(map(torch.equal, kept, b.parameters()))
+    for o, folder in zip((ob, od), folders, strict=True):
+        assert _same_state(oa.state_dict(), o.state_dict()) and o.master_mode == master
+        assert not os.path.exists(folder) and o.swap_stats()["swap_dir"] != folder
+        o.close()
+
+
+def test_a_swap_the_state_cannot_follow_is_refused_and_changes_nothing(tmp_path) -> None:
+    m = _model()
+    opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), master="drive")
+    _steps([(m, opt, None)], 0, 1)
+    good, folder = opt.state_dict(), opt.swap_stats()["swap_dir"]
+    other = torch.nn.Sequential(torch.nn.Linear(12, 63), torch.nn.ReLU(), torch.nn.Linear(63, 4))
+    opt.param_groups[0]["params"] = list(other.parameters())
+    with pytest.raises(ValueError, match=r"parameter 2 .*local shape \(5, 63\) at the layout, \(4, 63\) now"):
+        opt.step()
+    opt.param_groups[0]["params"] = list(other.parameters())[:3]
+    with pytest.raises(ValueError, match=r"hold \[3\] parameters, \[4\] when"):
+        opt.state_dict()
+    # A load replaces the state: laid out afresh for the parameters now held,
+    # and only once it is whole (a bad one keeps the old layout and state).
+    twin = _model()
+    opt.param_groups[0]["params"] = list(twin.parameters())
+    bad = {**good, "state": {**good["state"], 2: {**good["state"][2], "exp_avg": torch.zeros(7)}}}
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 2"):
+        opt.load_state_dict(bad)
+    assert opt.swap_stats()["swap_dir"] == folder and opt._params[0] is m[0].weight
+    opt.param_groups[0]["params"] = list(m.parameters())  # given back: nothing changed
+    assert _same_state(opt.state_dict(), good) and opt.swap_stats()["swap_dir"] == folder
+    opt.param_groups[0]["params"] = list(twin.parameters())
+    opt.load_state_dict(good)
+    assert opt._params[0] is twin[0].weight and _same_state(opt.state_dict(), good)
+    # aio.fsdp's tier and gradient stream hold the layout: no new one under them.
+    opt.skip_freed_parameters = True
+    opt.param_groups[0]["params"] = list(m.parameters())
+    with pytest.raises(ValueError, match="aio.fsdp"):
+        opt.step()
+    opt.close()
+
+
+@bits
+def test_flattened_dcp_optimizer_state_round_trips_as_torchs(tmp_path) -> None:
+    """torchtitan's flatten_optimizer_state_dict=True: set_optimizer_state_dict
+    rebuilds each parameter's state from the keys of optim.state[p], which
+    are torch's (the moments' values stand-ins that cost no memory), so the
+    flattened state saves as torch's, loads (torch's into aio, aio's into a
+    fresh aio) and training continues bit-identically (issue 44)."""
+    import copy
+    import pickle
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from aio.optim.nvme import ON_DRIVE
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(_groups(a), lr=1e-2, foreach=False)
+    kw = {"lr": 1e-2, "nvme_path": str(tmp_path), "match_torch": True}
+    ob = NVMeAdamW(_groups(b), **kw)
+    _steps([(a, oa, None), (b, ob, None)], 0, 2)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert list(ob.state[q]) == list(oa.state[p])
+        assert ob.state[q]["exp_avg"] is ON_DRIVE and ob.state[q]["exp_avg_sq"] is ON_DRIVE
+    assert copy.deepcopy(ON_DRIVE) is ON_DRIVE and pickle.loads(pickle.dumps(ON_DRIVE)) is ON_DRIVE
+    sa, sb = get_optimizer_state_dict(a, oa, options=flat), get_optimizer_state_dict(b, ob, options=flat)
+    assert sorted(sa) == sorted(sb)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+    assert {float(s["step"]) for s in ob.state.values()} == {2.0}  # no hidden step
+    c, e = _model(), _model()
+    for m in (c, e):
+        m.load_state_dict(a.state_dict())
+    oc, oe = NVMeAdamW(_groups(c), **kw), NVMeAdamW(_groups(e), **kw)
+    set_optimizer_state_dict(c, oc, sa, options=flat)  # fresh: DCP's hidden step lays it out first
+    set_optimizer_state_dict(e, oe, sb, options=flat)
+    _steps([(a, oa, None), (c, oc, None), (e, oe, None)], 2, 2)
+    assert _same(a, c) and _same(a, e)
+    assert _same_state(oa.state_dict(), oc.state_dict()) and _same_state(oa.state_dict(), oe.state_dict())
+    for o in (ob, oc, oe):
+        o.close()
 
 
 def test_errors_name_the_setting_or_parameter(tmp_path) -> None:
@@ -390,12 +545,15 @@ def test_master_and_the_parameter_tier_api(tmp_path) -> None:
     plain.close()
     with pytest.warns(UserWarning, match="params_from_master"):
         NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), master="params").skip_freed_parameters = True
-    # A load lays the sub-groups out (so does DCP's set_state_dict, and its
-    # get_state_dict before a first step): auto is decided there, not at a step.
+    # A load of a state lays the sub-groups out (so does DCP's set_state_dict,
+    # and its get_state_dict before a first step): auto is decided there, not
+    # at a step. A load of an empty state (never stepped) does not.
     from aio.fsdp.master import skip_released_write_back
 
     late = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path))
     late.load_state_dict(late.state_dict())
+    assert late.master_mode is None
+    late.load_state_dict(_zero_state(late))
     assert late.master_mode == "params"
     with pytest.warns(UserWarning, match=r"before its sub-groups are laid out.*load_state_dict") as rec:
         skip_released_write_back(late)  # what offload_params does, from inside aio

@@ -11,9 +11,9 @@ own drive (``nvme_path=".../nvme{local_rank}"``).
 What does not run on CPU is not here (docs/fsdp.md says why): Lightning's
 FSDPStrategy (FSDP1) and the FSDP paths of Accelerate and HF Trainer, which
 keep DDP on CPU. Accelerate's FSDP2 prepare is run forced on CPU
-(``accelerate_fsdp2``) and shows a known aio bug, as does torchtitan's
-flattened optimizer state (``dcp_flat``); both are reported as xfail until
-fixed, and pass once they are.
+(``accelerate_fsdp2``: its reload of the optimizer's state before the
+parameter swap), and the DCP loop also with torchtitan's flattened
+optimizer state (``dcp_flat``); both were aio bugs (issue 44).
 
 One launch (recipe_worker.py) runs every case in one 2-rank process group;
 each case's verdict is written per rank before the next starts, so a gloo
@@ -118,26 +118,22 @@ def test_dcp_resume_continues_bit_identically(results: dict) -> None:
 def test_accelerate_fsdp2_prepare(results: dict) -> None:
     """Accelerate's real FSDP2 prepare (forced on CPU): AcceleratedOptimizer
     calls optimizer.load_state_dict(optimizer.state_dict()) before
-    fsdp2_switch_optimizer_parameters, and NVMeAdamW.load_state_dict lays
-    its sub-groups out on the unsharded parameters it holds then. HF Trainer
-    with FSDP2 takes the same path."""
+    fsdp2_switch_optimizer_parameters. That load (an empty state) must not
+    lay NVMeAdamW's sub-groups out on the unsharded parameters it holds
+    then: it trained those, in silence. HF Trainer with FSDP2 takes the
+    same path."""
     per_rank = _per_rank(results, "accelerate_fsdp2")
     assert all(r["sharded"] for r in per_rank), per_rank  # FSDP2 really ran, not DDP
-    if not all(r["equal"] for r in per_rank):
-        pytest.xfail(
-            "aio bug: NVMeAdamW.load_state_dict before the first step fixes the layout (see docstring)"
-        )
+    for rank, res in enumerate(per_rank):
+        assert res["equal"] is True, f"accelerate_fsdp2, rank {rank}: {res}"
     _own_folders(per_rank)
 
 
 def test_dcp_flattened_optimizer_state(results: dict) -> None:
     """torchtitan saves and loads with flatten_optimizer_state_dict=True:
     set_optimizer_state_dict rebuilds each parameter's state from the keys
-    of optim.state[p], where NVMeAdamW keeps only "step"."""
-    per_rank = results["dcp_flat"]
-    if any("no tensor 'exp_avg'" in str(r.get("error")) for r in per_rank):
-        pytest.xfail("aio bug: NVMeAdamW.state[p] has no exp_avg/exp_avg_sq keys for flattened DCP to fill")
+    of optim.state[p], which must be torch's (it kept only "step")."""
+    per_rank = _per_rank(results, "dcp_flat")
     for rank, res in enumerate(per_rank):
-        assert res["ok"], f"dcp_flat, rank {rank}:\n{res.get('error')}"
-        assert res["equal"] and res["resumed_equal_aio"], res
+        assert res["equal"] is True and res["resumed_equal_aio"], f"dcp_flat, rank {rank}: {res}"
     _own_folders(per_rank)
