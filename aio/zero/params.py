@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -107,9 +108,9 @@ class ParamStore:
         # A trainer steps these parameters (master weights elsewhere decide
         # their values): set by OffloadTrainer once built.
         self.trained = False
-        # > 0 while Module.state_dict() runs on a module of these parameters:
-        # its detach() of a placeholder is answered by the state-dict hooks.
-        self.state_dict_calls = 0
+        # The thread that may fetch parameters outside the engine's own hooks
+        # (stored_param.py): acquire/drop and the pools are not locked.
+        self.thread = threading.get_ident()
         self.closed = False
 
     # -- adoption ------------------------------------------------------------------------
@@ -165,7 +166,8 @@ class ParamStore:
             param.data = self._host(part_id).view(param.aio_shape)
         else:
             param.data = self.copies.placeholder(self.dtype)
-        stored_param.mark(param)
+            # Only a parameter that shows placeholders pays for the checks.
+            stored_param.mark(param)
 
     def forget_orphans(self) -> list[int]:
         """Give back the partitions of parameters that no longer exist (a

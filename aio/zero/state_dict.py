@@ -58,28 +58,19 @@ class _Reader:
 
     def before(self, module: Any, prefix: str, keep_vars: bool) -> None:
         """On the module ``state_dict()`` was called on (empty prefix): refuse
-        before anything is read if the values cannot fit in memory. On every
-        module: its parameters' ``detach()`` goes through (stored_param.py)."""
+        before anything is read if the values cannot fit in memory."""
         store = self.store()
-        if store is None:
+        if store is None or prefix or keep_vars or store.on_host:
             return
-        if not (prefix or keep_vars or store.on_host):
-            params = _unique_params(module)
-            need = sum(p.aio_numel * p.element_size() for p in params if store.is_placeholder(p))
-            if need:  # values kept in memory (a closed memory backend's) are still there
-                _check_open(store)
-                _check_memory(need)
-        # Balanced by after(); an exception between them leaves it raised,
-        # which only lets a later detach() of a placeholder through.
-        store.state_dict_calls += 1
+        need = sum(p.aio_numel * p.element_size() for p in _unique_params(module) if store.is_placeholder(p))
+        if need:  # values kept in memory (a closed memory backend's) are still there
+            _check_open(store)
+            _check_memory(need)
 
     def after(self, module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
         """Replace this module's placeholders in `state_dict` with their values."""
         store = self.store()
-        if store is None:
-            return
-        store.state_dict_calls = max(store.state_dict_calls - 1, 0)
-        if store.on_host:
+        if store is None or store.on_host:
             return
         for name, p in module._parameters.items():
             key = prefix + name

@@ -19,21 +19,27 @@ changed, as torch's own ``UninitializedParameter.materialize`` does), whose
   (``.data``, ``.detach()``, slices, ``.view``, ``.t()``) raises a
   ValueError naming ``engine.gathered([p])``: the memory it would point
   at is a swap buffer given to another parameter next;
-- an in-place write (``p.mul_(x)``, ``p.copy_(x)``, ``p[0] = 1``) stores the
-  new values before a trainer steps the parameter, and raises a ValueError
-  naming ``engine.gathered([p], modify=True)`` once one does: its master
-  weights would silently undo the write at the next step;
-- after the trainer is closed every read raises (the values are gone).
+- an in-place write (``p.mul_(x)``, ``p.copy_(x)``, ``p[0] = 1``,
+  ``p.data = t``) stores the new values before a trainer steps the
+  parameter, and raises a ValueError naming ``engine.gathered([p],
+  modify=True)`` once one does: its master weights would silently undo the
+  write at the next step;
+- after the trainer is closed every read raises (the values are gone), and
+  so does a read from another thread than the one that made the store
+  (fetching is not locked against the training thread's).
 
 Inside an ``Init`` block or a trainer's forward, the torch function modes
 of :mod:`aio.zero.init_guard` see each operation first and keep their own
-rules. A parameter showing its values (in use, or kept in CPU memory)
-costs one Python call per operation and nothing more.
+rules. Only parameters that show placeholders are marked (not those a CPU
+model keeps in memory); every torch operation on one, fetched or not, goes
+through this Python ``__torch_function__`` (~10 us, a few percent of a
+small model's forward with its parameters on the drive).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -59,6 +65,10 @@ _METADATA = PASS_NAMES - _CONVERSIONS - {"__repr__", "__format__", "__reduce_ex_
     "is_pinned", "share_memory_", "__setstate__", "__dir__", "_cdata", "output_nr",
 }  # fmt: skip
 SHAPE_NAMES = {"shape", "size", "dim", "ndim", "numel", "nelement", "__len__"}
+# Files whose frames sit between a torch call and its __torch_function__.
+_HANDLING = (
+    "torch/overrides.py", "torch/utils/_device.py", "aio/zero/stored_param.py", "aio/zero/init_guard.py",
+)  # fmt: skip
 # Results that always share the parameter's memory: refused without a read.
 _VIEWS = {"data", "detach", "view", "view_as", "__getitem__", "t", "T", "mT", "H", "expand", "as_strided"}
 _INPLACE_DUNDERS = {
@@ -157,30 +167,40 @@ def _is_placeholder(t: Any) -> bool:
 
 def _passes(name: str, p: Any, args: tuple) -> bool:
     """Whether an operation on placeholder `p` goes through unchanged."""
-    if name in _METADATA or name in SHAPE_NAMES or name.startswith("set:"):
+    if name in _METADATA or name in SHAPE_NAMES:
         return True
+    if name.startswith("set:"):
+        # The engine's own assignments are placeholders (its materialising
+        # happens while the parameter is acquired, so not a placeholder);
+        # a full-size value is the user's, and a write.
+        value = args[1] if len(args) > 1 else None
+        full = isinstance(value, torch.Tensor) and value.numel() == p.aio_numel > 0
+        return not (name == "set:data" and full)
     if name in _CONVERSIONS:
-        return _in_module_apply()
-    if name == "detach" and p._aio_store.state_dict_calls > 0:
-        return True  # Module.state_dict(): its hooks put the values in (state_dict.py)
+        return _called_from(torch.nn.Module._apply.__code__, within=2)
+    if name == "detach":
+        # Module.state_dict(): its hooks put the values in (state_dict.py)
+        return _called_from(torch.nn.Module._save_to_state_dict.__code__, within=1)
     # load_state_dict() copying the empty marker its hook left (state_dict.py)
     return name == "copy_" and len(args) > 1 and getattr(args[1], "_aio_loaded", False)
 
 
-def _in_module_apply() -> bool:
-    """Whether the caller is ``Module._apply`` (``model.to()``, ``.float()``,
-    ``.cuda()``) converting each parameter through a small closure: its frame
-    is a few above this one (this function, _passes, __torch_function__,
-    the closure)."""
+def _called_from(code: Any, within: int) -> bool:
+    """Whether the torch operation being handled was called by `code` itself
+    or from at most `within` - 1 frames below it (``Module._apply`` converts
+    each parameter through a small closure). Frames of torch function
+    handling in between (``__torch_function__`` of modes and subclasses,
+    torch.overrides, a ``torch.device`` context) do not count. Exact and
+    per call, unlike a flag an exception could leave set."""
     import sys
 
-    code = torch.nn.Module._apply.__code__
-    frame: Any = sys._getframe(3)
-    for _ in range(3):
-        if frame is None:
-            return False
+    frame: Any = sys._getframe(2)  # the caller of _passes' caller
+    seen = 0
+    while frame is not None and seen < within:
         if frame.f_code is code:
             return True
+        if frame.f_code.co_name != "__torch_function__" and not frame.f_code.co_filename.endswith(_HANDLING):
+            seen += 1
         frame = frame.f_back
     return False
 
@@ -199,13 +219,11 @@ def _written(name: str, args: tuple, kwargs: dict) -> list[Any]:
 def _between_uses(func: Any, name: str, stored: list[Any], args: tuple, kwargs: dict) -> Any:
     """Run `func` on the real values of the placeholders in `stored` (see the
     module docstring for what is refused)."""
-    store = stored[0]._aio_store
-    if any(p._aio_store is not store for p in stored):
-        raise ValueError(f"{name!r} uses parameters of two aio.zero trainers at once")
-    if store.closed:
-        _refuse(stored[0], f"read ({name!r})", "model.state_dict() or engine.save_pretrained() before close")
+    store = _check_use(name, stored)
+    if name == "set:data":
+        return _assign(stored[0], args[1])
     if name in _VIEWS:
-        _refuse(stored[0], f"viewed ({name!r})", "with engine.gathered([p]): ... around the use")
+        _refuse(stored[0], f"viewed ({name!r})", _remedy(store))
     if len(stored) > 1 and name.startswith("_foreach_"):
         return _per_index(func, args, kwargs)
     if store.swapper is not None and len(stored) > store.swapper_buffer_count():
@@ -216,23 +234,59 @@ def _between_uses(func: Any, name: str, stored: list[Any], args: tuple, kwargs: 
         )
     written = [p for p in stored if any(p is w for w in _written(name, args, kwargs))]
     if written and store.trained:
-        _refuse(
-            written[0],
-            f"changed in place ({name!r})",
-            "with engine.gathered([p], modify=True): ... (the next step goes on from those values)",
-        )
+        _refuse(written[0], f"changed in place ({name!r})", _remedy(store, modify=True))
     store.acquire(stored)
     try:
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+            if any(out is p for p in stored) and all(out is not p for p in written):
+                # A conversion that changed nothing (p.float() of an fp32
+                # parameter) returns the parameter: a placeholder again below.
+                out = torch.Tensor.clone(out)
         if _shares_memory(stored, out):
-            _refuse(stored[0], f"viewed ({name!r})", "with engine.gathered([p]): ... around the use")
+            _refuse(stored[0], f"viewed ({name!r})", _remedy(store))
     except BaseException:
         store.drop(stored)
         raise
-    store.put_back(written)
-    store.drop([p for p in stored if all(p is not w for w in written)])
+    try:
+        store.put_back(written)
+    finally:
+        store.drop([p for p in stored if all(p is not w for w in written)])
     return out
+
+
+def _check_use(name: str, stored: list[Any]) -> Any:
+    """The store of `stored`, once it may be used here (its own thread, open)."""
+    store = stored[0]._aio_store
+    if any(p._aio_store is not store for p in stored):
+        raise ValueError(f"{name!r} uses parameters of two aio.zero trainers at once")
+    if threading.get_ident() != store.thread:
+        # acquire/drop, the buffer pools and uploads belong to the training thread.
+        raise ValueError(
+            f"parameter {stored[0].aio_name!r} is read ({name!r}) between uses from another thread than "
+            "the one that trains it; read it in the training thread (or from model.state_dict() there)"
+        )
+    if store.closed:
+        _refuse(stored[0], f"read ({name!r})", "model.state_dict() or engine.save_pretrained() before close")
+    return store
+
+
+def _assign(p: Any, value: Any) -> None:
+    """``p.data = value`` (full size) on a placeholder: the new values are
+    stored (before a trainer steps `p`), else refused."""
+    store = p._aio_store
+    if store.trained:
+        _refuse(p, "assigned (.data =)", _remedy(store, modify=True))
+    store.write(p, value.detach().reshape(-1).cpu(), async_op=False)
+
+
+def _remedy(store: Any, modify: bool = False) -> str:
+    """The way that works for a view or a write, with or without a trainer."""
+    if modify:
+        return "with engine.gathered([p], modify=True): ... (the next step goes on from those values)"
+    if store.trained:
+        return "with engine.gathered([p]): ... around the use"
+    return "model.state_dict(), or engine.gathered([p]) once aio.zero.initialize() made the trainer"
 
 
 def _per_index(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -258,6 +312,7 @@ def _shares_memory(params: list[Any], out: Any) -> bool:
     ptrs = {p.untyped_storage().data_ptr() for p in params}
     return any(
         isinstance(t, torch.Tensor)
+        and t.layout == torch.strided  # a sparse result has no storage to share
         and all(t is not p for p in params)
         and t.untyped_storage().data_ptr() in ptrs
         for t in flat

@@ -164,3 +164,96 @@ def test_reading_more_parameters_at_once_than_buffers_is_refused(pair):
     with pytest.raises(ValueError, match="a few at a time"):
         torch.cat(params)
     assert not engine.store.refs
+
+
+def test_a_conversion_that_changes_nothing_gives_the_values(pair):
+    engine, ref, _ = pair
+    for name, p in _named(engine.module).items():
+        for w in (p.float(), p.cpu(), p.to(p.dtype), p.contiguous()):
+            assert w is not p and w.shape == p.aio_shape, name
+            assert torch.equal(w, _named(ref)[name].detach()), name
+
+
+def test_views_under_other_names_are_refused(pair):
+    engine, _, _ = pair
+    p = next(engine.module.parameters())
+    views = (lambda: p.reshape(-1), lambda: p.flatten(), lambda: p.narrow(0, 0, 1), lambda: p.unsqueeze(0))
+    for use in views:
+        with pytest.raises(ValueError, match="viewed"):
+            use()
+    assert not engine.store.refs
+
+
+def test_assigning_data_is_stored_before_training_and_refused_after(tmp_path):
+    cfg = cfg_for(tmp_path / "drive")
+    with aio.zero.Init(cfg):
+        model = gpt()
+    p = next(model.parameters())
+    p.data = torch.full(p.aio_shape, 7.0)
+    assert p.shape == (0,) and torch.equal(p.clone(), torch.full(p.aio_shape, 7.0))
+    with aio.zero.initialize(model, cfg) as engine:
+        train_engine(engine, 1)
+        with pytest.raises(ValueError, match=r"assigned.*modify=True"):
+            p.data = torch.zeros(p.aio_shape)
+        assert not torch.equal(p.clone(), torch.zeros(p.aio_shape))
+
+
+def test_detach_outside_state_dict_is_refused_even_after_a_failed_state_dict(tmp_path):
+    with aio.zero.Init(cfg_for(tmp_path / "drive")):
+        model = gpt()
+
+    def boom(*_):
+        raise RuntimeError("a user's state-dict hook fails")
+
+    handle = list(model.children())[-1].register_state_dict_post_hook(boom)
+    with pytest.raises(RuntimeError, match="hook fails"):
+        model.state_dict()
+    handle.remove()
+    with pytest.raises(ValueError, match="detach"):
+        next(model.parameters()).detach()
+    assert all(v.numel() > 0 for v in model.state_dict().values())
+
+
+def test_model_to_under_other_torch_function_modes_reads_nothing(tmp_path):
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with aio.zero.Init(cfg_for(tmp_path / "drive")):
+        model = gpt()
+    swapper = next(model.parameters())._aio_store.swapper
+    reads = swapper.counters["swap_in"]
+    with torch.device("cpu"), Passthrough():
+        model.to(torch.float32)
+        model.float()
+    assert all(p.shape == (0,) for p in model.parameters())
+    assert swapper.counters["swap_in"] == reads
+    next(model.parameters()).norm()  # the counter counts reads
+    assert swapper.counters["swap_in"] == reads + 1
+
+
+def test_a_read_from_another_thread_is_refused(pair):
+    import threading
+
+    engine, _, _ = pair
+    p = next(engine.module.parameters())
+    errors = []
+
+    def read():
+        try:
+            p.norm()
+        except ValueError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=read)
+    t.start()
+    t.join()
+    assert errors and "another thread" in errors[0]
+    assert not engine.store.refs
+
+
+def test_parameters_a_cpu_model_keeps_in_memory_stay_plain(tmp_path):
+    with aio.zero.initialize(gpt(), cfg_for(tmp_path / "drive", param="cpu")) as engine:
+        assert all(type(p) is torch.nn.Parameter for p in engine.module.parameters())
