@@ -15,12 +15,22 @@ dropping the read-ahead (its read is waited for, then its buffers freed; the
 sub-group is read again when stepped); the read-ahead starts only into
 buffers that are free, keeping room for the state a first step creates.
 Which bytes are read, written and stepped on is DeepSpeed's: only when.
+
+One thing it adds (DeepSpeed's upstream item 6 in docs/deepspeed.md): the
+optimizer state that Adam creates at a sub-group's first step, in ordinary
+memory, is copied into swap buffers for its first write, and DeepSpeed's
+pipelined class never releases the originals (``release_memory()`` is not
+called on this path; ``_complete_swap_out`` only rebinds a local), so they
+stay until the sub-group's next swap-in: 8 bytes per parameter (Adam) after
+step 1. Here they are released once that write has completed.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+import torch
 from deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper import (
     ASYNC_SWAP_IN,
     ASYNC_SWAP_OUT,
@@ -35,12 +45,17 @@ class BackpressurePipelinedOptimizerSwapper(PipelinedOptimizerSwapper):
     ahead only into free buffers, completes writes early and drops the
     read-ahead when a buffer is needed, raises (a ValueError naming
     ``offload_optimizer.buffer_count``) only if one sub-group alone needs
-    more buffers than there are."""
+    more buffers than there are; releases a sub-group's first-step state
+    from ordinary memory once its write has completed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.counters: dict[str, int] = dict.fromkeys(OPTIMIZER_COUNTERS, 0)
         self._states_seen = 0  # most swapped state tensors a sub-group has had (Adam: 2)
+        # Swap-out op -> the first-step state tensors its write carries (copies
+        # of), with the memory each held then; weak: an op never completed
+        # (engine dropped mid-step) keeps nothing alive.
+        self._copied: weakref.WeakKeyDictionary[Any, list[tuple[Any, int]]] = weakref.WeakKeyDictionary()
         note_buffer_count("optimizer", self.swap_config.buffer_count)
 
     def _free(self) -> int:
@@ -111,4 +126,49 @@ class BackpressurePipelinedOptimizerSwapper(PipelinedOptimizerSwapper):
         unpinned = len(info.get_unpinned_state_tensors())
         if unpinned:
             self._make_room(unpinned, "the first write of one sub-group's optimizer state")
-        return super()._swap_out_optimizer_state(aio_handle, parameter, swap_in_op)
+        # DeepSpeed copies that state into the new buffers and writes those;
+        # the originals go when the write has completed (_complete_swap_out),
+        # when the drive has them. Not sooner, though the write reads the
+        # copies: a failed write leaves them in memory, and it costs nothing
+        # at HF's 4 buffers, where the pending write completes before the next
+        # sub-group's swap-in, before its step makes more state.
+        copied = self._first_step_state(info)
+        op = super()._swap_out_optimizer_state(aio_handle, parameter, swap_in_op)
+        if copied:
+            self._copied[op] = copied
+        return op
+
+    def _first_step_state(self, info: Any) -> list[tuple[Any, int]]:
+        """The state tensors of `info` that DeepSpeed's swap-out copies into
+        new swap buffers (those not in pinned memory: Adam made them at this
+        sub-group's first step), each with the address of its memory now.
+        The fp32 weights (``tensors[0]``) are never among them."""
+        pinned = self.aio_handle.is_pinned
+        return [
+            (t.compute_tensor, t.compute_tensor.data_ptr())
+            for t in info.tensors[1:]
+            if t.compute_tensor.numel() and not pinned(t.compute_tensor)
+        ]
+
+    def _complete_swap_out(self, swap_out_type: str) -> None:
+        op = self.swap_ops[swap_out_type]
+        copied = self._copied.pop(op, None) if op is not None else None
+        # DeepSpeed's: waits for the write (a failed one raises here, and the
+        # state stays in memory), then frees the swap buffers.
+        super()._complete_swap_out(swap_out_type)
+        if copied:
+            self._release_copied(copied)
+
+    def _release_copied(self, copied: list[tuple[Any, int]]) -> None:
+        """Release first-step state tensors whose write has completed: the
+        drive has them, and the sub-group's next swap-in reads them into
+        buffers (``set_buffers`` rebinds these same tensor objects, which
+        ``optimizer.state`` keeps), as after DeepSpeed's own
+        ``release_memory()``."""
+        for tensor, address in copied:
+            if tensor.data_ptr() != address or self.aio_handle.is_pinned(tensor):
+                continue  # rebound since (swapped in again): DeepSpeed's buffer now, not the copied memory
+            nbytes = tensor.numel() * tensor.element_size()
+            tensor.data = torch.Tensor()
+            bump(self.counters, "state_released")
+            bump(self.counters, "state_released_bytes", nbytes)

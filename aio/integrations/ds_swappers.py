@@ -53,8 +53,12 @@ only who gets a buffer when:
     creates at its first step), completes the pending write early, and drops
     the read-ahead, when a sub-group's swap-in or its first-step swap-out
     needs a buffer; raises only if one sub-group alone needs more than
-    ``offload_optimizer.buffer_count``. Overrides: ``swap_in_optimizer_state``,
-    ``_swap_out_optimizer_state``.
+    ``offload_optimizer.buffer_count``. It also releases the optimizer state
+    Adam creates in ordinary memory at a sub-group's first step once the
+    write of its copy has completed (DeepSpeed keeps it until the next
+    swap-in: 8 bytes per parameter after step 1). Overrides:
+    ``swap_in_optimizer_state``, ``_swap_out_optimizer_state``,
+    ``_complete_swap_out``.
 
 :func:`install` puts them at DeepSpeed's two construction sites
 (``partition_parameters.AsyncPartitionedParameterSwapper``,
@@ -72,8 +76,9 @@ swappers' private bookkeeping (``available_buffer_ids``,
 ``param_id_to_buffer_id``, ``param_id_to_swap_buffer``, ``inflight_params``,
 ``swap_ops``, ``swap_buffer_manager.free_buffer_index``) and on the
 ``ds_tensor.status`` / ``ds_status`` protocol; other versions are left
-untouched, with a log line. Scheduling is all they change: the bytes read,
-written and computed on are DeepSpeed's, so losses equal DeepSpeed's
+untouched, with a log line. Scheduling (and releasing state already
+written) is all they change: the bytes read, written and computed on are
+DeepSpeed's, so losses equal DeepSpeed's
 CPU-offload run bit for bit (tests/integrations/test_ds_swappers.py).
 """
 
@@ -110,7 +115,13 @@ PARAM_COUNTERS = (
     "device_waits",  # buffers whose reuse waited for a device copy's event
     "released",  # gathered partitions past the held cap given back without a copy (the drive has them)
 )
-OPTIMIZER_COUNTERS = ("writes_completed_early", "read_ahead_dropped", "read_ahead_skipped")
+OPTIMIZER_COUNTERS = (
+    "writes_completed_early",
+    "read_ahead_dropped",
+    "read_ahead_skipped",
+    "state_released",  # first-step optimizer state tensors released once their write completed
+    "state_released_bytes",
+)
 _totals: dict[str, int] = dict.fromkeys(PARAM_COUNTERS + OPTIMIZER_COUNTERS, 0)
 _buffer_counts: dict[str, set[int]] = {"param": set(), "optimizer": set()}
 _held_caps: dict[int, str] = {}  # cap bytes -> where it comes from, each distinct cap once
@@ -277,7 +288,8 @@ def summary_line() -> str | None:
         f"re-buffered {t['rebuffered']} updated partitions, "
         f"waited on {t['device_waits']} device copies; optimizer (buffer_count={ob}): "
         f"{t['writes_completed_early']} writes completed early, {t['read_ahead_dropped']} read-aheads "
-        f"dropped, {t['read_ahead_skipped']} skipped"
+        f"dropped, {t['read_ahead_skipped']} skipped, released {t['state_released']} first-step state "
+        f"tensors once written ({format_bytes(t['state_released_bytes'])})"
     )
 
 

@@ -7,7 +7,7 @@ CASES.json is a list of cases (see ``CASE_DEFAULTS``); each is trained in a
 fresh engine, one after the other, in this rank's process. OUT.json gets,
 after every case (so a later abort keeps the earlier results), a mapping
 name -> {"losses", "error", "param_counters", "optimizer_counters",
-"seconds"}. ``error`` is ``"Type: message"`` of an exception raised while
+"seconds", "first_step_state"}. ``error`` is ``"Type: message"`` of an exception raised while
 building or training (the case then stops; the next one still runs).
 
 Rank and world size come from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
@@ -54,8 +54,9 @@ CASE_DEFAULTS: dict[str, Any] = {
     "max_in_cpu": 0,
     "host_budget": None,  # aio_zero.host_memory_budget: the held cap (None: aio's default)
     "checkpointing": None,  # None | "reentrant" | "plain": activation checkpointing per layer
-    "save_at": 0,  # save a checkpoint after this step (to "ckpt")
+    "save_at": 0,  # save a checkpoint after this step, or each step of a list (to "ckpt")
     "load": False,  # resume from "ckpt" at its step
+    "load_tag": None,  # which of its checkpoints (DeepSpeed's "global_step<N>"; None: the latest)
     "ckpt": "",
 }
 
@@ -196,6 +197,26 @@ def counters(engine: Any) -> tuple[dict[str, int], dict[str, int]]:
     return dict(getattr(swapper, "counters", {})), dict(getattr(opt_swapper, "counters", {}))
 
 
+def swapped_state(torch: Any, engine: Any) -> dict[str, Any]:
+    """What the optimizer holds in ordinary memory for its NVMe-swapped
+    sub-groups now: "numels", each state tensor's element count (Adam's
+    moments; its 0-dim ``step`` aside), and "elements", the sub-groups'
+    fp32 elements (Adam's state is 2 x 4 bytes of each)."""
+    opt = engine.optimizer
+    if not getattr(opt, "swap_optimizer", False):
+        return {"numels": [], "elements": 0}
+    flats = opt.fp32_partitioned_groups_flat
+    groups = [sg for sg in range(len(flats)) if opt._swappable_optimizer_subgroup(sg)]
+    numels = [
+        int(v.numel())
+        for sg in groups
+        for v in opt.optimizer.state[flats[sg]].values()
+        if torch.is_tensor(v) and v.dim() > 0
+    ]
+    elements = sum(int(opt.fp16_partitioned_groups_flat_numel[sg]) for sg in groups)
+    return {"numels": numels, "elements": elements}
+
+
 def run_case(torch: Any, deepspeed: Any, c: dict[str, Any], rank: int, world: int, tmp: str) -> dict:
     """Train one case; its record (losses until any error, the error, counters)."""
     rec: dict[str, Any] = {"losses": [], "error": None, "param_counters": {}, "optimizer_counters": {}}
@@ -218,16 +239,19 @@ def run_case(torch: Any, deepspeed: Any, c: dict[str, Any], rank: int, world: in
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         start = 0
         if c["load"]:
-            _, client = engine.load_checkpoint(c["ckpt"])
+            _, client = engine.load_checkpoint(c["ckpt"], tag=c["load_tag"])
             start = int(client["step"])
         data = batches(torch, c, rank)
+        saves = c["save_at"] if isinstance(c["save_at"], list) else [c["save_at"]]
         for step in range(start, c["steps"]):
             x, y = data[step]
             loss = loss_of(torch, c, engine(x), y)
             engine.backward(loss)
             engine.step()
             rec["losses"].append(loss.item())
-            if c["save_at"] and step + 1 == c["save_at"]:
+            if step == 0:  # the state Adam has just created: where is it now?
+                rec["first_step_state"] = swapped_state(torch, engine)
+            if step + 1 in saves:
                 engine.save_checkpoint(c["ckpt"], client_state={"step": step + 1})
     except Exception as e:  # noqa: BLE001 - the record says what failed; the next case still runs
         rec["error"] = f"{type(e).__name__}: {e}"

@@ -69,8 +69,10 @@ def two_rank_cases(ckpt: str) -> list[dict]:
         # Held cap 1.5 MB: one gathered partition (1 MiB) kept, the others released.
         {"name": "gpt-capped", **GPT2, "host_budget": CAP2},
         {"name": "pipe-cpu", "offload": "cpu", **RESUME},
-        {"name": "pipe-full", **RESUME, "save_at": 3, "ckpt": ckpt},
+        {"name": "pipe-full", **RESUME, "save_at": [1, 3], "ckpt": ckpt},
         {"name": "pipe-resumed", **RESUME, "load": True, "ckpt": ckpt},
+        # From step 1, saved with the first-step state released (empty tensors).
+        {"name": "pipe-resumed-1", **RESUME, "load": True, "load_tag": "global_step1", "ckpt": ckpt},
         {"name": "mlp-ds", "swappers": "ds", **MLP2},
         {"name": "gpt-ds", "swappers": "ds", **GPT2},
         {"name": "pipe-ds", "swappers": "ds", **PIPE2},
@@ -126,6 +128,27 @@ def test_pipelined_optimizer_backpressure_equals_cpu_offload(one_rank):
     assert c["evicted"] > 0
 
 
+def released_after_step_1(rec: dict) -> None:
+    """The first-step state of every NVMe-swapped sub-group is out of
+    ordinary memory after step 1 and counted: Adam's two fp32 moments,
+    8 bytes per element, no more, no less."""
+    state, c = rec["first_step_state"], rec["optimizer_counters"]
+    assert state["numels"] and not any(state["numels"]), state  # DeepSpeed's class: each sub-group's size
+    assert c["state_released"] == len(state["numels"]), c
+    assert c["state_released_bytes"] == 8 * state["elements"] > 0, (c, state)
+
+
+def test_pipelined_swapper_releases_the_first_step_state_once_written(one_rank):
+    """DeepSpeed's pipelined optimizer swapper keeps the Adam state the first
+    step creates in ordinary memory until step 2 (8 bytes per parameter;
+    deepspeed.md, Upstream 6); aio's releases it once its write completed.
+    Mutation: without the release, the numels are the sub-groups' sizes and
+    the counters 0. Losses stay CPU offload's (above)."""
+    released_after_step_1(one_rank[0]["pipe"])
+    # Pipelining off: DeepSpeed's plain swapper releases it itself.
+    assert not any(one_rank[0]["mlp6"]["first_step_state"]["numels"])
+
+
 @pytest.mark.parametrize("case", ["ckpt-plain", "ckpt-reentrant"])
 def test_activation_checkpointing_equals_cpu_offload(one_rank, case):
     assert trained(one_rank, case) == trained(one_rank, "mlp8-cpu")
@@ -165,6 +188,7 @@ def test_summary_line_once_per_run(one_rank):
     assert re.search(held, lines[0])
     assert re.search(r"took [1-9]\d* repeated prefetch entries once", lines[0])
     assert re.search(r"[1-9]\d* writes completed early", lines[0])
+    assert re.search(r"released [1-9]\d* first-step state tensors once written \([\d.]+ [KMG]iB\)", lines[0])
     # The held bytes against their cap (the smallest of the engines': mlp6-capped's).
     assert re.search(
         r"at most [1-9]\d* at once, [\d.]+ [KMG]iB; cap 97\.7 KiB, aio_zero\.host_memory_budget", lines[0]
@@ -306,12 +330,17 @@ def test_released_partition_is_not_read_ahead_and_gets_a_buffer_for_an_update(
 
 def test_two_ranks_pipelined_and_resumed_exactly(two_ranks):
     """HF's block with pipelining and its auto persistence threshold: trains
-    as CPU offload does, and a step-3 checkpoint in DeepSpeed's format
-    resumes in a fresh engine to the same losses, on both ranks."""
+    as CPU offload does, releasing the first-step state on each rank, and a
+    step-3 checkpoint in DeepSpeed's format resumes in a fresh engine to the
+    same losses, on both ranks; so does the step-1 one, saved after the
+    release (its swapped state tensors empty: the files hold them)."""
     full = trained(two_ranks, "pipe-full", steps=5)
     assert full == trained(two_ranks, "pipe-cpu", steps=5)
     assert trained(two_ranks, "pipe-resumed", steps=2) == [f[3:] for f in full]
+    assert trained(two_ranks, "pipe-resumed-1", steps=4) == [f[1:] for f in full]
     assert counters(two_ranks, "pipe-full")["writes_completed_early"] > 0
+    for r in two_ranks:
+        released_after_step_1(r["pipe-full"])
 
 
 @pytest.mark.parametrize("case", ["mlp-ds", "gpt-ds", "pipe-ds"])

@@ -255,6 +255,8 @@ def test_switch_off_leaves_deepspeeds_classes(monkeypatch):
     try:
         assert aio_ds.is_enabled() and not ds_swappers.installed()
         assert pp.AsyncPartitionedParameterSwapper is AsyncPartitionedParameterSwapper
+        # DeepSpeed's pipelined optimizer swapper too: its first-step state stays (below).
+        assert stage3.PipelinedOptimizerSwapper.__module__.startswith("deepspeed")
     finally:
         aio_ds.disable()
         if before:
@@ -314,3 +316,94 @@ def test_a_model_built_before_enable_is_told(caplog):
         assert not ds_swappers.warn_if_built_before(model)
     finally:
         ds_swappers.uninstall()
+
+
+# -- the pipelined optimizer swapper ---------------------------------------------------------
+OPT_NUMEL = 1 << 18  # 1 MiB of fp32: DeepSpeed swaps optimizer tensors of 1 MiB (MIN_AIO_BYTES) and up
+
+
+def optimizer_swapper(tmp_path, monkeypatch, cls):
+    """An optimizer swapper of class `cls` (no engine), as stage3 makes the
+    pipelined one: HF's 4 buffers, pipelining on, an optimizer whose state
+    the test fills in."""
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+    aio_config = {
+        "use_gds": False,
+        "block_size": 1 << 20,
+        "queue_depth": 8,
+        "single_submit": False,
+        "overlap_events": True,
+        "intra_op_parallelism": 1,
+    }
+    swap = SimpleNamespace(buffer_count=4, pipeline_read=True, pipeline_write=True)
+    opt = SimpleNamespace(state={})
+    return cls(swap, aio_config, str(tmp_path), opt, OPT_NUMEL, "cpu", torch.float32, None)
+
+
+def sub_groups(sw, *names: str) -> list[torch.Tensor]:
+    """Sub-groups' flat fp32 weights written at set-up, as stage3 does
+    before the first step (weights 0, 1, 2, ...)."""
+    groups = []
+    for name in names:
+        fp32 = torch.empty(0)
+        fp32.ds_id = name  # stage3 names its flat fp32 sub-groups by their parameters' ids
+        groups.append(fp32)
+    src = [torch.arange(OPT_NUMEL, dtype=torch.float32) for _ in names]
+    sw.initialize_parameters(parameters=groups, src_tensors=src)
+    return groups
+
+
+def first_step(sw, fp32: torch.Tensor, async_swap: bool) -> dict[str, torch.Tensor]:
+    """One sub-group's first optimizer step as stage3 makes it: read in,
+    Adam's state created in ordinary memory, swapped out. Returns that
+    state (the optimizer's own tensors)."""
+    sw.swap_in_optimizer_state(parameter=fp32, async_parameter=None)
+    state = {
+        "exp_avg": torch.full((OPT_NUMEL,), 1.5),
+        "exp_avg_sq": torch.full((OPT_NUMEL,), 2.5),
+        "step": torch.tensor(1.0),
+    }
+    sw.optimizer.state[fp32] = state
+    sw.swap_out_optimizer_state(parameter=fp32, async_swap=async_swap)
+    return state
+
+
+def moments(state: dict[str, torch.Tensor]) -> list[int]:
+    return [state[k].numel() for k in ("exp_avg", "exp_avg_sq")]
+
+
+def test_first_step_state_is_released_once_its_write_has_completed(tmp_path, monkeypatch, enabled):
+    """DeepSpeed's pipelined swapper copies the state Adam created into swap
+    buffers and keeps the originals until the next swap-in (8 bytes per
+    parameter after step 1). aio's releases them, but never while the write
+    is in flight: a pending write (pipeline_write) keeps them until it is
+    completed, here by the next sub-group's swap-out."""
+    sw = optimizer_swapper(tmp_path, monkeypatch, ds_swappers.optimizer_swapper_class())
+    fp32_a, fp32_b = sub_groups(sw, "a", "b")
+    a = first_step(sw, fp32_a, async_swap=True)
+    assert sw.swap_ops["async_swap_out"] is not None  # a's write is pending
+    assert moments(a) == [OPT_NUMEL] * 2 and sw.counters["state_released"] == 0
+    b = first_step(sw, fp32_b, async_swap=False)  # completes a's write first, then b's
+    assert moments(a) == [0, 0] and moments(b) == [0, 0]
+    assert sw.counters["state_released"] == 4
+    assert sw.counters["state_released_bytes"] == 4 * OPT_NUMEL * 4
+    assert a["step"].item() == 1.0  # not swapped: left as it is
+    # The same tensor objects get the written values back at the next swap-in.
+    sw.swap_in_optimizer_state(parameter=fp32_a, async_parameter=None)
+    assert torch.equal(a["exp_avg"], torch.full((OPT_NUMEL,), 1.5))
+    assert torch.equal(a["exp_avg_sq"], torch.full((OPT_NUMEL,), 2.5))
+    assert torch.equal(fp32_a, torch.arange(OPT_NUMEL, dtype=torch.float32))
+
+
+def test_deepspeeds_pipelined_swapper_keeps_the_first_step_state(tmp_path, monkeypatch, enabled):
+    """Negative control (and what AIO_DEEPSPEED_SWAPPERS=0 keeps): DeepSpeed's
+    own class leaves the state in ordinary memory after its write. If this
+    fails, DeepSpeed releases it itself and aio's release can go."""
+    from deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper import PipelinedOptimizerSwapper
+
+    sw = optimizer_swapper(tmp_path, monkeypatch, PipelinedOptimizerSwapper)
+    fp32_a, fp32_b = sub_groups(sw, "a", "b")
+    a = first_step(sw, fp32_a, async_swap=True)
+    b = first_step(sw, fp32_b, async_swap=False)
+    assert all(op is None for op in sw.swap_ops.values())  # every write completed
+    assert moments(a) == [OPT_NUMEL] * 2 and moments(b) == [OPT_NUMEL] * 2
