@@ -25,6 +25,10 @@ flattened state -- torchtitan's -- finds them; never empty after a step, so
 torch.distributed.checkpoint's helpers take no hidden step) and
 ``state_dict()``/``load_state_dict()`` are torch's AdamW format, the
 moments DTensors for DTensor parameters (DCP saves, loads and reshards them).
+A state written straight into ``self.state[p]`` in place of the stand-ins
+(ZeroRedundancyOptimizer's load_state_dict does, never calling this one's)
+is loaded to the drive at the next step() or state_dict()
+(:meth:`NVMeAdam._adopt_written`).
 """
 
 from __future__ import annotations
@@ -191,17 +195,46 @@ class NVMeAdam(torch.optim.Optimizer):
             if why is not None:  # said at construction, not at the first step
                 raise params_refused(self.master, where, why)
 
-    def _ensure_layout(self) -> _Swapper:
+    def _ensure_layout(self, adopt: bool = True) -> _Swapper:
         """The swapper, laid out for the parameters param_groups holds now:
         at the first need, and again (:meth:`_relayout`, the state following
-        each position) when they are no longer the ones it was laid out for."""
+        each position) when they are no longer the ones it was laid out for;
+        with `adopt`, a state written into ``self.state`` by someone else
+        moved to the drive first (:meth:`_adopt_written`)."""
         params = [p for g in self.param_groups for p in g["params"]]
         sw = self._swapper
-        if sw is not None and self._same_layout(params):
-            return sw
+        if sw is not None and not self._same_layout(params):
+            return self._relayout(sw, params, None)  # carries a written state too
         if sw is None:
-            return self._lay_out(params)
-        return self._relayout(sw, params, None)
+            sw = self._lay_out(params)
+        if adopt:
+            self._adopt_written(sw)
+        return sw
+
+    def _adopt_written(self, sw: _Swapper) -> None:
+        """Load what someone else wrote into ``self.state[p]`` in place of
+        the :data:`ON_DRIVE` stand-ins -- ZeroRedundancyOptimizer's
+        load_state_dict assigns each parameter's loaded state there and
+        never calls this optimizer's load_state_dict -- as load_state_dict
+        would load it, before any step or state_dict() reads the drive: a
+        step would otherwise train on the old (or fresh) moments in silence.
+        The other parameters keep their state (read back from the drive, as
+        ZeRO's load leaves the entries it is not given). A state that cannot
+        be loaded is a ValueError at every step until it is replaced."""
+        written = _written(self.state, self._params)
+        if not written:
+            return
+        # Any other parameter with a state: all read back, written again beside the new.
+        kept = any(self.state.get(p) for p in self._params if p not in written)
+        state = {**(self._carried_state(sw, self._params) if kept else {}), **written}
+        try:
+            plan = self._plan_load(state)
+        except ValueError as e:
+            raise ValueError(
+                f"{type(self).__name__}: the state written into its .state (by a wrapper that does not "
+                f"call its load_state_dict, e.g. ZeroRedundancyOptimizer) cannot be loaded: {e}"
+            ) from e
+        self._apply_load(sw, plan, state)
 
     def _same_layout(self, params: list[Any]) -> bool:
         """Whether `params` (param_groups' now, in order) are the very
@@ -269,7 +302,10 @@ class NVMeAdam(torch.optim.Optimizer):
             if fill is not None:
                 fill(sw)
             else:
-                self.state = collections.defaultdict(dict, carried or {})
+                # What someone else wrote for the parameters now held (ZeRO's load)
+                # replaces what their positions carry.
+                carried = {**(carried or {}), **_written(old_state, params)}
+                self.state = collections.defaultdict(dict, carried)
                 if carried:
                     self._apply_load(sw, self._plan_load())
         except BaseException:
@@ -622,7 +658,8 @@ class NVMeAdam(torch.optim.Optimizer):
             # The old state is replaced: laid out afresh, not carried over.
             self._relayout(sw, params, lambda new: self._load_into(new, state_dict))
             return
-        self._load_into(self._ensure_layout(), state_dict)
+        # Not adopt: what someone else wrote into self.state is replaced by this load.
+        self._load_into(self._ensure_layout(adopt=False), state_dict)
 
     def _load_into(self, sw: _Swapper, state_dict: dict[str, Any]) -> None:
         self._apply_load(sw, self._load_groups(state_dict, self._plan_load))
@@ -643,8 +680,12 @@ class NVMeAdam(torch.optim.Optimizer):
                 g.update(saved)
             raise
 
-    def _plan_load(self) -> list[tuple[dict[str, torch.Tensor], float | None]]:
-        """Per sub-group: its tensors to write and step count (None: never stepped)."""
+    def _plan_load(
+        self, state: Mapping[Any, Mapping[str, Any]] | None = None
+    ) -> list[tuple[dict[str, torch.Tensor], float | None]]:
+        """Per sub-group: its tensors to write and step count (None: never
+        stepped), from `state` (by parameter; default self.state)."""
+        state = self.state if state is None else state
         plan = []
         # The master weights go to the drive only when they live there.
         names = ("param", *MOMENTS) if self._master_mode == "drive" else MOMENTS
@@ -652,7 +693,7 @@ class NVMeAdam(torch.optim.Optimizer):
             values = {n: torch.empty(sg.numel, dtype=torch.float32) for n in names}
             steps = set()
             for pc in sg.pieces:
-                st = self.state.get(self._params[pc.param], {})
+                st = state.get(self._params[pc.param], {})
                 steps.add(_loaded_step(st, pc.param))
                 if "param" in values:
                     values["param"][pc.offset : pc.offset + pc.count].copy_(
@@ -670,7 +711,15 @@ class NVMeAdam(torch.optim.Optimizer):
             plan.append((values, steps.pop() if steps else None))
         return plan
 
-    def _apply_load(self, sw: _Swapper, plan: list[tuple[dict[str, torch.Tensor], float | None]]) -> None:
+    def _apply_load(
+        self,
+        sw: _Swapper,
+        plan: list[tuple[dict[str, torch.Tensor], float | None]],
+        state: Mapping[Any, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Write `plan` (:meth:`_plan_load`'s, from `state`: default
+        self.state) to the drive, then each loaded step into self.state."""
+        state = self.state if state is None else state
         if sw.broken:  # a failed step: every sub-group is rewritten below
             sw.drop_cached(write_back=False)
             sw.broken = None
@@ -689,10 +738,14 @@ class NVMeAdam(torch.optim.Optimizer):
             # in silence. Refused until a load_state_dict() runs to its end.
             sw.broken = f"{type(self).__name__}.load_state_dict() was interrupted part-way; load it again"
             raise
-        for k, p in enumerate(self._params):
-            step = _loaded_step(self.state.get(p, {}), k)
-            if step is not None:
-                self._set_step(p, step)  # the loaded moments are on the drive now
+        finally:
+            # The loaded moments are on the drive now, or the swapper refuses
+            # until a load: either way self.state holds stand-ins, not a state
+            # the next step would take as written by someone else (and load).
+            for k, p in enumerate(self._params):
+                step = _loaded_step(state.get(p, {}), k)
+                if step is not None:
+                    self._set_step(p, step)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def swap_stats(self) -> dict[str, Any]:
@@ -767,6 +820,18 @@ def _check_group(group: Mapping[str, Any], where: str) -> None:
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: group[k] for k in _HYPER_KEYS if k in group}
     out["betas"] = tuple(out["betas"])
+    return out
+
+
+def _written(state: Mapping[Any, Any], params: Iterable[Any]) -> dict[Any, Any]:
+    """The entries of `params` in `state` (an optimizer's ``self.state``)
+    that someone else wrote there: a state whose moments are not both
+    :data:`ON_DRIVE`, which every entry this optimizer makes has."""
+    out = {}
+    for p in params:
+        st = state.get(p)
+        if st and not (st.get("exp_avg") is ON_DRIVE and st.get("exp_avg_sq") is ON_DRIVE):
+            out[p] = st
     return out
 
 

@@ -368,19 +368,100 @@ def case_ddp(rank, tmp):
 
 
 def case_zero1(rank, tmp):
-    from torch.distributed.optim import ZeroRedundancyOptimizer as Z
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _compare(
+        lambda: DDP(_model()),
+        lambda m: _zero("torch", m, tmp),
+        lambda m, master: _zero(master, m, tmp),
+        rank,
+    )
+
+
+def _zero(kind, model, tmp):
+    """ZeroRedundancyOptimizer over `model` with torch's AdamW ("torch") or aio's (kind: its master)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as Z
 
     from aio.optim import NVMeAdamW
 
+    if kind == "torch":
+        return Z(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, foreach=False)
     path = os.path.join(tmp, "drive")
-    return _compare(
-        lambda: DDP(_model()),
-        lambda m: Z(m.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, foreach=False),
-        lambda m, master: Z(
-            m.parameters(), optimizer_class=NVMeAdamW, lr=LR, nvme_path=path, match_torch=True, master=master
-        ),
-        rank,
+    return Z(
+        model.parameters(), optimizer_class=NVMeAdamW, lr=LR, nvme_path=path, match_torch=True, master=kind
+    )
+
+
+# (kind resumed, kind whose checkpoint it loads): each from its own, and interchange.
+ZERO1_RESUMES = (
+    ("torch", "torch"),
+    ("auto", "auto"),
+    ("drive", "drive"),
+    ("auto", "torch"),
+    ("torch", "drive"),
+)
+ZERO1_MODES = {"torch": None, "auto": "params", "drive": "drive"}
+
+
+def case_zero1_checkpoint(rank, tmp):
+    """DDP + ZeRO-1: 2 steps, consolidate_state_dict(to=0) + state_dict()
+    saved by rank 0, loaded into a fresh model and ZeRO on every rank, 2
+    more: bit-identical to torch's uninterrupted run, aio from its own
+    checkpoint (either master) and from torch's, torch from aio's. ZeRO's
+    load_state_dict writes each rank's state straight into the local
+    optimizer's state[p] and never calls its load_state_dict: NVMeAdamW
+    trained on fresh moments after it, in silence (issue 44). The
+    consolidated states are torch's, bit for bit; ZeRO's own copy of the
+    loaded state can be dropped (aio's resumes clear it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ref = DDP(_model())
+    lt, pt = _train(ref, _zero("torch", ref, tmp), STEPS, rank), _full(ref)
+    res: dict = {"losses_torch": lt, "modes": {}, "equal": True, "state_match": True}
+    first = {kind: _zero1_save(kind, rank, tmp, res) for kind in ZERO1_MODES}
+    for kind, src in ZERO1_RESUMES:
+        ck = torch.load(os.path.join(tmp, f"zero1_{src}.pt"))
+        model = DDP(_model())
+        model.module.load_state_dict(ck["model"])
+        opt = _zero(kind, model, tmp)
+        opt.load_state_dict(ck["optim"])
+        if kind != "torch":
+            opt.state.clear()  # ZeRO's own reference to the loaded state (docs/fsdp.md): unused
+        la = first[src] + _train(model, opt, STEPS - 2, rank, start=2)
+        same = la == lt and all(map(torch.equal, pt, _full(model)))
+        res[f"equal_{kind}<-{src}"] = same
+        res["equal"] &= _verdict(res, kind, ZERO1_MODES[kind], opt, same)
+    del res["modes"]["torch"]
+    res["equal"] &= res["state_match"]
+    return res
+
+
+def _zero1_save(kind, rank, tmp, res: dict) -> list[float]:
+    """2 steps of DDP + ZeRO-1 with `kind`, consolidated to rank 0 and saved
+    there (aio's state compared with torch's, saved first); the losses."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    opt = _zero(kind, model, tmp)
+    losses = _train(model, opt, 2, rank)
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        sd = opt.state_dict()
+        if kind != "torch":
+            ref = torch.load(os.path.join(tmp, "zero1_torch.pt"))["optim"]
+            res["state_match"] &= _same_optim_state(ref, sd)
+        torch.save({"model": model.module.state_dict(), "optim": sd}, os.path.join(tmp, f"zero1_{kind}.pt"))
+    dist.barrier()
+    if hasattr(opt.optim, "close"):
+        opt.optim.close()
+    return losses
+
+
+def _same_optim_state(a: dict, b: dict) -> bool:
+    """Whether two optimizer state_dicts hold the same step and moments, bit for bit."""
+    names = ("step", "exp_avg", "exp_avg_sq")
+    return set(a["state"]) == set(b["state"]) and all(
+        torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in names
     )
 
 

@@ -1,7 +1,8 @@
 """aio.optim under PyTorch's own engines, many ranks on gloo (CPU): FSDP2
 (+- CPUOffloadPolicy(pin_memory=False), bf16 MixedPrecisionPolicy, uneven
 shards, a rank holding no rows of a parameter), FSDP1 use_orig_params, DDP,
-DDP + ZeroRedundancyOptimizer, param groups + LambdaLR + clip_grad_norm_ on
+DDP + ZeroRedundancyOptimizer (and its consolidated checkpoint, saved and
+resumed), param groups + LambdaLR + clip_grad_norm_ on
 DTensors, the Accelerate-style parameter swap, get_optimizer_state_dict
 without a hidden step, a DCP save on 2 ranks loaded on 3 (torch <-> aio
 both ways, master weights in the parameters <-> on the drive), and
@@ -36,13 +37,13 @@ pytestmark = [
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
     "fsdp2", "fsdp2_offload", "fsdp2_bf16", "cpu_adamw_dtensor", "groups_lambda_clip",
-    "accelerate_swap", "no_hidden_step", "dcp_save", "ddp", "zero1", "fsdp1", "rank_folders",
-    "tier_master",
+    "accelerate_swap", "no_hidden_step", "dcp_save", "ddp", "zero1", "zero1_checkpoint", "fsdp1",
+    "rank_folders", "tier_master",
 ]  # fmt: skip
 THREE = ["fsdp2", "dcp_load", "zero1", "fsdp1", "rank_folders"]
 # Cases that run aio's optimizer under both masters (dist_worker.MASTERS).
 BOTH = {"fsdp2", "fsdp2_offload", "fsdp2_bf16", "groups_lambda_clip", "accelerate_swap", "no_hidden_step",
-        "ddp", "zero1", "fsdp1"}  # fmt: skip
+        "ddp", "zero1", "zero1_checkpoint", "fsdp1"}  # fmt: skip
 
 
 def _run(world: int, out: str, cases: list[str]) -> None:

@@ -315,6 +315,146 @@ def test_missing_gradient_and_bad_state_change_nothing(tmp_path) -> None:
     opt.close()
 
 
+def _write_as_zero(opt, sd: dict) -> None:
+    """What ZeroRedundancyOptimizer.load_state_dict does to its local
+    optimizer: each parameter's state assigned to ``opt.state[p]`` (copies,
+    as its _recursive_copy_to_device makes on another device) and the
+    hyper-parameters to param_groups; opt.load_state_dict is never called."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for k, st in sd["state"].items():
+        opt.state[params[k]] = {n: v.clone() for n, v in st.items()}
+    for g, saved in zip(opt.param_groups, sd["param_groups"], strict=True):
+        g.update({n: v for n, v in saved.items() if n != "params"})
+
+
+@bits
+@pytest.mark.parametrize("master", ["params", "drive"])
+def test_a_state_written_into_state_as_zero_loads_it_reaches_the_drive(tmp_path, master) -> None:
+    """ZeroRedundancyOptimizer's load_state_dict writes each parameter's
+    loaded state straight into the local optimizer's state[p]: the next
+    step or state_dict() loads it (into an optimizer never stepped and into
+    one that has: a rollback), and training goes on as torch's AdamW, which
+    uses such a state as it is. It trained on the old or fresh moments in
+    silence (issue 44)."""
+    a = _model()
+    oa = torch.optim.AdamW(_groups(a), lr=1e-2, foreach=False)
+    _steps([(a, oa, None)], 0, 2)
+    saved = oa.state_dict()
+    weights = {k: v.clone() for k, v in a.state_dict().items()}
+    kw = {
+        "lr": 1e-3,
+        "nvme_path": str(tmp_path),
+        "match_torch": True,
+        "sub_group_size": 500,
+        "master": master,
+    }
+    fresh, stepped = _model(), _model()
+    of, ost = NVMeAdamW(_groups(fresh), **kw), NVMeAdamW(_groups(stepped), **kw)
+    _steps([(stepped, ost, None)], 0, 3)
+    for m, o in ((fresh, of), (stepped, ost)):
+        m.load_state_dict(weights)
+        _write_as_zero(o, saved)
+    assert _same_state(of.state_dict(), saved) and _same_state(ost.state_dict(), saved)
+    _steps([(a, oa, None), (fresh, of, None), (stepped, ost, None)], 2, 2)
+    assert _same(a, fresh) and _same(a, stepped)
+    for o in (of, ost):
+        assert _same_state(oa.state_dict(), o.state_dict()) and o.master_mode == master
+        o.close()
+
+
+def _other_state(p: torch.Tensor, step: float, seed: int) -> dict:
+    """Another run's state for `p`."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "step": torch.tensor(step),
+        "exp_avg": 0.01 * torch.randn(p.shape, generator=g),
+        "exp_avg_sq": 1e-4 * torch.rand(p.shape, generator=g),
+    }
+
+
+@bits
+def test_a_state_written_for_some_parameters_keeps_the_others(tmp_path) -> None:
+    """A state written into state[p] for one parameter (sharing sub-groups
+    with others): it is loaded, the others keep theirs, as torch's AdamW
+    given the same write; also for parameters swapped in param_groups
+    since the layout (laid out again, the written state replacing what
+    their position carries)."""
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    ob = NVMeAdamW(b.parameters(), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=300)
+    _steps([(a, oa, None), (b, ob, None)], 0, 2)
+    for o, m in ((oa, a), (ob, b)):
+        o.state[m[2].weight] = _other_state(m[2].weight, 2.0, 5)
+    _steps([(a, oa, None), (b, ob, None)], 2, 1)
+    assert _same(a, b) and _same_state(oa.state_dict(), ob.state_dict())
+    c = _model()
+    c.load_state_dict(b.state_dict())
+    ob.param_groups[0]["params"] = list(c.parameters())
+    for o, m in ((oa, a), (ob, c)):
+        o.state[m[0].bias] = _other_state(m[0].bias, 3.0, 6)
+    _steps([(a, oa, None), (c, ob, None)], 3, 2)
+    assert _same(a, c) and _same_state(oa.state_dict(), ob.state_dict())
+    ob.close()
+
+
+def test_a_written_state_that_cannot_be_loaded_is_refused_until_replaced(tmp_path) -> None:
+    m = _model()
+    opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), sub_group_size=300)
+    _steps([(m, opt, None)], 0, 1)
+    good = opt.state_dict()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.state[m[2].weight] = {
+        "step": torch.tensor(1.0),
+        "exp_avg": torch.zeros(7),
+        "exp_avg_sq": torch.zeros(7),
+    }
+    for _ in range(2):  # refused at every step, nothing changed
+        with pytest.raises(ValueError, match=r"written into its \.state .*state 'exp_avg' of parameter 2"):
+            _steps([(m, opt, None)], 1, 1)
+    assert all(torch.equal(p, q) for p, q in zip(before, m.parameters(), strict=True))
+    # Another step count than the parameters sharing its sub-groups.
+    opt.state[m[2].weight] = _other_state(m[2].weight, 5.0, 7)
+    with pytest.raises(ValueError, match="different step counts"):
+        opt.state_dict()
+    opt.load_state_dict(good)  # a load replaces what was written
+    assert _same_state(opt.state_dict(), good)
+    _steps([(m, opt, None)], 1, 1)
+    opt.close()
+
+
+@bits
+def test_an_interrupted_load_of_a_written_state_refuses_until_written_again(tmp_path, monkeypatch) -> None:
+    """A load of a written state that fails part-way (a write error) leaves
+    the optimizer refusing to step, as an interrupted load_state_dict does,
+    until the state is written (ZeRO's load_state_dict run) again."""
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    ob = NVMeAdamW(b.parameters(), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=300)
+    _steps([(a, oa, None), (b, ob, None)], 0, 2)
+    saved = oa.state_dict()
+    _steps([(b, ob, None)], 2, 1)
+    real, calls = type(ob._swapper).write_state, {"n": 0}
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the first sub-group took the written state
+            raise OSError("write failed")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(ob._swapper), "write_state", failing)
+    _write_as_zero(ob, saved)
+    with pytest.raises(OSError, match="write failed"):
+        _steps([(b, ob, None)], 2, 1)
+    monkeypatch.undo()
+    with pytest.raises(Exception, match="interrupted part-way"):
+        _steps([(b, ob, None)], 2, 1)
+    b.load_state_dict(a.state_dict())
+    _write_as_zero(ob, saved)
+    _steps([(a, oa, None), (b, ob, None)], 2, 2)
+    assert _same(a, b) and _same_state(oa.state_dict(), ob.state_dict())
+    ob.close()
+
+
 def test_gradients_on_drive_bf16_states_and_adam(tmp_path) -> None:
     a, b = _model(), _model()
     oa = torch.optim.Adam(a.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
