@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Scale benchmark: one model size, aio.zero at aio-train's defaults against
-DeepSpeed ZeRO-3 NVMe offload on the same config dict, each in its own process.
+DeepSpeed ZeRO-3 NVMe offload on the same config dict, each in its own process;
+and on several ranks, aio's FSDP2 main job against DeepSpeed at the same world size.
 
-    python bench/scale.py [--dir /local_nvme] [--variants aio,ds,ds-safe[,ds-hf]]
+    python bench/scale.py [--dir /local_nvme]
+        [--variants aio,ds,ds-safe[,ds-hf][,fsdp,ds-ranks,ds-safe-ranks]]
         [--params 2e9 | --layers 24 --width 2560 --heads 20 --vocab 32000]
-        [--warmup 1] [--steps 3] [--timeout 5400] [--json out.json]
+        [--warmup 1] [--steps 3] [--world 2] [--timeout 5400] [--json out.json]
         [any other aio-train size or precision flag: --seq, --batch, --dtype, ...]
 
 The model is aio-train's GPT (aio.train.build_gpt) and its synthetic batches.
@@ -41,6 +43,20 @@ it with ``nvme_path`` set to a fresh folder of its own under ``--dir``:
            whatever ``--ds-io`` says. (``ds`` and ``ds-safe`` on aio's handle
            get those rules too, since aio.integrations.deepspeed.enable()
            installs them.)
+
+On ``--world`` ranks of this host (torchrun, gloo; torchrun gives each rank
+one OpenMP thread), the whole job's figures summed over its ranks in the
+main table, each rank's in a second:
+
+  fsdp           aio's FSDP2 main job (``aio-train --nproc N``,
+                 aio.fsdp.train): the GPT built on the meta device, each
+                 block and the root fully_shard-ed, shards on the drive
+                 (aio.fsdp.offload_params), NVMeAdamW, fp32 gradients
+                 streamed to the drive when they pass half the memory
+                 (``--gradients auto``); same size, batch, clip, lr and seed
+  ds-ranks       ds on the same ranks (model under deepspeed.zero.Init,
+                 each rank its own micro-batches)
+  ds-safe-ranks  ds-safe on the same ranks
 
 DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``) in a
 one-process gloo group, optimizer DeepSpeedCPUAdam. Its JIT-built ops
@@ -86,6 +102,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -103,12 +120,16 @@ sys.path.insert(0, HERE)
 import train_step as ts  # noqa: E402  (a sibling script, not a package)
 
 VARIANTS = ("aio", "ds", "ds-safe")  # the default run
-ALL_VARIANTS = (*VARIANTS, "ds-hf")
+RANKED = ("fsdp", "ds-ranks", "ds-safe-ranks")  # run on --world ranks (torchrun)
+ALL_VARIANTS = (*VARIANTS, "ds-hf", *RANKED)
 LABELS = {
     "aio": "aio.zero",
     "ds": "DeepSpeed ZeRO-3",
     "ds-safe": "DeepSpeed ZeRO-3, safe",
     "ds-hf": "DeepSpeed ZeRO-3 NVMe at HF's block",
+    "fsdp": "aio FSDP2 (offload_params + NVMeAdamW)",
+    "ds-ranks": "DeepSpeed ZeRO-3",
+    "ds-safe-ranks": "DeepSpeed ZeRO-3, safe",
 }
 # aio-train's size flags for the default ~2B model; later flags on the command line win.
 DEFAULT_SIZE = ["--layers", "24", "--width", "2560", "--heads", "20", "--vocab", "32000"]
@@ -158,6 +179,9 @@ def own_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--drive-mib", type=int, default=1024, help="MiB each way for the drive's rates (default 1024)"
     )
+    ap.add_argument(
+        "--world", type=int, default=2, help=f"ranks of the variants {', '.join(RANKED)} (default 2)"
+    )
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # a job file: run one variant in this process
     return ap
@@ -205,8 +229,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     bad = set(own.variant_list) - set(ALL_VARIANTS)
     if bad or not own.variant_list or len(set(own.variant_list)) < len(own.variant_list):
         ap.error(f"--variants {own.variants}: a comma list of {', '.join(ALL_VARIANTS)}, each at most once")
-    if own.steps < 1 or own.warmup < 0 or own.drive_mib < 1 or own.timeout <= 0:
-        ap.error("--steps, --drive-mib and --timeout must be positive, --warmup at least 0")
+    if own.steps < 1 or own.warmup < 0 or own.drive_mib < 1 or own.timeout <= 0 or own.world < 1:
+        ap.error("--steps, --drive-mib, --timeout and --world must be positive, --warmup at least 0")
     return own, targs
 
 
@@ -219,7 +243,8 @@ def variant_config(targs: argparse.Namespace, variant: str, nvme: str) -> dict:
     cfg = make_config(targs, nvme)
     cfg["train_micro_batch_size_per_gpu"] = targs.batch  # DeepSpeed refuses a config without a batch size
     cfg["steps_per_print"] = 10**9  # DeepSpeed's per-step log lines off
-    changes = SAFE_CHANGES if variant == "ds-safe" else hf_changes(targs.width) if variant == "ds-hf" else ()
+    base = variant.removesuffix("-ranks")  # the same config on --world ranks
+    changes = SAFE_CHANGES if base == "ds-safe" else hf_changes(targs.width) if base == "ds-hf" else ()
     for path, value in changes:
         node = cfg
         for key in path[:-1]:
@@ -256,15 +281,16 @@ def ds_io(choice: str) -> str:
 
 
 def variant_io(own: argparse.Namespace, variant: str) -> str:
-    """The I/O a variant runs on: aio.zero and ds-hf on aio's, the others as --ds-io says."""
-    return "aio" if variant in ("aio", "ds-hf") else ds_io(own.ds_io)
+    """The I/O a variant runs on: aio's variants and ds-hf on aio's, the others as --ds-io says."""
+    return "aio" if variant in ("aio", "fsdp", "ds-hf") else ds_io(own.ds_io)
 
 
-def label(variant: str, io: str) -> str:
-    """The table's name for a variant; DeepSpeed's names its I/O op."""
-    if variant == "aio":
-        return LABELS[variant]
-    return f"{LABELS[variant]} ({'own async_io op' if io == 'own' else 'on aio handle'})"
+def label(variant: str, io: str, world: int = 1) -> str:
+    """The table's name for a variant; DeepSpeed's names its I/O op, a ranked one its ranks."""
+    ranks = f", {world} ranks" if variant in RANKED else ""
+    if variant in ("aio", "fsdp"):
+        return LABELS[variant] + (f" ({world} ranks)" if ranks else "")
+    return f"{LABELS[variant]} ({'own async_io op' if io == 'own' else 'on aio handle'}{ranks})"
 
 
 # -- the worker: one variant in this (fresh) process -------------------------------------------
@@ -314,9 +340,10 @@ def build_aio(targs: argparse.Namespace, cfg: dict) -> tuple[Any, dict]:
     return trainer, {}
 
 
-def build_ds(targs: argparse.Namespace, cfg: dict) -> tuple[Any, dict]:
+def build_ds(targs: argparse.Namespace, cfg: dict, say: Any = None) -> tuple[Any, dict]:
     """DeepSpeed's engine for `cfg`, the model built under deepspeed.zero.Init
-    (unless --no-init); extras: its pin counter."""
+    (unless --no-init); extras: its pin counter. `say` marks each phase (a
+    run killed in set-up then says where)."""
     import contextlib
 
     import deepspeed
@@ -327,19 +354,25 @@ def build_ds(targs: argparse.Namespace, cfg: dict) -> tuple[Any, dict]:
     pins = ts.PinCounter()  # before Init: it allocates the swap buffers
     torch.manual_seed(targs.seed)
     init = deepspeed.zero.Init(config_dict_or_path=cfg) if targs.init else contextlib.nullcontext()
+    if say is not None:
+        say("set-up: building the model under deepspeed.zero.Init")
     with init:
         model = build_gpt(targs.vocab, targs.width, targs.layers, targs.heads, targs.seq)
+    if say is not None:
+        say("set-up: deepspeed.initialize")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine, {"pins": pins}
 
 
 def run_steps(engine: Any, targs: argparse.Namespace, n: int, say: Any) -> dict[str, list]:
-    """`n` steps of aio-train's batches: per step its time, /proc/self/io bytes,
-    loss and (aio) bytes by category."""
+    """`n` steps of aio-train's batches (on several ranks each rank its own
+    micro-batches): per step its time, /proc/self/io bytes, loss and (aio)
+    bytes by category."""
     import torch
 
     from aio.train import batch, step_bytes
 
+    rank = int(os.environ.get("RANK", "0"))
     lf = torch.nn.functional.cross_entropy
     by_cat = getattr(engine, "io_bytes_by_category", None)
     rec: dict[str, list] = {"step_s": [], "read_b": [], "write_b": [], "loss": [], "by_category": []}
@@ -348,7 +381,7 @@ def run_steps(engine: Any, targs: argparse.Namespace, n: int, say: Any) -> dict[
         c0 = by_cat() if by_cat else None
         t0 = time.perf_counter()
         for micro in range(targs.gas):
-            x, y = batch(step, micro, targs.batch, targs.seq, targs.vocab)
+            x, y = batch(step, rank * targs.gas + micro, targs.batch, targs.seq, targs.vocab)
             loss = lf(engine(x).flatten(0, 1).float(), y.flatten())
             engine.backward(loss)
             engine.step()
@@ -399,7 +432,7 @@ def measure(job: dict, say: Any, res: dict[str, Any]) -> None:
 
         res["predicted_peak_rss"] = int(estimate_run(targs, cfg).peak_rss_bytes)
     t0 = time.perf_counter()
-    engine, extra = build_aio(targs, cfg) if v == "aio" else build_ds(targs, cfg)
+    engine, extra = build_aio(targs, cfg) if v == "aio" else build_ds(targs, cfg, say)
     res["setup_s"] = time.perf_counter() - t0
     res["peak_rss_setup"] = peak_rss()
     say(f"set-up {res['setup_s']:.1f} s, peak RSS {res['peak_rss_setup'] / 2**30:.2f} GiB")
@@ -429,8 +462,10 @@ def worker(job_path: str) -> int:
         job = json.load(f)
     fd = job.get("progress_fd")
 
+    ranked = f"rank {os.environ.get('RANK', '0')}: " if job["variant"] in RANKED else ""
+
     def say(text: str) -> None:
-        progress(fd, job["variant"], text)
+        progress(fd, job["variant"], ranked + text)
 
     if job["variant"] != "aio":
         ts.ds_environment(argparse.Namespace(cuda=False))  # before DeepSpeed picks an accelerator
@@ -441,14 +476,19 @@ def worker(job_path: str) -> int:
     except Exception as e:
         traceback.print_exc()  # the whole traceback stays in the log
         out["error"] = describe_exception(e)
-    with open(os.path.join(os.path.dirname(job_path), "result.json"), "w") as f:
+    name = "result.json" if job["variant"] not in RANKED else f"result.rank{os.environ.get('RANK', '0')}.json"
+    with open(os.path.join(os.path.dirname(job_path), name), "w") as f:
         json.dump(out, f)
     return 0 if out["ok"] else 1
 
 
 # -- the parent: one worker per variant, the report ----------------------------------------------
-def skip_reason(variant: str) -> str | None:
+def skip_reason(variant: str, targs: argparse.Namespace | None = None) -> str | None:
     """Why `variant` cannot run here at all, or None."""
+    if variant == "fsdp":
+        if targs is not None and (targs.dtype != "fp32" or targs.gas != 1):
+            return "the FSDP2 main job (aio-train --nproc) trains fp32, one micro-batch per step"
+        return None
     if variant != "aio" and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not installed"
     return None
@@ -469,6 +509,7 @@ def last_exception_line(log: str) -> str | None:
     """The exception of the last traceback in `log`, on one line: the first
     unindented line after its frames and the indented lines continuing its
     message (None without a traceback)."""
+    log = re.sub(r"(?m)^\[rank\d+\]: ?", "", log)  # torchrun's prefix on a rank's lines
     i = log.rfind("Traceback (most recent call last):")
     if i < 0:
         return None
@@ -482,6 +523,27 @@ def last_exception_line(log: str) -> str | None:
     return " ".join(found) or None
 
 
+def rank_signal(log: str) -> str | None:
+    """torchrun's report of a rank killed by a signal, as 'rank R killed by
+    SIG...' (None when no rank was): a ranked variant's exit status is
+    torchrun's own."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n.*?exitcode\s*:\s*-(\d+)", log)
+    # SIGTERM is torchrun stopping the other ranks after one failed: not a cause.
+    found = [(rank, num) for rank, num in found if int(num) != signal.SIGTERM]
+    if not found:
+        return None
+    parts = []
+    for rank, num in found:
+        try:
+            name = signal.Signals(int(num)).name
+        except ValueError:
+            name = f"signal {num}"
+        oom = " (what the kernel's OOM killer sends when memory runs out)"
+        oom = oom if int(num) == signal.SIGKILL else ""
+        parts.append(f"rank {rank} killed by {name}{oom}")
+    return "; ".join(parts)
+
+
 def last_progress(log: str) -> str | None:
     """The worker's last progress line in `log`, without its marker."""
     lines = [ln[len(PROGRESS) :] for ln in log.splitlines() if ln.startswith(PROGRESS)]
@@ -492,8 +554,13 @@ def failure(rc: int, timed_out: bool, timeout: float, log: str, result: dict | N
     """The exact error of a failed worker: its exception (as it recorded it,
     else the log's last traceback line), the signal that killed it, or the
     timeout; then its last progress line."""
+    killed = rank_signal(log)
     if timed_out:
         why = f"timed out after {timeout:.0f} s (killed)"
+    elif killed:
+        # A rank killed by a signal is the cause; another rank's error is then a consequence
+        # (its collective lost its peer), named after it.
+        why = killed + (f"; then {result['error']}" if result and result.get("error") else "")
     elif result and result.get("error"):
         why = result["error"]
     elif rc < 0:
@@ -511,20 +578,24 @@ def failure(rc: int, timed_out: bool, timeout: float, log: str, result: dict | N
     return why + (f"; last progress: {where}" if where else "")
 
 
-def spawn(job: dict, job_path: str, timeout: float) -> tuple[int, bool, str]:
+def spawn(job: dict, job_path: str, timeout: float, cmd: list[str] | None = None) -> tuple[int, bool, str]:
     """Run the worker for `job` (written to `job_path`) in its own session,
-    its output to a log beside the job; (exit status, timed out, log)."""
-    try:
-        sys.stdout.flush()
-        fd: int | None = os.dup(sys.stdout.fileno())  # the worker's live progress
-    except (OSError, ValueError):
-        fd = None
+    its output to a log beside the job; (exit status, timed out, log).
+    `cmd`: run that instead (a torchrun of several ranks: no live progress,
+    torchrun does not hand its workers our descriptor)."""
+    fd: int | None = None
+    if cmd is None:
+        try:
+            sys.stdout.flush()
+            fd = os.dup(sys.stdout.fileno())  # the worker's live progress
+        except (OSError, ValueError):
+            fd = None
     job["progress_fd"] = fd
     with open(job_path, "w") as f:
         json.dump(job, f, default=str)
     log_path = os.path.join(os.path.dirname(job_path), "worker.log")
     env = ts.worker_env()
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", job_path]
+    cmd = cmd or [sys.executable, os.path.abspath(__file__), "--worker", job_path]
     with open(log_path, "w") as log:
         # Its own session: a timeout kills the worker with whatever it started (a JIT build).
         p = subprocess.Popen(
@@ -560,33 +631,105 @@ def kill_group(p: subprocess.Popen) -> int:
 
 
 def run_variant(own: argparse.Namespace, targs: argparse.Namespace, v: str, root: str) -> dict:
-    """One variant in a fresh worker on a fresh folder under `root` (removed
-    after), the drive measured right before; its row: figures or error."""
+    """One variant in a fresh worker (a torchrun of --world ranks for the
+    ranked ones) on a fresh folder under `root` (removed after), the drive
+    measured right before; its row: figures (a ranked one's summed over its
+    ranks, each rank's in ``ranks``) or error."""
     vdir = tempfile.mkdtemp(prefix=f"{v}-", dir=root)
     io = variant_io(own, v)
+    world = own.world if v in RANKED else 1
     cfg = variant_config(targs, v, vdir)
-    row: dict[str, Any] = {"variant": v, "label": label(v, io), "io": io, "config": cfg}
+    row: dict[str, Any] = {"variant": v, "label": label(v, io, world), "io": io, "config": cfg}
+    row["world"] = world
     try:
         row["drive"] = drive(root, own.drive_mib)
         job = {"variant": v, "io": io, "targs": vars(targs), "config": cfg}
         job.update(warmup=own.warmup, steps=own.steps)
+        job_path = os.path.join(vdir, "job.json")
+        cmd = ranked_command(own, targs, v, job_path) if v in RANKED else None
         t0 = time.perf_counter()
-        rc, timed_out, log = spawn(job, os.path.join(vdir, "job.json"), own.timeout)
+        rc, timed_out, log = spawn(job, job_path, own.timeout, cmd)
         row["wall_s"] = time.perf_counter() - t0
-        result = None
-        if os.path.exists(os.path.join(vdir, "result.json")):
-            with open(os.path.join(vdir, "result.json")) as f:
-                result = json.load(f)
-        row.update({k: x for k, x in (result or {}).items() if k not in ("ok", "error")})
-        if rc == 0 and result and result.get("ok"):
+        results = read_results(vdir, v, world, own.warmup)
+        if world > 1:
+            row["ranks"] = results
+            row.update(merge_ranks([r for r in results if r]))
+        else:
+            row.update({k: x for k, x in (results[0] or {}).items() if k not in ("ok", "error")})
+        if rc == 0 and all(r and r.get("ok") for r in results):
             row["status"] = "ok"
         else:
-            row.update(status="failed", exit=rc, error=failure(rc, timed_out, own.timeout, log, result))
+            failed = next((r for r in results if r and r.get("error")), None)
+            row.update(status="failed", exit=rc, error=failure(rc, timed_out, own.timeout, log, failed))
             row["log_tail"] = log[-4000:]
     finally:
         shutil.rmtree(vdir, ignore_errors=True)  # swap files: tens of GB at 2B
     add_floor(row)
     return row
+
+
+def ranked_command(own: argparse.Namespace, targs: argparse.Namespace, v: str, job_path: str) -> list[str]:
+    """torchrun of --world ranks: this script's worker (DeepSpeed), or aio's
+    FSDP2 main job (aio-train --nproc) at the same size, batch, clip, lr and
+    seed, writing each rank's figures beside the job file."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={own.world}"]
+    if v != "fsdp":
+        return [*run, os.path.abspath(__file__), "--worker", job_path]
+    flags = ["--layers", targs.layers, "--width", targs.width, "--heads", targs.heads, "--vocab", targs.vocab]
+    flags += ["--seq", targs.seq, "--batch", targs.batch, "--clip", targs.clip, "--lr", targs.lr]
+    flags += ["--seed", targs.seed, "--warmup-steps", 0, "--steps", own.warmup + own.steps, "--no-baseline"]
+    vdir = os.path.dirname(job_path)
+    flags += ["--nvme-path", vdir, "--json", os.path.join(vdir, "fsdp.rank{rank}.json")]
+    return [*run, "-m", "aio.fsdp.train", *map(str, flags)]
+
+
+def read_results(vdir: str, v: str, world: int, warmup: int) -> list[dict | None]:
+    """Each rank's result (None where it wrote none): this script's worker
+    files, or the FSDP2 job's own JSON in the same terms."""
+    if v not in RANKED:
+        names = ["result.json"]
+    else:
+        names = [f"{'fsdp' if v == 'fsdp' else 'result'}.rank{r}.json" for r in range(world)]
+    out: list[dict | None] = []
+    for name in names:
+        path = os.path.join(vdir, name)
+        if not os.path.exists(path):
+            out.append(None)
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        out.append(fsdp_result(data, warmup) if v == "fsdp" else data)
+    return out
+
+
+def fsdp_result(d: dict, warmup: int) -> dict:
+    """One rank of aio.fsdp.train's JSON as this script's worker reports it."""
+    timed = slice(warmup, None)
+    io = d["proc_io_bytes"][timed]
+    return {
+        "ok": True, "setup_s": d["setup_s"], "step_s": statistics.median(d["step_s"][timed]),
+        "step_times": d["step_s"], "losses": d["losses"], "phases_s": d["phases_s"],
+        "read_b": statistics.mean(r for r, _ in io), "write_b": statistics.mean(w for _, w in io),
+        "peak_rss": d["peak_rss"], "peak_rss_setup": d["setup_peak_rss"], "pinned": d["pinned_bytes"],
+        "predicted_peak_rss": d["predicted_peak_rss"], "counted_b": d["bytes"],
+    }  # fmt: skip
+
+
+def merge_ranks(results: list[dict]) -> dict:
+    """A ranked variant's row figures: the whole job's (bytes, RSS, pinned
+    summed over ranks; set-up and step the slowest rank's)."""
+    out: dict[str, Any] = {}
+    for key, how in (("setup_s", max), ("step_s", max), ("read_b", sum), ("write_b", sum)):
+        vals = [r[key] for r in results if r.get(key) is not None]
+        if vals:
+            out[key] = how(vals)
+    for key in ("peak_rss", "peak_rss_setup", "pinned", "predicted_peak_rss"):
+        vals = [r[key] for r in results if r.get(key) is not None]
+        if vals and len(vals) == len(results):
+            out[key] = sum(vals)
+    if results and results[0].get("losses"):
+        out["losses"] = results[0]["losses"]
+    return out
 
 
 def add_floor(row: dict) -> None:
@@ -652,6 +795,26 @@ def markdown(head: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def rank_rows(rows: list[dict]) -> list[list[str]]:
+    """Each rank's figures of the ranked variants."""
+    out = []
+    for r in rows:
+        for k, x in enumerate(r.get("ranks") or []):
+            if not x or not x.get("ok", True):
+                what = "no result" if not x else "failed"
+                out.append([r["label"], str(k), what, "-", "-", "-", "-", "-"])
+                continue
+            rss = f"{fmt(x.get('peak_rss'), '.2f', 2**30)} ({fmt(x.get('peak_rss_setup'), '.2f', 2**30)})"
+            out.append(
+                [
+                    r["label"], str(k), fmt(x.get("setup_s"), ".1f"), fmt(x.get("step_s"), ".2f"), rss,
+                    fmt(x.get("pinned"), ".2f", 2**30), fmt(x.get("read_b"), ".2f", 1e9),
+                    fmt(x.get("write_b"), ".2f", 1e9),
+                ]
+            )  # fmt: skip
+    return out
+
+
 def category_rows(rows: list[dict]) -> list[list[str]]:
     """aio's bytes per step by category, their sum and /proc/self/io's total (GB)."""
     out = []
@@ -694,6 +857,12 @@ def report(rows: list[dict], own: argparse.Namespace, targs: argparse.Namespace,
     )
     print(config_line(variant_config(targs, "aio", root)) + "\n")
     print(markdown(COLUMNS, [table_row(r) for r in rows]))
+    ranked = rank_rows(rows)
+    if ranked:
+        head = ["variant", "rank", "set-up s", "s/step", "peak RSS GiB (set-up)", "pinned GiB"]
+        head += ["read GB/step", "written GB/step"]
+        print("\nper rank (the table above sums the ranks' bytes, RSS and pinned memory):\n")
+        print(markdown(head, ranked))
     cats = category_rows(rows)
     if cats:
         head = ["variant", "read GB/step", "written GB/step", "sum GB/step", "/proc/self/io GB/step"]
@@ -716,16 +885,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for v in own.variant_list:
-            why = skip_reason(v)
+            why = skip_reason(v, targs)
             if why:
-                rows.append(
-                    {
-                        "variant": v,
-                        "label": label(v, "aio" if v == "ds-hf" else ds_io(own.ds_io)),
-                        "status": "skipped",
-                        "error": why,
-                    }
-                )
+                world = own.world if v in RANKED else 1
+                name = label(v, variant_io(own, v), world)
+                rows.append({"variant": v, "label": name, "status": "skipped", "error": why})
                 continue
             print(
                 f"[{v}] starting ({own.warmup} + {own.steps} steps, timeout {own.timeout:.0f} s)", flush=True

@@ -5,6 +5,10 @@ its drive between uses (:func:`offload_params`), next to
 from __future__ import annotations
 
 from ._internals import SUPPORTED, TierError, UnsupportedTorchError
+from .grads import GradientStream, stream_gradients
 from .tier import DEFAULT_WINDOW, ParamTier, offload_params
 
-__all__ = ["DEFAULT_WINDOW", "SUPPORTED", "ParamTier", "TierError", "UnsupportedTorchError", "offload_params"]
+__all__ = [
+    "DEFAULT_WINDOW", "SUPPORTED", "GradientStream", "ParamTier", "TierError", "UnsupportedTorchError",
+    "offload_params", "stream_gradients",
+]  # fmt: skip

@@ -71,6 +71,12 @@ class Shard:
         replace it (``reset_sharded_param`` after a load)."""
         return self.fsdp_param._sharded_param_data
 
+    @property
+    def local_numel(self) -> int:
+        """Elements of the parameter's local shard, unpadded (metadata: no
+        op runs on the parameter, whose shard may be on the drive)."""
+        return int(self.fsdp_param.sharded_size.numel())
+
     def resident_bytes(self) -> int:
         """Bytes of its storage in memory now (0 once released)."""
         return int(self.data.untyped_storage().nbytes())
@@ -127,3 +133,27 @@ def module_name(pg: Any) -> str:
     """The group's module path for messages ('' is the root)."""
     fqn = getattr(pg, "_module_fqn", None)
     return repr(fqn) if fqn else "<root>"
+
+
+def lazy_init(model: torch.nn.Module) -> None:
+    """Run FSDP's lazy initialisation of `model` (the root) now, as its
+    first forward would. It re-pads every shard from its local tensor, so
+    it must run before the tier frees any shard; a model whose shards are
+    still on the meta device is a :class:`TierError`."""
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is None:
+        raise TierError(
+            "offload_params: the model's root is not fully_shard-ed; apply fully_shard(model) last"
+        )
+    root = state()
+    if not hasattr(root, "_lazy_init"):
+        raise UnsupportedTorchError(
+            "this torch's FSDP2 state has no _lazy_init: not the internals aio.fsdp knows"
+        )
+    for pg in fsdp_groups(model):
+        if any(fp.sharded_param.is_meta for fp in pg.fsdp_params):
+            raise TierError(
+                f"FSDP group {module_name(pg)} is still on the meta device: call model.to_empty(device=...) "
+                "before offload_params(..., empty_shards=True)"
+            )
+    root._lazy_init()

@@ -48,6 +48,28 @@ def is_nvme_adam(opt: Any) -> bool:
     return isinstance(opt, NVMeAdam)
 
 
+def is_laid_out(opt: Any) -> bool:
+    """Whether NVMeAdamW `opt` has laid its sub-groups out (first step or load)."""
+    return opt.master_mode is not None
+
+
+def lay_out(opt: Any) -> None:
+    """Lay `opt`'s sub-groups out now, from the parameters as they are (what
+    its first step or load does first; its one private entry point used here)."""
+    opt._ensure_layout()
+
+
+def optimizer_layout(opt: Any) -> tuple[Any, list[Any], list[list[tuple[int, int, int, int]]], list[int]]:
+    """A laid-out NVMeAdamW's swapper, its parameters in its order, per
+    parameter its pieces (sub-group, start in its flat local tensor, count,
+    offset in the sub-group) and each sub-group's elements."""
+    pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in opt._params]
+    for i, sg in enumerate(opt._subgroups):
+        for pc in sg.pieces:
+            pieces[pc.param].append((i, pc.start, pc.count, pc.offset))
+    return opt._swapper, list(opt._params), pieces, [sg.numel for sg in opt._subgroups]
+
+
 def master_sources(opt: Any, groups: list[Any]) -> dict[int, Source]:
     """A master-weights Source for every group all of whose shards are
     float32 parameters of `opt` with their whole master on the drive."""
@@ -68,7 +90,7 @@ def _source(g: Any, index: dict[int, int], pieces: dict[int, list], missing: set
     for j, s in enumerate(g.shards):
         p = s.fsdp_param.sharded_param
         k = index.get(id(p))
-        local_bytes = p.to_local().numel() * FLOAT32_BYTES
+        local_bytes = s.local_numel * FLOAT32_BYTES
         if k is None or k in missing or s.data.dtype != torch.float32:
             return None
         if sum(n for _, _, _, n in pieces.get(k, [])) != local_bytes:

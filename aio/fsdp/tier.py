@@ -20,7 +20,14 @@ Everything else that reads or writes the shards -- the optimizer step,
 ``state_dict``/DCP, ``load_state_dict``, ``model.to`` -- needs them all in
 memory: the optimizer's step is bracketed by hooks (pass it to
 :func:`offload_params`), the rest goes inside ``with tier.resident():``
-(a state_dict or load outside it raises :class:`TierError`).
+(a state_dict, load or ``model.to()`` outside it raises :class:`TierError`).
+
+Any other op on a parameter between steps (a weight norm, an EMA,
+``to_local()``, ``full_tensor()``, ``torch.save(p)``, ``p.mul_()``) finds a
+stand-in for the freed shard in the parameter's DTensor (:mod:`aio.fsdp.guard`):
+its group is read synchronously (``stats()["user_fetches"]``, logged once),
+the op runs on the real shard, and at most ``window`` groups so read stay in
+memory. Such an op never reads freed storage.
 """
 
 from __future__ import annotations
@@ -37,8 +44,9 @@ from .._log import logger
 from ..pinned import Lease, PinnedPool
 from ..swap.drives import SwapSpace
 from ..swap.storage import align_up
-from ._internals import Shard, TierError, check_torch, fsdp_groups, module_name, shards_of
-from .master import Source, is_nvme_adam, master_sources, skip_released_write_back
+from ._internals import Shard, TierError, check_torch, fsdp_groups, lazy_init, module_name, shards_of
+from .guard import ShardStandIn
+from .master import Source, is_laid_out, is_nvme_adam, lay_out, master_sources, skip_released_write_back
 
 _log = logger.getChild("fsdp")
 DEFAULT_WINDOW = 2
@@ -64,8 +72,12 @@ class _Group:
         self.master: Source | None = None  # set: read from the optimizer's master weights
         self.where = RESIDENT
         self.dirty = True  # the drive copy is not (yet) the shard's value
+        self.blank = False  # no values anywhere yet (empty_shards): made in memory, not read
         self.read: tuple[Lease, list[Any]] | None = None  # READING: its slot and futures
         self.write: tuple[Lease, Any] | None = None  # a write of it in flight
+        # Per shard while stood in for (guard.py): its real local tensor and the stand-in.
+        self.locals: list[torch.Tensor | None] = [None] * len(shards)
+        self.stand_ins: list[ShardStandIn | None] = [None] * len(shards)
 
     def resident_bytes(self) -> int:
         return sum(s.resident_bytes() for s in self.shards)
@@ -84,6 +96,7 @@ class ParamTier:
         pin_memory: bool = True,
         aio: dict[str, Any] | None = None,
         params_from_master: bool = True,
+        empty_shards: bool = False,
     ) -> None:
         check_torch()
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -93,6 +106,8 @@ class ParamTier:
             raise TierError("offload_params: the model has no fully_shard-ed module; apply fully_shard first")
         if any("unshard" in pg.__dict__ for pg in pgs):  # our per-instance wrappers
             raise TierError("offload_params: this model already has a parameter tier; close() it first")
+        if empty_shards:
+            lazy_init(model)  # before any shard is freed: it re-pads them from memory
         self.window = window
         self.counters = collections.Counter[str]()
         self._space = SwapSpace(nvme_path, "fsdp-params", "params", aio=aio, rank=_rank())
@@ -102,6 +117,8 @@ class ParamTier:
         self._pin = pin_memory
         try:
             self.groups = self._lay_out(pgs)
+            self._pgs = [g.pg for g in self.groups]  # compared by identity: never hashed
+            self._dropped = False
             self._pool = PinnedPool(window, max(g.io_bytes for g in self.groups), lock=pin_memory)
             self._inflight: collections.deque[_Group] = collections.deque()
             self._trace: list[int] = []  # the previous iteration's gathers, in order
@@ -109,18 +126,36 @@ class ParamTier:
             self._on_trace = False  # this iteration has gathered as the previous one did
             self._resident_depth = 0
             self._miss_logged = False
+            self._user_logged = False
+            # > 0: reads through the stand-ins are set-up's, not a user's (no warning): the
+            # optimizer's layout, and with empty_shards the init until the first forward or step.
+            self._quiet = int(empty_shards)
+            self._filling = empty_shards
+            # Groups read for ops outside the step (guard.py), oldest first; at most `window` kept.
+            self._user: collections.OrderedDict[int, _Group] = collections.OrderedDict()
             self.closed = False
-            # The drive holds every shard from the start; they stay in memory until
-            # their first gather, after FSDP's lazy init (which re-pads them).
-            for g in self.groups:
-                self._write_out(g)
-            self._drain()
+            if empty_shards:
+                self._free_blank()
+            else:
+                # The drive holds every shard from the start; they stay in memory until
+                # their first gather, after FSDP's lazy init (which re-pads them).
+                for g in self.groups:
+                    self._write_out(g)
+                self._drain()
             self._attach(model, optimizer)
         except BaseException:
             self._space.close()
             raise
 
     # -- set-up --------------------------------------------------------------------------
+    def _free_blank(self) -> None:
+        """empty_shards: every shard freed unwritten (it holds no values yet);
+        a group is made in memory at its first use, e.g. by an init function
+        writing through the stand-ins, and written when freed after it."""
+        for g in self.groups:
+            g.blank, g.dirty = True, False
+            self._release(g)
+
     def _lay_out(self, pgs: list[Any]) -> list[_Group]:
         groups = []
         for i, pg in enumerate(pgs):
@@ -135,6 +170,11 @@ class ParamTier:
             g.pg.unshard = functools.partial(self._unshard, g, orig_unshard)
             g.pg.wait_for_unshard = functools.partial(self._wait_for_unshard, g, orig_wait)
             self._handles.append((g.pg, ("unshard", "wait_for_unshard")))
+        for m in model.modules():
+            if hasattr(m, "_get_fsdp_state"):
+                # model.to()/.float()/.cuda(): FSDP re-pads every shard from its local tensor.
+                m.__dict__["_apply"] = functools.partial(self._guarded_apply, m._apply)
+                self._handles.append((m, ("_apply",)))
         # Registered after fully_shard with prepend=True: runs before FSDP's root pre-forward.
         self._handles.append(model.register_forward_pre_hook(self._iteration_start, prepend=True))
         self._handles.append(model.register_state_dict_pre_hook(self._guard("state_dict")))
@@ -181,9 +221,19 @@ class ParamTier:
 
         return hook
 
+    def _guarded_apply(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._resident_depth == 0 and not self.closed:
+            raise TierError(
+                "model.to()/.float()/.cuda() (nn.Module._apply) with the parameter tier on: FSDP re-pads "
+                "every shard from memory; call it inside `with tier.resident():`"
+            )
+        return orig(*args, **kwargs)
+
     # -- FSDP's gathers ----------------------------------------------------------------------
     def _unshard(self, g: _Group, orig: Any, async_op: bool = False) -> Any:
+        self._check_open()
         if g.pg.is_sharded and g.pg._all_gather_result is None:
+            self._user.pop(g.index, None)  # FSDP's gather frees it from here on
             pos = len(self._current)
             self._current.append(g.index)
             self._on_trace = self._on_trace and pos < len(self._trace) and self._trace[pos] == g.index
@@ -192,6 +242,7 @@ class ParamTier:
         return orig(async_op)
 
     def _wait_for_unshard(self, g: _Group, orig: Any) -> Any:
+        self._check_open()
         gathered = g.pg.is_sharded and g.pg._all_gather_result is not None
         if gathered:
             # One rank: the shards are copied here, not in unshard (else a no-op).
@@ -210,6 +261,10 @@ class ParamTier:
         return self._on_trace and g.index in self._trace[pos : pos + self.window]
 
     def _iteration_start(self, *_: Any) -> None:
+        self._end_fill()
+        if self._resident_depth == 0:
+            for g in list(self._user.values()):
+                self._release(g)  # read for an op between steps: not kept into training
         if self._current:
             self._trace, self._current = self._current, []
         self._on_trace = bool(self._trace)
@@ -262,6 +317,9 @@ class ParamTier:
             g.where = RESIDENT
 
     def _start_read(self, g: _Group, wait: bool) -> bool:
+        if g.blank:
+            self._materialize(g)
+            return True
         if g.write is not None:
             self._finish(g)
         lease = self._slot(wait)
@@ -283,6 +341,14 @@ class ParamTier:
             self.counters["master_bytes_read"] += src.staging_bytes
         return True
 
+    def _materialize(self, g: _Group) -> None:
+        """A blank group's shards in memory (uninitialised, as ``to_empty``
+        leaves them): nothing to read; written when next freed."""
+        for s in g.shards:
+            s.data.untyped_storage().resize_(s.nbytes)
+        g.blank, g.where, g.dirty = False, RESIDENT, True
+        self.counters["materialized"] += 1
+
     @torch.no_grad()
     def _fill(self, g: _Group, staging: torch.Tensor) -> None:
         src = g.master or g.own
@@ -299,7 +365,8 @@ class ParamTier:
         if g.where == RESIDENT:
             return
         if g.where == RELEASED:
-            self._count_miss(g)
+            if not g.blank:
+                self._count_miss(g)
             self._start_read(g, wait=True)
         self._finish(g)
 
@@ -319,14 +386,24 @@ class ParamTier:
             )
 
     def _release(self, g: _Group) -> None:
-        """Free g's shards, writing them out first if the drive copy is stale."""
-        if g.where != RESIDENT or not getattr(g.pg, "_reset_sharded_params", True):
+        """Free g's shards, writing them out first if the drive copy is stale;
+        its parameters' local tensors become stand-ins (guard.py)."""
+        self._user.pop(g.index, None)
+        if not getattr(g.pg, "_reset_sharded_params", True):
             # Before FSDP's lazy init, which re-pads every shard from memory: kept.
             return
-        self._write_out(g)
-        for s in g.shards:
-            s.data.untyped_storage().resize_(0)
-        g.where = RELEASED
+        if g.where == RESIDENT:
+            for s in g.shards:
+                if s.data.numel() * s.data.element_size() != s.nbytes:
+                    raise TierError(
+                        f"FSDP group {module_name(g.pg)}: a shard changed size or dtype ({s.fsdp_param}); "
+                        "the tier cannot keep it: close() the tier before changing the model"
+                    )
+            self._write_out(g)
+            for s in g.shards:
+                s.data.untyped_storage().resize_(0)
+            g.where = RELEASED
+        self._stand_in(g)
 
     def _write_out(self, g: _Group) -> None:
         """Start writing g's shards (copied into a pinned slot) if the drive copy is stale."""
@@ -369,12 +446,61 @@ class ParamTier:
             self._finish(g)
 
     # -- the optimizer step and resident() ---------------------------------------------------
+    def prepare_optimizer(self) -> None:
+        """Lay NVMeAdamW's sub-groups out now, as its first step would,
+        reading the shards through their stand-ins (``window`` groups in
+        memory at a time); its master weights on the drive then hold every
+        group's values and the tier reads the shards from them. So neither
+        the first step nor a gradient stream needs every shard in memory at
+        once. A no-op without NVMeAdamW (``params_from_master``) or once it
+        is laid out; the first step calls it."""
+        opt = self._master_opt
+        if opt is None or is_laid_out(opt) or self._resident_depth or self.closed:
+            return
+        self._quiet += 1
+        try:
+            lay_out(opt)
+            self._take_masters()
+        finally:
+            self._quiet -= 1
+            for g in list(self._user.values()):  # read for the layout: not kept
+                self._release(g)
+
+    def _take_masters(self) -> None:
+        """Right after the layout the master weights are every shard's
+        value: each group is read from them from now on, and not written."""
+        opt = self._master_opt
+        if opt is None or opt.master_mode != "drive":
+            return
+        sources = master_sources(opt, self.groups)
+        self._fit_pool(max((s.staging_bytes for s in sources.values()), default=0))
+        for g in self.groups:
+            src = sources.get(g.index)
+            if src is not None:
+                g.master, g.dirty = src, False
+
+    def _end_fill(self) -> None:
+        """empty_shards: the init is over once training starts (reads warn again)."""
+        if self._filling:
+            self._filling, self._quiet = False, self._quiet - 1
+
     def _before_step(self) -> None:
+        self._end_fill()
+        self.prepare_optimizer()
         self._resident_depth += 1
-        # A shard read from the master weights is not needed by the step, which
-        # steps those; every other shard is (and the first step lays the master
-        # out from the parameters).
-        self._load_all(skip_master=True)
+        self._restore_locals()
+        try:
+            # A shard read from the master weights is not needed by the step, which
+            # steps those; every other shard is (and the first step lays the master
+            # out from the parameters).
+            self._load_all(skip_master=True)
+        except BaseException:
+            # The step will not run (nor its post-hook): shards not read stay behind stand-ins.
+            self._resident_depth -= 1
+            for g in self.groups:
+                if g.where != RESIDENT:
+                    self._stand_in(g)
+            raise
 
     def _after_step(self) -> None:
         self._resident_depth -= 1
@@ -413,6 +539,7 @@ class ParamTier:
         only read them) and freed."""
         self._resident_depth += 1
         try:
+            self._restore_locals()
             self._load_all()
             yield
         finally:
@@ -429,6 +556,76 @@ class ParamTier:
         for g in self.groups:
             self._release(g)
         self._drain()
+
+    # -- ops outside the step on parameters (guard.py's stand-ins) ---------------------------
+    def _stand_in(self, g: _Group) -> None:
+        """Each of g's parameters runs its ops on a stand-in, not on the freed shard."""
+        for j, s in enumerate(g.shards):
+            p = s.fsdp_param.sharded_param
+            cur = p._local_tensor
+            if isinstance(cur, ShardStandIn):
+                continue
+            if g.stand_ins[j] is None or g.locals[j] is not cur:
+                g.locals[j], g.stand_ins[j] = cur, ShardStandIn(cur, self, g, j)
+            p._local_tensor = g.stand_ins[j]
+
+    def _restore_locals(self) -> None:
+        """The real local tensors back in every parameter (the step, resident())."""
+        for g in self.groups:
+            self._user.pop(g.index, None)
+            for j, s in enumerate(g.shards):
+                p = s.fsdp_param.sharded_param
+                if isinstance(p._local_tensor, ShardStandIn) and g.locals[j] is not None:
+                    p._local_tensor = g.locals[j]
+
+    def real_local(self, g: _Group, j: int) -> torch.Tensor:
+        """Shard j's real local tensor (for a stand-in: guard.py)."""
+        cur = g.shards[j].fsdp_param.sharded_param._local_tensor
+        if isinstance(cur, ShardStandIn):
+            local = g.locals[j]
+            if local is None:
+                raise TierError(f"FSDP group {module_name(g.pg)}: a stand-in with no local tensor (a bug)")
+            return local
+        return cur
+
+    def user_hold(self, g: _Group, what: Any) -> None:
+        """g's shards in memory for an op outside the step (`what`): read now
+        if on the drive (counted in stats()['user_fetches'], logged once)."""
+        if self.closed:
+            if g.where != RESIDENT:  # close() failed part-way: this shard was not read back
+                raise TierError(
+                    f"FSDP group {module_name(g.pg)}: the tier was closed with its shards on the drive"
+                )
+            return
+        if self._resident_depth == 0:
+            self._user[g.index] = g
+            self._user.move_to_end(g.index)
+        if g.where == RELEASED and self._quiet:
+            self.counters["setup_fetches"] += 0 if g.blank else 1
+        elif g.where == RELEASED and not g.blank:
+            self.counters["user_fetches"] += 1
+            if not self._user_logged:
+                self._user_logged = True
+                _log.warning(
+                    "aio.fsdp: %s used a parameter of FSDP group %s outside the training step while its "
+                    "shard was on the drive: read synchronously. Wrap such reads in `with "
+                    "tier.resident(modified=False):` to read every shard once; counted in "
+                    "stats()['user_fetches'], logged once",
+                    what,
+                    module_name(g.pg),
+                )
+        self._ensure_quiet(g)
+
+    def user_wrote(self, g: _Group) -> None:
+        """An op outside the step wrote g's shards: written to its own extent
+        at its release (the optimizer's master may not hold the new values)."""
+        g.dirty, g.master = True, None
+
+    def user_settle(self) -> None:
+        """Free the groups read for ops outside the step beyond the `window` latest."""
+        while self._resident_depth == 0 and not self.closed and len(self._user) > self.window:
+            _, g = self._user.popitem(last=False)
+            self._release(g)
 
     # -- reporting and lifecycle ---------------------------------------------------------------
     def resident_bytes(self) -> int:
@@ -456,27 +653,45 @@ class ParamTier:
             "writes": self.counters["writes"],
             "sync_fetches": self.counters["sync_fetches"],
             "cold_fetches": self.counters["cold_fetches"],
+            "user_fetches": self.counters["user_fetches"],
+            "setup_fetches": self.counters["setup_fetches"],
+            "materialized": self.counters["materialized"],
         }
 
-    def close(self) -> None:
+    def close(self, restore: bool = True) -> None:
         """Read every shard back into memory, undo the hooks and remove the
-        swap folder: the model is an ordinary FSDP2 model again. Idempotent."""
+        swap folder: the model is an ordinary FSDP2 model again. Idempotent.
+        ``restore=False`` (the end of a job) reads nothing back, so memory
+        does not grow to the whole shard: the model is done with, and any
+        later use of it -- a forward, an op on a parameter -- raises
+        :class:`TierError`."""
         if self.closed:
             return
+        self._dropped = not restore
         try:
-            self._load_all()
+            if restore:
+                self._load_all()
             self._drain()
+            if restore:
+                self._restore_locals()
         finally:
             self.closed = True
             for h in self._handles:
                 if callable(h):
                     h()
-                elif isinstance(h, tuple):
+                elif isinstance(h, tuple) and not (self._dropped and any(h[0] is pg for pg in self._pgs)):
                     for name in h[1]:
                         h[0].__dict__.pop(name, None)
-                else:
+                elif not isinstance(h, tuple):
                     h.remove()
             self._space.close()
+
+    def _check_open(self) -> None:
+        if self._dropped:
+            raise TierError(
+                "the parameter tier was closed with close(restore=False): the model's shards are gone; "
+                "it cannot be used again"
+            )
 
 
 def _rank() -> int | None:
@@ -494,6 +709,7 @@ def offload_params(
     pin_memory: bool = True,
     aio: dict[str, Any] | None = None,
     params_from_master: bool = True,
+    empty_shards: bool = False,
 ) -> ParamTier:
     """Put the local shards of a ``fully_shard``-ed `model` on this rank's
     drive between uses (see :mod:`aio.fsdp.tier`); apply it after
@@ -506,16 +722,23 @@ def offload_params(
     staging buffers; ``aio``: AsyncIOHandle settings;
     ``params_from_master``: with :class:`aio.optim.NVMeAdamW` as `optimizer`,
     read the shards from its master weights after its first step and write
-    none (see :mod:`aio.fsdp.master`). Returns the
+    none (see :mod:`aio.fsdp.master`); ``empty_shards``: the model was
+    built on the meta device, ``fully_shard``-ed and ``to_empty()``-ed, so
+    its shards hold no values yet: nothing is written now, every shard is
+    freed at once, and a group is made in memory (not read) when an op
+    first touches its parameters -- an init function run after this, which
+    so never has more than ``window`` groups in memory. Returns the
     :class:`ParamTier` (``stats()``, ``resident()``, ``close()``).
 
-    Between steps the shards' storage is freed: read or change parameters
-    (state dicts, DCP, EMA, weight norms, ``full_tensor()``) only inside
-    ``with tier.resident():`` -- ``state_dict()``/``load_state_dict()``
-    outside it raise :class:`TierError`, but any other read of freed
-    storage crashes the process (see docs/fsdp.md).
+    Between steps the shards' storage is freed. State dicts, DCP and
+    ``model.to()`` go inside ``with tier.resident():`` (outside it they
+    raise :class:`TierError`). Any other op on a parameter (an EMA, a
+    weight norm, ``full_tensor()``) is served from a synchronous read of its
+    group, counted in ``stats()["user_fetches"]``, or raises; wrap many
+    such reads in ``tier.resident(modified=False)`` to read each shard once
+    (see docs/fsdp.md).
     """
     return ParamTier(
         model, nvme_path, optimizer, window=window, pin_memory=pin_memory, aio=aio,
-        params_from_master=params_from_master,
+        params_from_master=params_from_master, empty_shards=empty_shards,
     )  # fmt: skip

@@ -7,15 +7,23 @@ training in memory (``torch.optim.AdamW(foreach=False)``), losses compared.
     torchrun --nproc-per-node 2 -m aio.train --layers 4 --width 256 --steps 5
     aio-train --nproc 2 --layers 4 --width 256 --steps 5      # the same, launched for you
 
-Every rank prints, per step: the loss (mean over ranks), step time, bytes
-read from and written to its drive, peak RSS, pinned bytes and, with
-``--floor``, the drive floor (read bytes / read GB/s + written / write GB/s)
-and step / floor. gloo on CPU hosts, NCCL with one GPU per rank.
+No rank holds the whole model: it is built on the meta device, sharded and
+filled group by group through the tier (``empty_shards``), with the values
+the in-memory build gives it. Past RAM (``--gradients auto``) the fp32
+gradients are streamed to the drive during backward
+(:func:`aio.fsdp.stream_gradients`) instead of waiting in memory for the step.
+
+Every rank prints, per step: the loss (mean over ranks), step time (forward,
+backward, clip + step), bytes read from and written to its drive, peak RSS,
+pinned bytes and, with ``--floor``, the drive floor (read bytes / read GB/s +
+written / write GB/s) and step / floor. gloo on CPU hosts, NCCL with one GPU
+per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -54,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="linear lr warm-up over this many optimizer steps (0 or 1: none)",
     )
     ap.add_argument("--window", type=int_in(1, 1 << 20), default=2, help="FSDP groups read ahead")
+    ap.add_argument(
+        "--gradients",
+        choices=("auto", "cpu", "nvme"),
+        default="auto",
+        help="fp32 gradients until the step: cpu (FSDP's and the optimizer's copy in memory), nvme "
+        "(streamed to the drive during backward, aio.fsdp.stream_gradients), auto (nvme when the copies "
+        "of this node's ranks pass half the memory available)",
+    )
     ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="seed of the model and the batches")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the in-memory run")
     ap.add_argument("--floor", action="store_true", help="measure the drive and print step / drive floor")
@@ -109,22 +125,89 @@ def _init_dist() -> tuple[int, int, Any]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _build(args: argparse.Namespace, device: Any) -> Any:
+def _build(args: argparse.Namespace, device: Any, meta: bool = False) -> Any:
     """The GPT (seeded, so every rank builds the same), each block and the
-    root fully_shard-ed over all ranks."""
+    root fully_shard-ed over all ranks. With `meta`, built on the meta
+    device and given empty shards (``to_empty``): no rank ever holds the
+    whole model; fill them with :func:`init_like_build`."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(args.seed)
-    model = single.build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq).to(device)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = single.build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
+    if not meta:
+        model = model.to(device)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if meta:
+        model.to_empty(device=device)
+    return model
 
 
-def _step(args: argparse.Namespace, model: Any, opt: Any, step: int, rank: int, device: Any) -> float:
+def init_like_build(model: Any, seed: int) -> None:
+    """Set every parameter's local shard to the values ``build_gpt`` gives
+    it after ``torch.manual_seed(seed)`` (the in-memory run's, and the
+    single-process aio-train's): each layer's ``reset_parameters`` is
+    replayed in construction order on a full-size copy of its parameters,
+    one layer at a time, and this rank's rows are copied into its shard.
+    The tied head draws its own values and drops them, as the build does.
+    With the parameter tier on, the copies go through the shards'
+    stand-ins: at most ``window`` FSDP groups are in memory."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(seed)
+    done: set[int] = set()
+    with torch.no_grad():
+        for m in model.modules():
+            reset = getattr(type(m), "reset_parameters", None)
+            own = dict(m._parameters)
+            if reset is None or all(p is None for p in own.values()):
+                continue
+            layer = copy.copy(m)  # the same layer on full-size tensors of its own
+            layer.__dict__["_parameters"] = {
+                n: None if p is None else torch.empty(p.shape, dtype=p.dtype) for n, p in own.items()
+            }
+            reset(layer)
+            for n, p in own.items():
+                if p is not None and id(p) not in done:
+                    done.add(id(p))
+                    _set_shard(p, layer._parameters[n])
+
+
+def _set_shard(p: Any, full: Any) -> None:
+    """Copy this rank's rows of `full` into DTensor `p`'s local shard (FSDP2
+    shards dim 0 as ``torch.chunk`` does)."""
+    import torch.distributed as dist
+
+    local = p.to_local()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = full.chunk(world, dim=0)
+    mine = chunks[rank] if rank < len(chunks) else full[:0]
+    if tuple(mine.shape) != tuple(local.shape):
+        raise RuntimeError(
+            f"a shard of {tuple(local.shape)} for rows {tuple(mine.shape)} of {tuple(full.shape)}"
+        )
+    local.copy_(mine)
+
+
+def _step(
+    args: argparse.Namespace,
+    model: Any,
+    opt: Any,
+    step: int,
+    rank: int,
+    device: Any,
+    stream: Any = None,
+    phases: list[tuple[float, float, float]] | None = None,
+) -> float:
+    """One training step; its mean loss over ranks. `phases` gets its
+    forward, backward and clip + optimizer step seconds."""
     import torch
     import torch.distributed as dist
 
@@ -132,13 +215,20 @@ def _step(args: argparse.Namespace, model: Any, opt: Any, step: int, rank: int, 
         g["lr"] = single.warmup_lr(args.lr, step + 1, args.warmup_steps)
     x, y = single.batch(step, rank, args.batch, args.seq, args.vocab)
     opt.zero_grad()
+    t0 = time.perf_counter()
     loss = torch.nn.functional.cross_entropy(
         model(x.to(device)).flatten(0, 1).float(), y.to(device).flatten()
     )
+    t1 = time.perf_counter()
     loss.backward()
-    if args.clip:
+    t2 = time.perf_counter()
+    if args.clip and stream is not None:
+        stream.clip_grad_norm_(args.clip)  # the gradients are on the drive, p.grad is None
+    elif args.clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
     opt.step()
+    if phases is not None:
+        phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     mean = loss.detach().clone()
     dist.all_reduce(mean)
     return float(mean.item()) / dist.get_world_size()
@@ -149,42 +239,121 @@ def _drive_bytes(tier: Any, opt: Any) -> tuple[int, int]:
     return t["bytes_read"] + o.get("bytes_read", 0), t["bytes_written"] + o.get("bytes_written", 0)
 
 
+def largest_local(model: Any) -> int:
+    """Elements of this rank's largest local shard."""
+    from ..optim.dtensor import local_of
+
+    return max(local_of(p).numel() for p in model.parameters())
+
+
+def streams_gradients(args: argparse.Namespace, world: int) -> bool:
+    """``--gradients``: whether to stream them to the drive. auto: when the
+    two fp32 copies a rank holds until the step (FSDP's reduced gradient and
+    NVMeAdamW's), 8 bytes per local parameter, times this node's ranks pass
+    half the memory available (aio.zero's ``gradients: auto`` budget)."""
+    if args.gradients != "auto":
+        return bool(args.gradients == "nvme")
+    import psutil
+
+    n = single.gpt_params(args.vocab, args.width, args.layers, args.seq)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return 8 * n // world * local_ranks > psutil.virtual_memory().available // 2
+
+
+def _set_up(args: argparse.Namespace, device: Any, nvme: list[str], stream: bool) -> tuple[Any, ...]:
+    """Model (meta-built, its shards filled through the tier), NVMeAdamW at
+    aio-train's built-in optimizer settings per rank (sub-groups of the
+    largest local tensor, its buffer rule), the tier and the stream (or None)."""
+    import torch.distributed as dist
+
+    from ..optim import NVMeAdamW
+    from . import offload_params, stream_gradients
+
+    model = _build(args, device, meta=True)
+    size = largest_local(model)
+    opt = NVMeAdamW(
+        model.parameters(), lr=args.lr, weight_decay=0.01, nvme_path=nvme, match_torch=True,
+        sub_group_size=size, gradients="nvme" if stream else "cpu", **single.optimizer_buffers(size),
+    )  # fmt: skip
+    tier = offload_params(model, nvme, opt, window=args.window, empty_shards=True)
+    init_like_build(model, args.seed)
+    grads = stream_gradients(model, opt, tier) if stream else None
+    dist.barrier()  # set-up ends on every rank before the first step is timed
+    return model, opt, tier, grads, size
+
+
 def _tiered(args: argparse.Namespace, rank: int, device: Any, nvme: list[str], rates: Any) -> dict[str, Any]:
     """The run with both tiers, printing each step; its figures."""
-    from ..optim import NVMeAdamW
-    from . import offload_params
+    import torch.distributed as dist
 
-    model = _build(args, device)
-    opt = NVMeAdamW(model.parameters(), lr=args.lr, weight_decay=0.01, nvme_path=nvme, match_torch=True)
-    tier = offload_params(model, nvme, opt, window=args.window)
-    losses, times, moved = [], [], []
+    t0 = time.perf_counter()
+    stream = streams_gradients(args, dist.get_world_size())
+    model, opt, tier, grads, largest_param = _set_up(args, device, nvme, stream)
+    setup, setup_rss = time.perf_counter() - t0, single.peak_rss()
+    print(
+        f"[rank {rank}] set-up {setup:.1f} s (meta-device build, shards filled group by group), peak RSS "
+        f"{single.gib(setup_rss)}; fp32 gradients {'streamed to the drive' if stream else 'in memory'} "
+        "until the step",
+        flush=True,
+    )
+    losses: list[float] = []
+    times: list[float] = []
+    moved: list[tuple[int, int]] = []
+    phases: list[tuple[float, float, float]] = []
+    io: list[tuple[int, ...]] = []
     try:
         for step in range(args.steps):
             r0, w0 = _drive_bytes(tier, opt)
+            io0 = proc_io()
             t = time.perf_counter()
-            losses.append(_step(args, model, opt, step, rank, device))
+            losses.append(_step(args, model, opt, step, rank, device, grads, phases))
             times.append(time.perf_counter() - t)
             r1, w1 = _drive_bytes(tier, opt)
             moved.append((r1 - r0, w1 - w0))
+            io.append(tuple(b - a for a, b in zip(io0, proc_io(), strict=True)))
             pinned = tier.stats()["pinned_bytes"] + opt.swap_stats().get("pinned_buffer_bytes", 0)
-            _print_step(rank, step, losses[-1], times[-1], moved[-1], pinned, rates)
-        stats = {"tier": tier.stats(), "optimizer": opt.swap_stats()}
+            _print_step(rank, step, losses[-1], times[-1], moved[-1], pinned, rates, phases[-1])
+        stats = {"tier": tier.stats(), "optimizer": opt.swap_stats(), "peak_rss": single.peak_rss()}
+        stats["gradients"] = grads.stats() if grads is not None else None
         largest = max(g.nbytes for g in tier.groups)
     finally:
-        tier.close()
+        if grads is not None:
+            grads.close()
+        tier.close(restore=False)  # the model is done with: its shards are not read back
         opt.close()
     return {
-        "losses": losses, "step_s": times, "bytes": moved, "pinned_bytes": pinned,
-        "largest_group_bytes": largest, **stats,
+        "losses": losses, "step_s": times, "bytes": moved, "pinned_bytes": pinned, "setup_s": setup,
+        "phases_s": phases, "proc_io_bytes": io,
+        "setup_peak_rss": setup_rss,
+        "largest_group_bytes": largest, "largest_param_numel": largest_param, "streamed": stream, **stats,
     }  # fmt: skip
 
 
+def proc_io() -> tuple[int, int]:
+    """This process's bytes read from and written to storage so far
+    (/proc/self/io; zeros where it is not available)."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
 def _print_step(
-    rank: int, step: int, loss: float, dt: float, moved: tuple[int, int], pinned: int, rates: Any
+    rank: int,
+    step: int,
+    loss: float,
+    dt: float,
+    moved: tuple[int, int],
+    pinned: int,
+    rates: Any,
+    phases: tuple[float, float, float],
 ) -> None:
     gib = single.gib
     line = (
-        f"[rank {rank}] step {step + 1:3d}  loss {loss:.4f}  {dt * 1000:7.0f} ms  drive read {gib(moved[0])} "
+        f"[rank {rank}] step {step + 1:3d}  loss {loss:.4f}  {dt * 1000:7.0f} ms (forward / backward / step "
+        f"{' / '.join(f'{s:.1f}' for s in phases)} s)  drive read {gib(moved[0])} "
         f"written {gib(moved[1])}  peak RSS {gib(single.peak_rss())}  pinned {gib(pinned)}"
     )
     if rates:
@@ -200,17 +369,21 @@ RSS_SLACK = 192 << 20
 
 
 def predicted_peak_rss(args: argparse.Namespace, world: int, run: dict[str, Any]) -> int:
-    """A rank's peak RSS over its RSS before the model was built: the whole
-    model once at build (each rank builds it before fully_shard), or in
-    training two gradient copies of its shard (FSDP's reduced gradient and
-    the optimizer's held one), the pinned buffers, window + 1 groups gathered
+    """A rank's peak RSS over its RSS before the model was built: the pinned
+    buffers plus the larger of set-up -- window + 1 groups' shards and one
+    layer's parameters full-size (the model is built on the meta device and
+    filled a layer at a time) -- and training: window + 1 groups gathered
     whole (the parameters, FSDP's all-gather buffer, their gradients and the
-    reduce-scatter input: 4 copies), and the activations; plus RSS_SLACK."""
+    reduce-scatter input: 4 copies), the activations and, unless they are
+    streamed to the drive, two gradient copies of the shard (FSDP's reduced
+    gradient and the optimizer's held one); plus RSS_SLACK."""
     n = single.gpt_params(args.vocab, args.width, args.layers, args.seq)
-    gathered = (args.window + 1) * 4 * run["largest_group_bytes"] * world
+    group = run["largest_group_bytes"]
+    setup = (args.window + 1) * group + 4 * run["largest_param_numel"] * world
     acts = single.gpt_activation_bytes(argparse.Namespace(**{**vars(args), "dtype": "fp32"}))
-    training = 8 * n // world + run["pinned_bytes"] + gathered + acts
-    return max(4 * n, training) + RSS_SLACK
+    held = 0 if run["streamed"] else 8 * n // world
+    training = held + (args.window + 1) * 4 * group * world + acts
+    return run["pinned_bytes"] + max(setup, training) + RSS_SLACK
 
 
 def _in_memory(args: argparse.Namespace, rank: int, device: Any) -> list[float]:
@@ -243,7 +416,7 @@ def _rank_main(args: argparse.Namespace) -> int:
         rates = _floor(args, nvme[0]) if args.floor else None
         start = single.rss()
         run = _tiered(args, rank, device, nvme, rates)
-        run.update(rank=rank, world=world, peak_rss=single.peak_rss(), drive_gbps=rates, start_rss=start)
+        run.update(rank=rank, world=world, drive_gbps=rates, start_rss=start)
         run["predicted_peak_rss"] = start + predicted_peak_rss(args, world, run)
         _report(args, rank, run)
         if args.baseline and baseline_fits(args, world):

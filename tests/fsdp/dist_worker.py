@@ -109,13 +109,19 @@ class _Watch:
         self.most = max(self.most, self.tier.resident_bytes())
 
 
-def _train(model, opt, rank, steps=STEPS, start=0, tier=None) -> tuple[list[float], list[int]]:
+def _train(
+    model, opt, rank, steps=STEPS, start=0, tier=None, clip=None, stream=None
+) -> tuple[list[float], list[int]]:
     losses, resident = [], []
     for step in range(start, start + steps):
         x, y = _batch(step, rank)
         opt.zero_grad()
         loss = ((model(x).float() - y) ** 2).mean()
         loss.backward()
+        if clip is not None and stream is not None:
+            stream.clip_grad_norm_(clip)
+        elif clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
@@ -311,6 +317,186 @@ def case_dcp_nvme(rank, tmp):
     """case_dcp with NVMeAdamW: shards read from its master weights between
     the save and the load, the load writing both."""
     return case_dcp(rank, tmp, kind="nvme")
+
+
+def _between_steps(model, writes: bool) -> list[torch.Tensor]:
+    """What a training script does to its parameters between steps, outside
+    resident(): weight norms, to_local(), full_tensor(), torch.save, an EMA
+    (per parameter and foreach), in-place writes (also through a view) if
+    `writes`; the values seen, as plain tensors."""
+    import io
+
+    ps = list(model.parameters())
+    seen = [p.to_local().sum().detach() for p in ps]  # with autograd on
+    with torch.no_grad():
+        seen += [p.norm().full_tensor() for p in ps]
+        seen += [p.full_tensor() for p in ps]
+        buf = io.BytesIO()
+        torch.save(ps, buf)
+        buf.seek(0)
+        seen += [t.to_local() for t in torch.load(buf, weights_only=False)]
+        ema = [torch.zeros_like(p) for p in ps]
+        for e, p in zip(ema, ps, strict=True):
+            e.lerp_(p, 0.5)
+        torch._foreach_lerp_(ema, ps, 0.1)  # over every group: run window groups at a time
+        seen += [e.to_local() for e in ema]
+        for p in ps if writes else ():
+            p.mul_(0.5)  # the next forward and step must see these
+        if writes:
+            ps[0].to_local()[0].fill_(0.25)
+    seen += [p.to_local().clone() for p in ps]
+    return seen
+
+
+def _misuse(model, tier) -> list[str]:
+    """What the tier refuses between steps, each with an exception (the
+    process must live on): the exception names, in order."""
+    from aio.fsdp import TierError
+
+    p = next(iter(model.parameters()))
+    calls = [
+        model.float,  # nn.Module._apply: FSDP re-pads the shards from memory
+        model.state_dict,
+        lambda: p.to_local().untyped_storage().data_ptr(),  # a stand-in has no storage
+        lambda: p.detach().to_local().t_(),  # metadata changed in place
+    ]
+    names = []
+    for call in calls:
+        try:
+            call()
+            names.append("none")
+        except (TierError, RuntimeError) as e:
+            names.append(type(e).__name__)
+    with tier.resident(modified=False):
+        model.float()  # allowed inside
+    return names
+
+
+def case_reads(rank, tmp, kind="torch"):
+    """Reads and writes of the parameters between steps outside resident()
+    (they read freed storage: SIGSEGV): the same values as the same training
+    in memory, then 2 more steps bit-identical; what cannot be served raises."""
+    from aio.fsdp import offload_params
+
+    runs = {}
+    for tiered in (False, True):
+        model = _shard(_model(), prefetch=True)
+        opt = _optimizer(kind, model, tmp)
+        tier = offload_params(model, os.path.join(tmp, "drive"), opt) if tiered else None
+        losses, _ = _train(model, opt, rank, steps=2, tier=tier)
+        # NVMeAdamW steps its own master weights: a write between steps is not
+        # its to keep (docs/fsdp.md), so only the torch optimizer's run writes.
+        seen = _between_steps(model, writes=kind == "torch")
+        held = tier.resident_bytes() if tier is not None else 0
+        errors = _misuse(model, tier) if tier is not None else []
+        more, resident = _train(model, opt, rank, steps=2, start=2, tier=tier)
+        with tier.resident(modified=False) if tier is not None else _nothing():
+            full = _full(model)
+        stats = tier.stats() if tier is not None else {}
+        biggest = max(g.nbytes for g in tier.groups) if tier is not None else 0
+        if tier is not None:
+            tier.close()
+        if hasattr(opt, "close"):
+            opt.close()
+        runs[tiered] = (losses + more, seen, full, resident, held, errors, stats, biggest)
+    (l0, s0, p0, *_), (l1, s1, p1, resident, held, errors, stats, biggest) = runs[False], runs[True]
+    return {
+        "equal": l0 == l1 and all(map(torch.equal, s0, s1)) and all(map(torch.equal, p0, p1)),
+        "losses": l1,
+        "resident_after_steps": resident,
+        "held_between_steps": held,
+        "biggest_group": biggest,
+        "errors": errors,
+        "stats": stats,
+    }
+
+
+def case_reads_nvme(rank, tmp):
+    """case_reads with NVMeAdamW: the shards read from its master weights."""
+    return case_reads(rank, tmp, kind="nvme")
+
+
+CLIP = 0.05  # below the gradients' norm here: every step is clipped
+
+
+def _meta_model(**shard_kw) -> torch.nn.Module:
+    """_model()'s shape built on the meta device, sharded, with empty shards."""
+    with torch.device("meta"):
+        model = _model()
+    model = _shard(model, **shard_kw)
+    model.to_empty(device="cpu")
+    return model
+
+
+def _fill(model, full: list[torch.Tensor], rank: int) -> None:
+    """Each parameter's local shard set to its rows of `full` (through the
+    tier's stand-ins: each group is made in memory at its first write)."""
+    world = dist.get_world_size()
+    with torch.no_grad():
+        for p, f in zip(model.parameters(), full, strict=True):
+            chunks = f.chunk(world, dim=0)
+            p.to_local().copy_(chunks[rank] if rank < len(chunks) else f[:0])
+
+
+def case_stream(rank, tmp, **shard_kw):
+    """A meta-device model filled through the tier (empty_shards) and its
+    gradients streamed to NVMeAdamW's gradient slots (stream_gradients),
+    clipped by the stream: bit-identical to the same FSDP2 training in
+    memory with clip_grad_norm_ and torch's AdamW; no p.grad after backward;
+    after close(restore=False) a forward is a TierError."""
+    from aio.fsdp import TierError, offload_params, stream_gradients
+    from aio.optim import NVMeAdamW
+
+    ref = _shard(_model(), **shard_kw)
+    start = _full(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    lt, _ = _train(ref, ref_opt, rank, clip=CLIP)
+    pt = _full(ref)
+    model = _meta_model(**shard_kw)
+    drive = os.path.join(tmp, "drive")
+    # Sub-groups of 40 elements: many, most cutting across parameters and FSDP groups.
+    opt = NVMeAdamW(
+        model.parameters(), lr=LR, nvme_path=drive, match_torch=True, gradients="nvme", sub_group_size=40
+    )
+    tier = offload_params(model, drive, opt, empty_shards=True)
+    blank = tier.resident_bytes()
+    _fill(model, start, rank)
+    stream = stream_gradients(model, opt, tier)
+    watch = _Watch(model, tier)
+    la, resident = _train(model, opt, rank, tier=tier, clip=CLIP, stream=stream)
+    x, y = _batch(0, rank)
+    ((model(x) - y) ** 2).mean().backward()
+    no_grads = all(p.grad is None for p in model.parameters())
+    stream.discard()
+    with tier.resident(modified=False):
+        pa = _full(model)
+    st, gs = tier.stats(), stream.stats()
+    biggest = max(g.nbytes for g in tier.groups)
+    stream.close()
+    tier.close(restore=False)
+    try:
+        model(x)
+        refused = False
+    except TierError:
+        refused = True
+    opt.close()
+    return {
+        "equal": lt == la and all(map(torch.equal, pt, pa)) and no_grads and refused,
+        "losses_mem": lt,
+        "losses_tier": la,
+        "blank_resident": blank,
+        "no_grads": no_grads,
+        "refused_after_close": refused,
+        "resident_after_steps": resident,
+        "most_resident": watch.most,
+        "biggest_group": biggest,
+        "stats": st,
+        "stream": gs,
+    }
+
+
+def case_stream_prefetch(rank, tmp):
+    return case_stream(rank, tmp, prefetch=True)
 
 
 def _worker(rank: int, world: int, out: str, cases: list[str]) -> None:

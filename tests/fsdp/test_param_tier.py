@@ -8,7 +8,11 @@ without prefetch), grouped fully_shard([a, b]), the root with
 reshard_after_forward=False, bf16 MixedPrecisionPolicy with
 CPUOffloadPolicy(pin_memory=False), window=1, a look-ahead that replays the
 wrong order (the synchronous path), NVMeAdamW (fp32 and bf16), and a DCP
-save + load with the tier on (against the same without it). Besides: 0
+save + load with the tier on (against the same without it), and reads and
+writes of the parameters between steps outside resident() -- weight norms,
+to_local(), full_tensor(), torch.save, an EMA (also foreach), p.mul_() --
+which read freed storage (SIGSEGV) before the shards' stand-ins: the same
+values as in memory, then training on bit-identical. Besides: 0
 shard bytes in memory after every step, at most window + 1 groups' shards
 in memory at any block boundary, no synchronous read once the order is
 known, the per-rank drive holding about 1/N of the parameters.
@@ -36,9 +40,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
     "plain", "prefetch", "ac", "ac_prefetch", "grouped", "root_keep", "bf16_offload",
     "window1", "miss", "nvme", "nvme_own", "nvme_bf16", "dcp", "dcp_nvme", "late_optimizer", "late_nvme",
+    "reads", "reads_nvme", "stream", "stream_prefetch",
 ]  # fmt: skip
-THREE = ["ac_prefetch", "grouped", "bf16_offload", "nvme_bf16"]
-TRAINING = set(TWO) - {"miss", "dcp", "dcp_nvme"}
+THREE = ["ac_prefetch", "grouped", "bf16_offload", "nvme_bf16", "stream"]
+STREAM = {"stream", "stream_prefetch"}
+READS = {"reads", "reads_nvme"}
+TRAINING = set(TWO) - {"miss", "dcp", "dcp_nvme"} - READS - STREAM
 FROM_MASTER = {"nvme", "nvme_bf16"}  # NVMeAdamW, params_from_master=True
 STEPS = 4
 
@@ -91,8 +98,10 @@ def test_window_and_drive(results: dict, world: int, case: str) -> None:
         st = res["stats"]
         # The shards in memory at any block boundary: the groups FSDP gathers now, at most window + 1.
         assert res["most_resident"] <= (st["window"] + 1) * res["biggest_group"], res
-        # The order is known after the first step: every later gather was read ahead.
+        # The order is known after the first step: every later gather was read ahead; and
+        # training never ran an op on a stand-in (guard.py): FSDP and the step use the real shards.
         assert st["sync_fetches"] == 0 and st["cold_fetches"] <= st["groups"], st
+        assert st["user_fetches"] == 0, st
         # Written once at set-up, then once per optimizer step -- or never again when
         # read from NVMeAdamW's master weights (the step writes those); each rank holds about 1/N.
         if case in FROM_MASTER:
@@ -119,3 +128,33 @@ def test_a_wrong_look_ahead_reads_synchronously(results: dict) -> None:
 def test_state_dict_outside_resident_is_an_error(results: dict, case: str) -> None:
     for res in results[(2, case)]:
         assert res["ok"] and res["guarded"], res
+
+
+@pytest.mark.parametrize("case", sorted(READS))
+def test_reads_between_steps_are_served_or_refused_never_a_crash(results: dict, case: str) -> None:
+    for res in results[(2, case)]:
+        assert res["ok"] and res["equal"], res
+        st = res["stats"]
+        # Read synchronously for those ops (counted), never as a look-ahead miss of FSDP's gathers.
+        assert st["user_fetches"] > 0 and st["sync_fetches"] == 0, st
+        # What those reads keep in memory: at most `window` groups (a foreach op runs in pieces).
+        assert res["held_between_steps"] <= st["window"] * res["biggest_group"], res
+        # model.float() and state_dict() outside resident(), a stand-in's storage, t_(): exceptions.
+        assert res["errors"] == ["TierError", "TierError", "RuntimeError", "TierError"], res
+
+
+@pytest.mark.parametrize("world,case", [wc for wc in CASES if wc[1] in STREAM])
+def test_meta_init_and_streamed_gradients(results: dict, world: int, case: str) -> None:
+    """A meta-device model filled through the tier and its gradients streamed
+    to the drive (the several-rank main job's path past RAM): bit-identical,
+    nothing in memory before the fill, every group made (not read) once, read
+    from the master weights after the first step, every sub-group's gradient
+    written once per backward (STEPS + the extra one, discarded)."""
+    for res in results[(world, case)]:
+        assert res["ok"] and res["equal"], res
+        st, gs = res["stats"], res["stream"]
+        assert res["blank_resident"] == 0 and st["materialized"] == st["groups"], st
+        assert st["sync_fetches"] == 0 and st["user_fetches"] == 0, st
+        assert st["params_from_master"] == st["groups"], st
+        assert res["most_resident"] <= (st["window"] + 1) * res["biggest_group"], res
+        assert gs["subgroups_written"] == (STEPS + 1) * gs["subgroups"] and gs["subgroups"] > 1, gs
