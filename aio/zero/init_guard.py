@@ -40,6 +40,7 @@ from .stored_param import PASS_NAMES as _PASS
 from .stored_param import SHAPE_NAMES as _SHAPE
 from .stored_param import shallow_args as _shallow
 from .stored_param import torch_function_name as _name
+from .stored_param import unique_tensors
 
 
 class PlaceholderGuard(TorchFunctionMode):
@@ -69,7 +70,7 @@ class PlaceholderGuard(TorchFunctionMode):
             return _shape_answer(name, stored[0], args[1:], kwargs)
         if name == "detach" and not self.building and args and args[0] is stored[0]:
             return _detached(stored[0])
-        stored = _unique(stored)
+        stored = unique_tensors(stored)
         self.store.acquire(stored)
         try:
             out = func(*args, **kwargs)
@@ -156,14 +157,6 @@ def _aliased(params: list[Any], out: Any) -> list[Any]:
     views = [t for t in flat if isinstance(t, torch.Tensor) and all(t is not p for p in params)]
     ptrs = {t.untyped_storage().data_ptr() for t in views}
     return [p for p in params if p.untyped_storage().data_ptr() in ptrs]
-
-
-def _unique(params: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for p in params:
-        if all(q is not p for q in out):
-            out.append(p)
-    return out
 
 
 def _shape_answer(name: str, p: Any, args: tuple, kwargs: dict) -> Any:

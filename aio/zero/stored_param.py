@@ -128,7 +128,7 @@ class StoredParameter(torch.nn.Parameter):
         if stored:
             name = torch_function_name(func)
             if not _passes(name, stored[0], args):
-                return _between_uses(func, name, _unique(stored), args, kwargs)
+                return _between_uses(func, name, unique_tensors(stored), args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -319,7 +319,8 @@ def _shares_memory(params: list[Any], out: Any) -> bool:
     )
 
 
-def _unique(params: list[Any]) -> list[Any]:
+def unique_tensors(params: list[Any]) -> list[Any]:
+    """`params` without repeats, by identity (tensors compare by value), in order."""
     out: list[Any] = []
     for p in params:
         if all(q is not p for q in out):
