@@ -70,11 +70,11 @@ class ShardStandIn(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, like: torch.Tensor, keeper: Keeper, group: Any, index: int, make: Any = None
+        cls, like: torch.Tensor, keeper: Keeper, group: Any, index: int, make: Any = None, device: Any = None
     ) -> ShardStandIn:
         t = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(),
-            dtype=like.dtype, device=like.device, layout=like.layout, requires_grad=False,
+            dtype=like.dtype, device=device or like.device, layout=like.layout, requires_grad=False,
         )  # fmt: skip
         t._keeper, t._group, t._index, t._make = keeper, group, index, make
         return t
@@ -98,6 +98,19 @@ class ShardStandIn(torch.Tensor):
         """A plain tensor holding a copy of the values (read as any op is)."""
         with torch.no_grad():
             return self.clone()
+
+    # A stand-in holds no memory: its storage is empty (so NVMeAdamW's step
+    # skips writing it back, as for a freed shard) and it has no address.
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """An empty storage: the stand-in holds no memory."""
+        return torch.UntypedStorage(0, device=self.device)
+
+    def data_ptr(self) -> int:
+        """Refused: the shard may be on the drive (no address to give)."""
+        raise TierError(
+            "data_ptr() of an FSDP parameter's local tensor whose shard the parameter tier may have on "
+            "the drive; take it inside `with tier.resident():`"
+        )
 
     # Pickling, printing and deepcopy reach the data without an aten op: each
     # gets a plain copy (torch.save would otherwise keep only the metadata).
@@ -178,6 +191,9 @@ def run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _run_once(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ins = list(_stand_ins(*args, *kwargs.values()))
+    info = _info(func)
+    if 0 <= info.viewed < len(args) and not info.written and len(ins) == 1 and args[info.viewed] is ins[0]:
+        return _lazy_view(func, args, kwargs, ins[0])
     keepers = {id(t._keeper): t._keeper for t in ins}
     try:
         for t in {id(t._group): t for t in ins}.values():
@@ -187,7 +203,6 @@ def _run_once(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             lambda x: reals[id(x)] if isinstance(x, ShardStandIn) else x, args, kwargs
         )
         out = func(*real_args, **real_kwargs)
-        info = _info(func)
         for pos, name in info.written:
             for t in _stand_ins(args[pos] if 0 <= pos < len(args) else kwargs.get(name)):
                 t._keeper.user_wrote(t._group)
@@ -195,6 +210,25 @@ def _run_once(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     finally:
         for k in keepers.values():
             k.user_settle()
+
+
+def _lazy_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], base: ShardStandIn) -> Any:
+    """A view of a stand-in, shaped on the meta device: no read (the view
+    is replayed on the real tensor when an op uses it). So `p.detach()`,
+    `to_local().view(-1)` and NVMeAdamW's look at a parameter read nothing."""
+    extent = (
+        1 + sum((n - 1) * st for n, st in zip(base.shape, base.stride(), strict=True)) if base.numel() else 0
+    )
+    meta = torch.empty(base.storage_offset() + extent, dtype=base.dtype, device="meta")
+    meta = meta.as_strided(base.shape, base.stride(), base.storage_offset())
+    pos = _info(func).viewed
+    out = func(*args[:pos], meta, *args[pos + 1 :], **kwargs)
+    k, g, j, dev = base._keeper, base._group, base._index, base.device
+    if isinstance(out, torch.Tensor):
+        return ShardStandIn(out, k, g, j, (func, args, kwargs, None), device=dev)
+    return type(out)(
+        [ShardStandIn(o, k, g, j, (func, args, kwargs, i), device=dev) for i, o in enumerate(out)]
+    )
 
 
 def _rewrap(

@@ -125,6 +125,7 @@ class ParamTier:
             self._current: list[int] = []
             self._on_trace = False  # this iteration has gathered as the previous one did
             self._resident_depth = 0
+            self._open: list[int] = []  # id() of each optimizer whose step bracket is open
             self._miss_logged = False
             self._user_logged = False
             # > 0: reads through the stand-ins are set-up's, not a user's (no warning): the
@@ -180,8 +181,9 @@ class ParamTier:
         self._handles.append(model.register_state_dict_pre_hook(self._guard("state_dict")))
         self._handles.append(model.register_load_state_dict_pre_hook(self._guard("load_state_dict")))
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._before_step()))
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
+            self._handles.append(optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt)))
+            self._handles.append(optimizer.register_step_post_hook(lambda opt, *_: self._after_step(opt)))
+            self._wrap_step(optimizer)
         self._watch_other_optimizers(optimizer)
         if self._master_opt is not None:
             self._handles.append(skip_released_write_back(self._master_opt))
@@ -194,22 +196,46 @@ class ParamTier:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         mine = {id(s.fsdp_param.sharded_param) for g in self.groups for s in g.shards}
-        stepping: set[int] = set()
 
         def pre(opt: Any, *_: Any) -> None:
             if opt is attached or self.closed:
                 return
+            if id(opt) in self._open:
+                # Its previous step raised before this tier wrapped it: that bracket is still open.
+                while self._open and id(opt) in self._open:
+                    self._abort_step()
             if any(id(p) in mine for group in opt.param_groups for p in group["params"]):
-                stepping.add(id(opt))
-                self._before_step()
+                self._wrap_step(opt)  # its later steps: the bracket closes also when they raise
+                self._before_step(opt)
 
         def post(opt: Any, *_: Any) -> None:
-            if id(opt) in stepping:
-                stepping.discard(id(opt))
-                self._after_step()
+            if opt is not attached and id(opt) in self._open:
+                self._after_step(opt)
 
         self._handles.append(register_optimizer_step_pre_hook(pre))
         self._handles.append(register_optimizer_step_post_hook(post))
+
+    def _wrap_step(self, opt: Any) -> None:
+        """opt.step per instance: torch skips the step post-hooks when the
+        step raises, so a step that raises closes its bracket here (else the
+        shards stay in memory unguarded and are never freed again)."""
+        if getattr(opt.__dict__.get("step"), "_aio_tier", None) is self:
+            return
+        orig = opt.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            depth = len(self._open)
+            try:
+                return orig(*args, **kwargs)
+            except BaseException:
+                while len(self._open) > depth and not self.closed:
+                    self._abort_step()
+                raise
+
+        step._aio_tier = self  # type: ignore[attr-defined]
+        opt.__dict__["step"] = step
+        # Undone only if still on top (an LR scheduler may have wrapped it since).
+        self._handles.append(lambda: opt.__dict__.get("step") is step and opt.__dict__.pop("step"))
 
     def _guard(self, what: str) -> Any:
         def hook(*_: Any, **__: Any) -> None:
@@ -484,15 +510,17 @@ class ParamTier:
         if self._filling:
             self._filling, self._quiet = False, self._quiet - 1
 
-    def _before_step(self) -> None:
+    def _before_step(self, opt: Any) -> None:
         self._end_fill()
         self.prepare_optimizer()
         self._resident_depth += 1
-        self._restore_locals()
         try:
             # A shard read from the master weights is not needed by the step, which
             # steps those; every other shard is (and the first step lays the master
-            # out from the parameters).
+            # out from the parameters). The skipped ones keep their stand-ins: a read
+            # inside the step (a closure, a hook) is served, and NVMeAdamW sees their
+            # empty storage and does not write them back.
+            self._restore_locals(skip_master=True)
             self._load_all(skip_master=True)
         except BaseException:
             # The step will not run (nor its post-hook): shards not read stay behind stand-ins.
@@ -501,8 +529,24 @@ class ParamTier:
                 if g.where != RESIDENT:
                     self._stand_in(g)
             raise
+        self._open.append(id(opt))
 
-    def _after_step(self) -> None:
+    def _abort_step(self) -> None:
+        """Close the newest step bracket of a step that raised: what it may
+        have written is written back, and the shards are freed as after a step."""
+        self._open.pop()
+        self._resident_depth -= 1
+        for g in self.groups:
+            if g.where == RESIDENT:
+                g.dirty, g.master = True, None  # the step may have written part of it
+        if self._resident_depth == 0:
+            self.release_all()
+
+    def _after_step(self, opt: Any) -> None:
+        if id(opt) in self._open:
+            self._open.reverse()
+            self._open.remove(id(opt))  # its newest bracket
+            self._open.reverse()
         self._resident_depth -= 1
         if self._master_opt is not None:
             self._master_opt.flush_master()  # the drive's master copy is current
@@ -569,9 +613,12 @@ class ParamTier:
                 g.locals[j], g.stand_ins[j] = cur, ShardStandIn(cur, self, g, j)
             p._local_tensor = g.stand_ins[j]
 
-    def _restore_locals(self) -> None:
-        """The real local tensors back in every parameter (the step, resident())."""
+    def _restore_locals(self, skip_master: bool = False) -> None:
+        """The real local tensors back in every parameter (the step, resident());
+        with `skip_master`, not in those of groups read from the master weights."""
         for g in self.groups:
+            if skip_master and g.master is not None:
+                continue
             self._user.pop(g.index, None)
             for j, s in enumerate(g.shards):
                 p = s.fsdp_param.sharded_param

@@ -357,7 +357,7 @@ def _misuse(model, tier) -> list[str]:
     calls = [
         model.float,  # nn.Module._apply: FSDP re-pads the shards from memory
         model.state_dict,
-        lambda: p.to_local().untyped_storage().data_ptr(),  # a stand-in has no storage
+        lambda: p.to_local().data_ptr(),  # a stand-in has no address
         lambda: p.detach().to_local().t_(),  # metadata changed in place
     ]
     names = []

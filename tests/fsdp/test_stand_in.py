@@ -104,5 +104,13 @@ def test_what_cannot_be_served_raises() -> None:
         s.t_()
     with pytest.raises(TierError, match=r"tier\.resident\(\)"):
         s.resize_(2)
-    with pytest.raises(RuntimeError):
-        s.untyped_storage().data_ptr()
+    with pytest.raises(TierError, match=r"tier\.resident\(\)"):
+        s.data_ptr()
+    assert s.untyped_storage().nbytes() == 0  # holds no memory (NVMeAdamW skips it)
+
+
+def test_a_view_reads_nothing_until_used() -> None:
+    keeper, (real,), (s,) = _stand_ins()
+    v = s.detach().view(-1)[2:]
+    assert isinstance(v, ShardStandIn) and not keeper.held  # shaped without a read
+    assert torch.equal(v.clone(), real.view(-1)[2:]) and keeper.held == [0]
