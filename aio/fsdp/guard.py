@@ -202,10 +202,21 @@ def _run_once(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         real_args, real_kwargs = _map_args(
             lambda x: reals[id(x)] if isinstance(x, ShardStandIn) else x, args, kwargs
         )
-        out = func(*real_args, **real_kwargs)
+        # Marked before the op runs: one that writes part of a shard and then
+        # raises has still changed it (else the change is dropped at the release).
         for pos, name in info.written:
             for t in _stand_ins(args[pos] if 0 <= pos < len(args) else kwargs.get(name)):
                 t._keeper.user_wrote(t._group)
+        if func.namespace == "c10d":  # its schema marks no write, yet allreduce_ & co. write in place
+            for t in ins:
+                t._keeper.user_wrote(t._group)
+        out = func(*real_args, **real_kwargs)
+        if func.namespace == "c10d":
+            # A collective in flight (async_op=True) on a shard the settle below may
+            # free: waited for here, so the shard outlives it (its Work then is done).
+            for x in out if isinstance(out, (list, tuple)) else (out,):
+                if not isinstance(x, (torch.Tensor, list, tuple)) and callable(getattr(x, "wait", None)):
+                    x.wait()
         return _rewrap(func, args, kwargs, out, ins, reals)
     finally:
         for k in keepers.values():
@@ -245,13 +256,25 @@ def _rewrap(
         k, g, j = base._keeper, base._group, base._index
         return type(out)([ShardStandIn(o, k, g, j, (func, args, kwargs, i)) for i, o in enumerate(out)])
     back = {id(reals[id(t)]): t for t in ins}
+    # Ops whose schema declares no alias but whose output shares the input's
+    # storage (aten::_unsafe_view, unsafe_split, unsafe_chunk): found by storage.
+    storages = {r.untyped_storage().data_ptr(): t for t in ins for r in (reals[id(t)],)}
+    storages.pop(0, None)
 
-    def wrapped(x: Any) -> Any:
-        if isinstance(x, (list, tuple)):  # a collective's (tensors, work)
-            return type(x)([wrapped(y) for y in x])
-        return back.get(id(x), x) if isinstance(x, torch.Tensor) else x
+    def wrapped(x: Any, which: int | None) -> Any:
+        if isinstance(x, (list, tuple)):  # a collective's (tensors, work), a split's pieces
+            return type(x)([wrapped(y, i if which is None else which) for i, y in enumerate(x)])
+        if not isinstance(x, torch.Tensor) or isinstance(x, ShardStandIn):
+            return x
+        if id(x) in back:
+            return back[id(x)]
+        t = storages.get(x.untyped_storage().data_ptr())
+        if t is None:
+            return x
+        # An alias of the shard would outlive its release: a stand-in replaying the op.
+        return ShardStandIn(x, t._keeper, t._group, t._index, (func, args, kwargs, which))
 
-    return wrapped(out)
+    return wrapped(out, None)
 
 
 def _foreach_chunks(args: tuple[Any, ...], ins: list[ShardStandIn]) -> list[list[int]] | None:

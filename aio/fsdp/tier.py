@@ -176,10 +176,13 @@ class ParamTier:
                 # model.to()/.float()/.cuda(): FSDP re-pads every shard from its local tensor.
                 m.__dict__["_apply"] = functools.partial(self._guarded_apply, m._apply)
                 self._handles.append((m, ("_apply",)))
+            if hasattr(m, "_get_fsdp_state") or m is model:
+                # On each FSDP module, not only the root: `model[1].load_state_dict(sd)`
+                # would write through the stand-ins, then FSDP re-pads from freed shards.
+                self._handles.append(m.register_state_dict_pre_hook(self._guard("state_dict")))
+                self._handles.append(m.register_load_state_dict_pre_hook(self._guard("load_state_dict")))
         # Registered after fully_shard with prepend=True: runs before FSDP's root pre-forward.
         self._handles.append(model.register_forward_pre_hook(self._iteration_start, prepend=True))
-        self._handles.append(model.register_state_dict_pre_hook(self._guard("state_dict")))
-        self._handles.append(model.register_load_state_dict_pre_hook(self._guard("load_state_dict")))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt)))
             self._handles.append(optimizer.register_step_post_hook(lambda opt, *_: self._after_step(opt)))
@@ -338,6 +341,13 @@ class ParamTier:
                 for fut in futs:
                     fut.result()
                 self._fill(g, lease.tensor(torch.uint8))
+            except BaseException:
+                # Left READING with no read attached it would pass as loaded (freed
+                # storage read: a SIGSEGV): freed and RELEASED, a later use re-reads it.
+                for s in g.shards:
+                    s.data.untyped_storage().resize_(0)
+                g.where = RELEASED
+                raise
             finally:
                 lease.release()  # waits for every read on the slot, also after a failed one
             g.where = RESIDENT
@@ -582,16 +592,21 @@ class ParamTier:
         on exit they are written back (unless ``modified=False``: the block
         only read them) and freed."""
         self._resident_depth += 1
+        loaded = False
         try:
             self._restore_locals()
             self._load_all()
+            loaded = True
             yield
         finally:
             self._resident_depth -= 1
-            if modified:
+            # A failed load ran no block: nothing written, and a group not read may
+            # have its values only in the optimizer's master (kept as its source).
+            if modified and loaded:
                 for g in self.groups:
-                    # Written to its own extent: the master may not hold the new values.
-                    g.dirty, g.master = True, None
+                    if g.where == RESIDENT:
+                        # Written to its own extent: the master may not hold the new values.
+                        g.dirty, g.master = True, None
             if self._resident_depth == 0:
                 self.release_all()
 

@@ -114,3 +114,19 @@ def test_a_view_reads_nothing_until_used() -> None:
     v = s.detach().view(-1)[2:]
     assert isinstance(v, ShardStandIn) and not keeper.held  # shaped without a read
     assert torch.equal(v.clone(), real.view(-1)[2:]) and keeper.held == [0]
+
+
+def test_a_write_that_raises_is_still_reported() -> None:
+    keeper, _, (s,) = _stand_ins()
+    with pytest.raises(RuntimeError):
+        s.add_(torch.ones(5))  # may have written part of the shard before raising
+    assert keeper.wrote == {0}
+
+
+def test_an_unsafe_alias_of_the_shard_is_a_stand_in() -> None:
+    keeper, (real,), (s,) = _stand_ins()
+    a = torch.ops.aten._unsafe_view(s, [-1])  # no alias in its schema, yet shares the storage
+    parts = s.unsafe_chunk(3)
+    assert isinstance(a, ShardStandIn) and all(isinstance(p, ShardStandIn) for p in parts)
+    real.add_(1)
+    assert torch.equal(a.clone(), real.view(-1)) and torch.equal(parts[1].clone(), real[1:2])

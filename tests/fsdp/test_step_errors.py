@@ -48,6 +48,14 @@ SCRIPT = textwrap.dedent(
         raise SystemExit("state_dict outside resident() allowed after a failed step")
     except TierError:
         pass
+    with tier.resident(modified=False):
+        sub_sd = {k: v.detach().clone() for k, v in m[1].state_dict().items()}
+    for call in (m[1].state_dict, lambda: m[1].load_state_dict(sub_sd)):  # an inner FSDP module
+        try:
+            call()
+            raise SystemExit("an inner module's state_dict/load_state_dict allowed outside resident()")
+        except TierError:
+            pass
     print("norm", sum(p.norm().full_tensor().item() for p in ps), flush=True)
 
     def closure():  # reads the parameters inside the step
@@ -63,6 +71,37 @@ SCRIPT = textwrap.dedent(
         raise SystemExit("data_ptr() of a stand-in did not raise")
     except TierError:
         pass
+
+    # A read that fails (EIO) inside resident(): it raises; the failed group is
+    # freed and re-read at its next use (not passed as loaded: a SIGSEGV), and
+    # the group never read keeps its source, the master weights.
+    with tier.resident(modified=False):
+        truth = [p.full_tensor().clone() for p in ps]
+    class Flaky:
+        def __init__(self, space):
+            self.space = space
+        def read(self, buf, offset):
+            from concurrent.futures import Future
+            f = Future()
+            f.set_exception(OSError(5, "EIO (injected)"))
+            return f
+    saved = list(tier.groups[0].master.reads)
+    tier.groups[0].master.reads[:] = [(Flaky(r[0]), *r[1:]) for r in saved]
+    try:
+        with tier.resident():
+            raise SystemExit("resident() ran its block after a failed read")
+    except OSError:
+        pass
+    tier.groups[0].master.reads[:] = saved
+    assert tier.groups[0].where == "released" and tier.groups[2].master is not None
+    [p.norm().full_tensor() for p in ps]  # the failed group read again
+    with tier.resident(modified=False):
+        assert all(torch.equal(p.full_tensor(), t) for p, t in zip(ps, truth)), "values changed"
+    # An async collective on stand-ins: waited for before their shards can be freed.
+    works = [dist.all_reduce(p.to_local(), async_op=True) for p in ps]
+    assert all(w.is_completed() for w in works), "a collective left in flight on a shard"
+    for w in works:
+        w.wait()
     tier.close()
     print("done", flush=True)
     """
