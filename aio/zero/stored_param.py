@@ -135,9 +135,12 @@ class StoredParameter(torch.nn.Parameter):
     def __repr__(self) -> str:  # type: ignore[override]  # nn.Parameter's takes no arguments
         store: Any = getattr(self, "_aio_store", None)
         placeholder = _is_placeholder(self)
-        if placeholder and store.closed:
+        if placeholder and (store.closed or threading.get_ident() != store.thread):
+            # No fetch: a debugger's repr must not raise, nor fetch from
+            # another thread than the training one (_check_use).
             p: Any = self
-            return f"Parameter {p.aio_name!r} of shape {tuple(p.aio_shape)} (its trainer is closed)"
+            why = "its trainer is closed" if store.closed else "values not read from this thread"
+            return f"Parameter {p.aio_name!r} of shape {tuple(p.aio_shape)} ({why})"
         with store.gathered([self]) if placeholder else contextlib.nullcontext():
             with torch._C.DisableTorchFunctionSubclass():
                 # As torch prints its own parameters, not as a subclass.
@@ -154,7 +157,8 @@ class StoredParameter(torch.nn.Parameter):
         if id(self) in memo:
             return memo[id(self)]
         if _is_placeholder(self):
-            _refuse(self, "deep-copied", "copy.deepcopy(model) after loading model.state_dict() into a copy")
+            remedy = "a new model built the same way, then new.load_state_dict(model.state_dict())"
+            _refuse(self, "deep-copied", remedy)
         result = torch.nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
         memo[id(self)] = result
         return result

@@ -242,6 +242,7 @@ def test_a_read_from_another_thread_is_refused(pair):
     errors = []
 
     def read():
+        errors.append(repr(p))  # a debugger's repr: no fetch, no error
         try:
             p.norm()
         except ValueError as e:
@@ -250,7 +251,8 @@ def test_a_read_from_another_thread_is_refused(pair):
     t = threading.Thread(target=read)
     t.start()
     t.join()
-    assert errors and "another thread" in errors[0]
+    assert "not read from this thread" in errors[0]
+    assert len(errors) == 2 and "another thread" in errors[1]
     assert not engine.store.refs
 
 
