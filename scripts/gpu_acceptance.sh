@@ -14,12 +14,14 @@
 #              recycled buffers; losses bit-identical (150 s)
 #   deepspeed  DeepSpeed's handle cases on aio's op (and on DeepSpeed's own op
 #              when libaio.h is there): the CUDA-tensor ones (120 s), then all
-#              (60 s); skipped without deepspeed
+#              (60 s); then DeepSpeed's ZeRO-3 NVMe swappers under aio's
+#              rules on CUDA (180 s); skipped without deepspeed
 #   bench      bench/train_step.py --cuda, the 277M GPT of shared/GPU.md (420 s)
-# `all` (the default) runs them in that order, at most 22.5 minutes; one device
-# command may run 10 minutes, so there run them as three calls:
+# `all` (the default) runs them in that order, at most 25.5 minutes; one device
+# command may run 10 minutes, so there run them as four calls:
 #   bash scripts/gpu_acceptance.sh tests stress          # <= 7 min
-#   bash scripts/gpu_acceptance.sh sanitizer deepspeed   # <= 8.5 min
+#   bash scripts/gpu_acceptance.sh sanitizer             # <= 5.5 min
+#   bash scripts/gpu_acceptance.sh deepspeed             # <= 6 min
 #   bash scripts/gpu_acceptance.sh bench                 # <= 7 min
 # Each call writes its own report. Exit status: 0 every step passed or was
 # skipped, 1 a step failed or ran out of time, 2 a bad argument, 77 no CUDA.
@@ -150,12 +152,15 @@ note() { # note STEP LABEL TEXT: a skipped part, with the reason
 limit() { local v="GPU_ACC_LIMIT_${1^^}"; echo "${!v:-$2}"; }
 
 step_tests() {
-  local env=(env) step=tests
-  if [ "${1:-}" = sanitizer ]; then env=(env TORCH_CUDA_SANITIZER=1); step=sanitizer; fi
+  # AIO_GPU_FIGURES: tests that measure (tests/fsdp/test_cuda_rank.py) leave their figures there.
+  local env=(env AIO_GPU_FIGURES="$LOGS") step=tests
+  if [ "${1:-}" = sanitizer ]; then env+=(TORCH_CUDA_SANITIZER=1); step=sanitizer; fi
   local lim
   lim=$(limit "$step" "$([ $step = tests ] && echo 210 || echo 240)")
   run_part "$step" "aio-check --gpu" "$([ $step = tests ] && echo 60 || echo 90)" "${env[@]}" "$PY" -m aio.quickcheck --gpu --dir "$SCRATCH"
-  run_part "$step" "pytest -k cuda" "$lim" "${env[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests
+  # DeepSpeed's swappers on CUDA start DeepSpeed six times: the deepspeed step runs them.
+  run_part "$step" "pytest -k cuda" "$lim" "${env[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests \
+    --deselect tests/integrations/test_ds_swappers_cuda.py
 }
 
 step_stress() {
@@ -178,6 +183,9 @@ step_deepspeed() {
     tests/integrations/test_deepspeed_op_parity.py -k "cuda or device"
   run_part deepspeed "all handle cases, $which" 60 "${env[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/integrations/test_deepspeed_op_parity.py tests/integrations/test_deepspeed_handle.py
+  # Issue 43 item 6: aio's buffer rules in DeepSpeed's ZeRO-3 NVMe swappers, on CUDA.
+  run_part deepspeed "ZeRO-3 NVMe swappers on CUDA (1 rank)" "$(limit ds_swappers 180)" \
+    env AIO_GPU_FIGURES="$LOGS" "$PY" -m pytest -q -rs -p no:cacheprovider tests/integrations/test_ds_swappers_cuda.py
 }
 
 step_bench() {

@@ -13,18 +13,27 @@ path, and FSDP reading a freed storage is a segfault, not an exception.
 
 These names are private to torch, so the tier runs only on the torch
 versions CI has run it on (:data:`SUPPORTED`); elsewhere
-:func:`check_torch` raises :class:`UnsupportedTorchError`.
+:func:`check_torch` raises :class:`UnsupportedTorchError`, unless the user
+opts in (``AIO_FSDP_UNTESTED_TORCH=1``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._log import logger
+
 # (major, minor) of the torch releases the tier's tests have passed on.
 SUPPORTED = ((2, 13), (2, 14))
+# Set to 1 to run the tier on another torch anyway (the GPU image's 2.11 is one: its
+# acceptance run sets it); the internals it touches are still checked one by one.
+UNTESTED_ENV = "AIO_FSDP_UNTESTED_TORCH"
+_warned: set[tuple[int, int]] = set()
+_log = logger.getChild("fsdp")
 _GROUP_ATTRS = ("unshard", "wait_for_unshard", "fsdp_params", "is_sharded")
 
 
@@ -45,15 +54,31 @@ def torch_version() -> tuple[int, int]:
 
 
 def check_torch() -> None:
-    """Raise UnsupportedTorchError unless torch is a version in SUPPORTED."""
+    """Raise UnsupportedTorchError unless torch is a version in SUPPORTED,
+    or the user opted in to an untested one (:data:`UNTESTED_ENV` = 1: a
+    warning, logged once; the checks of the internals themselves still run)."""
     v = torch_version()
-    if v not in SUPPORTED:
-        tested = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
-        raise UnsupportedTorchError(
-            f"aio.fsdp's parameter tier relies on FSDP2 internals and runs only on the torch versions "
-            f"it was tested on ({tested}); this is torch {torch.__version__}. Keep the parameters in "
-            "memory (no offload_params), or use a tested torch"
-        )
+    if v in SUPPORTED:
+        return
+    tested = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+    opt_in = os.environ.get(UNTESTED_ENV, "").strip()
+    if opt_in == "1":
+        if v not in _warned:
+            _warned.add(v)
+            _log.warning(
+                "aio.fsdp's parameter tier on torch %s, which its tests have not run on (%s): %s=1 is "
+                "set. A changed FSDP2 internal shows as an UnsupportedTorchError or a wrong result",
+                torch.__version__, tested, UNTESTED_ENV,
+            )  # fmt: skip
+        return
+    if opt_in not in ("", "0"):
+        raise ValueError(f"environment variable {UNTESTED_ENV}={opt_in!r}: 1 (opt in) or 0/unset")
+    raise UnsupportedTorchError(
+        f"aio.fsdp's parameter tier relies on FSDP2 internals and runs only on the torch versions "
+        f"it was tested on ({tested}); this is torch {torch.__version__}. Keep the parameters in "
+        f"memory (no offload_params), use a tested torch, or set {UNTESTED_ENV}=1 to try this one "
+        "at your own risk"
+    )
 
 
 @dataclass

@@ -17,6 +17,30 @@ def test_an_untested_torch_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path)
     assert not list(tmp_path.iterdir())
 
 
+def test_an_untested_torch_runs_when_the_user_opts_in(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog
+) -> None:
+    from aio.fsdp import _internals
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(_internals, "_warned", set())
+    monkeypatch.setenv("AIO_FSDP_UNTESTED_TORCH", "1")
+    with caplog.at_level("WARNING", logger="aio"):
+        _internals.check_torch()
+        _internals.check_torch()
+    said = [r.getMessage() for r in caplog.records if "AIO_FSDP_UNTESTED_TORCH=1" in r.getMessage()]
+    assert len(said) == 1 and "2.11.0+cu130" in said[0]  # once per process
+    # Past the gate, the model's own checks still run (not fully_shard-ed here).
+    with pytest.raises(TierError, match="apply fully_shard first"):
+        offload_params(torch.nn.Linear(2, 2), str(tmp_path))
+    monkeypatch.setenv("AIO_FSDP_UNTESTED_TORCH", "yes")
+    with pytest.raises(ValueError, match="AIO_FSDP_UNTESTED_TORCH='yes'"):
+        _internals.check_torch()
+    monkeypatch.setenv("AIO_FSDP_UNTESTED_TORCH", "0")
+    with pytest.raises(UnsupportedTorchError, match="AIO_FSDP_UNTESTED_TORCH=1"):
+        _internals.check_torch()
+
+
 def test_supported_versions_are_the_tested_ones() -> None:
     assert SUPPORTED == ((2, 13), (2, 14))
 

@@ -244,7 +244,7 @@ def run_case(torch: Any, deepspeed: Any, c: dict[str, Any], rank: int, world: in
         data = batches(torch, c, rank)
         saves = c["save_at"] if isinstance(c["save_at"], list) else [c["save_at"]]
         for step in range(start, c["steps"]):
-            x, y = data[step]
+            x, y = (t.to(engine.device) for t in data[step])
             loss = loss_of(torch, c, engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -261,6 +261,11 @@ def run_case(torch: Any, deepspeed: Any, c: dict[str, Any], rank: int, world: in
         rec["traceback"] = traceback.format_exc()
     if engine is not None:
         rec["param_counters"], rec["optimizer_counters"] = counters(engine)
+        from aio import pinned
+
+        rec["pinned_bytes"] = pinned.locked_bytes()  # the swappers' buffers, held since initialize
+        if torch.cuda.is_available() and engine.device.type == "cuda":
+            rec["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
         engine.destroy()
     del engine
     gc.collect()
@@ -298,7 +303,10 @@ def main() -> int:
     import deepspeed.comm
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    deepspeed.init_distributed(dist_backend="gloo")
+    cuda = os.environ["DS_ACCELERATOR"] == "cuda"  # the GPU acceptance run (test_ds_swappers_cuda.py)
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix=f"ds-swappers-{rank}-") as tmp:
         for c in cases:
