@@ -13,6 +13,15 @@ aio.zero's does with ``gradients: nvme``. In memory: only the sub-groups
 still filling (the first and the last wait for the root group's gradients,
 reduced at the end of backward).
 
+Gradient accumulation: several backwards before a step add up as FSDP2
+adds them into ``p.grad``. Each backward must give every parameter of the
+optimizer its gradient; once it has, the next one reads each sub-group's
+sum back from the drive as its buffer opens, adds the new pieces and writes
+it again (8 bytes per local parameter of drive traffic per extra
+micro-batch, nothing more in memory). FSDP2's own no-sync micro-batches
+(``set_requires_gradient_sync(False)``) reduce nothing, so they reach the
+stream only at the synchronising backward.
+
 ``p.grad`` is therefore None after backward, so
 ``torch.nn.utils.clip_grad_norm_`` would find nothing to clip: call
 :meth:`GradientStream.clip_grad_norm_` instead. Each gradient's DTensor
@@ -22,26 +31,27 @@ step multiplies every gradient by it as it reads it (``grad_scale``). So
 losses and parameters stay bit-identical to FSDP2 with
 ``clip_grad_norm_`` and ``torch.optim.AdamW(foreach=False)``.
 
-This module and :mod:`aio.fsdp.master` are where aio.fsdp uses
-NVMeAdamW's internals (its layout and swapper); the optimizer's
-``_local_grads`` and ``_take_grads`` are replaced per instance while the
-stream is attached (:meth:`GradientStream.close` restores them).
+The stream talks to NVMeAdamW through its public API only: it lays the
+sub-groups out (``lay_out()``), reads where each parameter's pieces are
+(``layout()``), leases pinned buffers from and writes gradient slots through
+its ``swapper``, and is attached as the optimizer's gradient source
+(``attach_gradient_source``, the :class:`aio.optim.grad_source.GradientSource`
+protocol, which :class:`GradientStream` implements): the step asks it for
+the gradients instead of reading ``p.grad``, applies its clip coefficient
+and tells it when the step is over. :meth:`GradientStream.close` detaches
+it (the optimizer reads ``p.grad`` again).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Any
 
 import torch
 
-from .._log import logger
-from ..optim.dtensor import is_dtensor, local_of
+from ..optim.dtensor import is_dtensor, like, local_of
 from ._internals import TierError
-from .master import is_laid_out, is_nvme_adam, lay_out, optimizer_layout
-
-_log = logger.getChild("fsdp")
+from .master import is_nvme_adam
 
 
 class GradientStream:
@@ -56,40 +66,68 @@ class GradientStream:
                 "stream_gradients writes the gradients to NVMeAdamW's gradient slots on the drive: "
                 "build it with gradients='nvme'"
             )
-        if "_take_grads" in optimizer.__dict__:
-            raise TierError("this optimizer already has a gradient stream; close() it first")
+        if optimizer.gradient_source is not None:
+            raise TierError(
+                "this optimizer already has a gradient stream (a gradient source); close() it first"
+            )
         if tier is not None:
             tier.prepare_optimizer()  # reads the shards `window` groups at a time
-        if not is_laid_out(optimizer):
-            lay_out(optimizer)  # the parameters are in memory (no tier)
+        # Laid out anew if the parameters were swapped since (a no-op when current):
+        # the hooks go on the parameters the step will read.
+        optimizer.lay_out()
         self._opt = optimizer
-        self._sw, params, self._pieces, sizes = optimizer_layout(optimizer)
-        self._sizes = sizes
+        layout = optimizer.layout()
+        self._sw = optimizer.swapper
+        params, self._pieces = layout.params, layout.pieces
+        self._params = list(params)
+        self._sizes = list(layout.subgroup_numels)
         self._index = {id(p): k for k, p in enumerate(params)}
         names = {id(p): n for n, p in model.named_parameters()}
         self._names = [names.get(id(p), f"parameter {k}") for k, p in enumerate(params)]
         # clip_grad_norm_(model.parameters()) takes the norms in this order.
         self._order = [self._index[id(p)] for p in model.parameters() if id(p) in self._index]
         # Local elements per parameter, from the layout: an op on a parameter could read its shard.
-        self._numel = [sum(piece[2] for piece in ps) for ps in self._pieces]
-        self._expected = {k for k, p in enumerate(params) if p.requires_grad and self._numel[k]}
+        self._numel = [layout.numel(k) for k in range(len(params))]
+        frozen = [k for k, p in enumerate(params) if not p.requires_grad]
+        if frozen:  # decided on requires_grad alone: the same answer on every rank
+            raise TierError(
+                f"{self._names[frozen[0]]} does not require a gradient: the stream waits for every "
+                "parameter of the optimizer in each backward; leave frozen parameters out of it"
+            )
+        self._expected = {k for k in range(len(params)) if self._numel[k]}
         self.counters = collections.Counter[str]()
         self._reset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
-        optimizer.__dict__["_local_grads"] = functools.partial(self._local_grads, optimizer._local_grads)
-        optimizer.__dict__["_take_grads"] = functools.partial(self._take_grads, optimizer._take_grads)
-        self._sw.__dict__["step"] = functools.partial(self._swapper_step, self._sw.step)
+        self._hooks: list[Any] = []
+        optimizer.attach_gradient_source(self)
+        try:
+            for p in params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        except BaseException:  # nothing half-attached
+            for h in self._hooks:
+                h.remove()
+            optimizer.detach_gradient_source(self)
+            raise
         self.closed = False
 
     def _reset(self) -> None:
-        """Forget this iteration's gradients (after the step, or discard())."""
-        self._got: set[int] = set()
-        self._left = dict(enumerate(self._sizes))  # elements still to come per sub-group
-        self._open: dict[int, tuple[torch.Tensor, Any]] = {}  # filling: buffer, lease (or None)
+        """Forget this iteration's gradients (after the step, or discard()),
+        giving back the buffers of any still filling or being written."""
+        self._release_leases()
+        self._got: set[int] = set()  # parameters with a gradient in any micro-batch
+        self._new_micro_batch()
+        # Filling: buffer, lease (or None), whether it holds an earlier micro-batch's sum.
+        self._open: dict[int, tuple[torch.Tensor, Any, bool]] = {}
         self._writes: collections.deque[tuple[Any, Any]] = collections.deque()  # future, lease
         self._written: set[int] = set()
         self._norms: dict[int, torch.Tensor] = {}
         self._scale: torch.Tensor | None = None
+
+    def _new_micro_batch(self) -> None:
+        """The next backward's gradients: each sub-group fills again, added
+        to what the micro-batches before wrote (gradient accumulation)."""
+        self._micro: set[int] = set()  # parameters with a gradient in this micro-batch
+        self._left = dict(enumerate(self._sizes))  # elements still to come per sub-group
 
     # -- backward --------------------------------------------------------------------------
     @torch.no_grad()
@@ -97,24 +135,50 @@ class GradientStream:
         k = self._index.get(id(p))
         if k is None or p.grad is None:
             return
-        if k in self._got:
+        if k in self._micro:
             raise TierError(
-                f"{self._names[k]}: a second gradient before the optimizer step; gradient accumulation "
-                "is not supported with stream_gradients (step after each backward, or call discard())"
+                f"{self._names[k]}: a second gradient in one backward before every other parameter's "
+                f"first ({len(self._expected - self._micro)} still to come); each backward must give "
+                "every parameter of the optimizer a gradient (or call discard())"
             )
         grad = p.grad
         flat = local_of(grad).reshape(-1)
         if flat.dtype != torch.float32 or flat.numel() != self._numel[k]:
             raise TierError(f"{self._names[k]}: its gradient must be float32 and shaped like the parameter")
+        bufs = [self._buffer(pc.subgroup) for pc in self._pieces[k]]
+        if any(self._open[pc.subgroup][2] for pc in self._pieces[k]):
+            flat, grad = self._accumulated(k, grad, flat, bufs)
         self._norms[k] = torch.linalg.vector_norm(grad, 2.0)  # as clip_grad_norm_ takes it
-        for i, start, count, offset in self._pieces[k]:
-            self._buffer(i)[offset : offset + count].copy_(flat[start : start + count])
-            self._left[i] -= count
-            if self._left[i] == 0:
-                self._write(i)
+        for pc, buf in zip(self._pieces[k], bufs, strict=True):
+            buf[pc.offset : pc.offset + pc.count].copy_(flat[pc.start : pc.start + pc.count])
+        # Written only now: the pieces above are all this parameter's accumulated gradient.
+        for pc in self._pieces[k]:
+            self._left[pc.subgroup] -= pc.count
+            if self._left[pc.subgroup] == 0:
+                self._write(pc.subgroup)
         self._got.add(k)
         p.grad = None  # FSDP's reduce-scatter output is freed with the group's last gradient
         self.counters["bytes"] += 4 * flat.numel()
+        if k in self._expected:
+            self._micro.add(k)
+            if self._micro >= self._expected:  # this backward is complete: the next one adds to it
+                self.counters["micro_batches"] += 1
+                self._new_micro_batch()
+
+    def _accumulated(
+        self, k: int, grad: torch.Tensor, flat: torch.Tensor, bufs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameter k's gradient plus what earlier micro-batches wrote (in
+        `bufs`, read back): FSDP2 adds a new reduced gradient to ``p.grad``
+        the same way (``old += new``; IEEE addition commutes, so the bits are
+        the same), and its norm is taken from the sum, as clip_grad_norm_
+        would take it after the last backward."""
+        acc = flat.clone()
+        for pc, buf in zip(self._pieces[k], bufs, strict=True):
+            # On the gradient's device (a GPU's shards): the add FSDP2 would make there.
+            acc[pc.start : pc.start + pc.count] += buf[pc.offset : pc.offset + pc.count].to(acc.device)
+        self.counters["accumulated_bytes"] += 4 * acc.numel()
+        return acc, like(grad, acc.view(local_of(grad).shape))
 
     def _buffer(self, i: int) -> torch.Tensor:
         """Sub-group i's buffer while it fills: one of the optimizer's pinned
@@ -131,12 +195,25 @@ class GradientStream:
             buf = torch.empty(self._sizes[i], dtype=torch.float32)
         else:
             buf = lease.tensor(torch.float32, self._sizes[i])
-        self._open[i] = (buf, lease)
+        # Written by an earlier backward of this step: what the new pieces are added to.
+        accumulate = i in self._written
+        if accumulate:
+            try:
+                self._sw.read_gradient(i, buf)
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
+        self._open[i] = (buf, lease, accumulate)
         return buf
 
     def _write(self, i: int) -> None:
-        buf, lease = self._open.pop(i)
-        self._writes.append((self._sw.write_gradient(i, buf, async_op=True), lease))
+        buf, lease, _ = self._open[i]
+        fut = self._sw.write_gradient(i, buf, async_op=True)
+        # Moved only once the write is under way: one that fails to start leaves
+        # its lease in _open, where discard() and close() give it back.
+        del self._open[i]
+        self._writes.append((fut, lease))
         self._written.add(i)
         self.counters["subgroups_written"] += 1
 
@@ -154,10 +231,14 @@ class GradientStream:
 
     # -- clipping --------------------------------------------------------------------------
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Any = None
+    ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``
         for the streamed gradients: the total norm (returned) and torch's
-        clip coefficient, which the next step multiplies every gradient by."""
+        clip coefficient, which the next step multiplies every gradient by.
+        torch's arguments; `foreach` changes nothing (each norm was taken in
+        its hook, per tensor, as torch takes a DTensor's)."""
         if float(norm_type) != 2.0:
             raise ValueError(f"stream_gradients clips by the 2-norm only, got norm_type={norm_type}")
         norms = [self._norms[k] for k in self._order if k in self._norms]
@@ -165,66 +246,92 @@ class GradientStream:
             return torch.tensor(0.0)
         first = norms[0].device
         total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+            raise RuntimeError(  # torch's words and type
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "
+                "the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
         clip_coef = float(max_norm) / (total + 1e-6)
         clamped = torch.clamp(clip_coef, max=1.0)
         # A DTensor (Replicate, or Partial until reduced): the value the grads' mul_ would use.
         self._scale = clamped.full_tensor() if is_dtensor(clamped) else clamped  # type: ignore[attr-defined]
         return total
 
-    # -- the step (NVMeAdamW's, with these in place of its own) ---------------------------------
-    def _local_grads(self, orig: Any) -> dict[int, Any] | None:
+    # -- the step (NVMeAdamW's, asking these: aio.optim.grad_source.GradientSource) -----------
+    def local_grads(self) -> set[int] | None:
+        """GradientSource: the parameters streamed this iteration (indices
+        in the optimizer's layout), None when nothing was (the gradients,
+        if any, are in ``p.grad``); a ValueError when some are missing."""
         if not self._got:
-            return orig()  # nothing streamed: the gradients, if any, are in p.grad
+            return None
         missing = sorted(self._expected - self._got)
         if missing:
             raise ValueError(
                 f"{self._names[missing[0]]} has no gradient while others have: NVMeAdamW steps every "
                 "parameter it holds; leave frozen parameters out of the optimizer"
             )
-        return dict.fromkeys(self._got)
+        return set(self._got)
 
-    def _take_grads(self, orig: Any, sw: Any, grads: Any) -> None:
-        """The gradients are on the drive already: wait for their writes and
-        give the buffers back (the step needs them). Nothing streamed: the
-        optimizer's own path (gradients in p.grad)."""
-        if not self._got:
-            orig(sw, grads)
-            return
+    def take_grads(self) -> None:
+        """GradientSource: the gradients are on the drive already; wait for
+        their writes and give the buffers back (the step needs them)."""
         self._settle()
+        if self._micro:
+            raise TierError(
+                f"the last backward gave {len(self._micro)} of the optimizer's {len(self._expected)} "
+                "parameters a gradient: each backward must give every one a gradient (or call discard())"
+            )
         if self._open or len(self._written) != len(self._sizes):
             raise TierError(
                 f"{len(self._sizes) - len(self._written)} optimizer sub-groups got no complete gradient "
-                "this step (a bug)"
+                "this step: a backward was cut short (an exception in it); call stream.discard() or "
+                "opt.zero_grad() and run the backward again"
             )
 
-    def _swapper_step(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._scale is not None and kwargs.get("grad_scale") is None:
-            kwargs["grad_scale"] = self._scale
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            self._reset()
+    def grad_scale(self) -> torch.Tensor | None:
+        """GradientSource: the clip coefficient :meth:`clip_grad_norm_` made
+        this iteration, or None (not clipped)."""
+        return self._scale
+
+    def step_done(self) -> None:
+        """GradientSource: the step is over (or raised): this iteration's
+        gradients are forgotten."""
+        self._reset()
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def discard(self) -> None:
-        """Drop this iteration's streamed gradients (as ``zero_grad()`` drops
-        ``p.grad`` without a step)."""
-        for _, lease in self._open.values():
+    def _release_leases(self) -> None:
+        """Wait for the gradient writes under way (failed or not) and give
+        every buffer back: the step, and the next backward, need them."""
+        for _, lease, _ in getattr(self, "_open", {}).values():
             if lease is not None:
                 lease.release()
-        for fut, lease in self._writes:
+        for fut, lease in getattr(self, "_writes", ()):
             fut.exception()
             if lease is not None:
                 lease.release()
+        self._open, self._writes = {}, collections.deque()
+
+    def discard(self) -> None:
+        """Drop this iteration's streamed gradients, and any ``p.grad`` (as
+        ``zero_grad()`` drops them without a step; NVMeAdamW's zero_grad()
+        calls this)."""
+        self._release_leases()
         self._sw.discard_gradients()
         self._reset()
+        for p in self._params:  # a hook that raised left its p.grad: the next backward would add to it
+            p.grad = None
 
     def stats(self) -> dict[str, Any]:
-        """Bytes streamed, sub-groups written, buffers taken from ordinary memory."""
+        """Bytes streamed, sub-groups written, buffers taken from ordinary
+        memory, complete backwards (micro-batches) and the gradient bytes
+        added to an earlier micro-batch's (read back from the drive)."""
         return {
             "bytes": self.counters["bytes"],
             "subgroups_written": self.counters["subgroups_written"],
             "unpinned_buffers": self.counters["unpinned_buffers"],
+            "micro_batches": self.counters["micro_batches"],
+            "accumulated_bytes": self.counters["accumulated_bytes"],
             "subgroups": len(self._sizes),
         }
 
@@ -233,12 +340,12 @@ class GradientStream:
         if self.closed:
             return
         self.closed = True
-        self.discard()
-        for h in self._hooks:
-            h.remove()
-        for name in ("_local_grads", "_take_grads"):
-            self._opt.__dict__.pop(name, None)
-        self._sw.__dict__.pop("step", None)
+        try:
+            self.discard()
+        finally:  # a failed gradient write still leaves the optimizer its own gradient path
+            for h in self._hooks:
+                h.remove()
+            self._opt.detach_gradient_source(self)
 
 
 def stream_gradients(model: torch.nn.Module, optimizer: Any, tier: Any = None) -> GradientStream:

@@ -54,20 +54,9 @@ def is_laid_out(opt: Any) -> bool:
 
 
 def lay_out(opt: Any) -> None:
-    """Lay `opt`'s sub-groups out now, from the parameters as they are (what
-    its first step or load does first; its one private entry point used here)."""
-    opt._ensure_layout()
-
-
-def optimizer_layout(opt: Any) -> tuple[Any, list[Any], list[list[tuple[int, int, int, int]]], list[int]]:
-    """A laid-out NVMeAdamW's swapper, its parameters in its order, per
-    parameter its pieces (sub-group, start in its flat local tensor, count,
-    offset in the sub-group) and each sub-group's elements."""
-    pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in opt._params]
-    for i, sg in enumerate(opt._subgroups):
-        for pc in sg.pieces:
-            pieces[pc.param].append((i, pc.start, pc.count, pc.offset))
-    return opt._swapper, list(opt._params), pieces, [sg.numel for sg in opt._subgroups]
+    """Lay NVMeAdamW `opt`'s sub-groups out now, from the parameters as they
+    are (what its first step or load does first: its public ``lay_out()``)."""
+    opt.lay_out()
 
 
 def master_sources(opt: Any, groups: list[Any]) -> dict[int, Source]:

@@ -41,13 +41,20 @@ import torch
 
 from .. import _C
 from .dtensor import check_pair, is_dtensor, local_of
+from .grad_source import GradientSource
+from .layout import Layout, ParamPiece
 
 __all__ = [
     "CPUAdam",
     "CPUAdamW",
+    "DriveLoadPlanner",
+    "DriveSavePlanner",
+    "GradientSource",
+    "Layout",
     "NVMeAdam",
     "NVMeAdamW",
     "OpenMPThrottle",
+    "ParamPiece",
     "adam_update",
     "fast_cpu_optimizer",
     "is_bit_exact",
@@ -838,6 +845,7 @@ def fast_cpu_optimizer(
 
 
 if TYPE_CHECKING:
+    from .dcp import DriveLoadPlanner, DriveSavePlanner
     from .nvme import NVMeAdam, NVMeAdamW
 
 
@@ -848,4 +856,9 @@ def __getattr__(name: str) -> Any:
         from . import nvme
 
         return getattr(nvme, name)
+    if name in ("DriveSavePlanner", "DriveLoadPlanner"):
+        # The streamed DCP planners: torch.distributed.checkpoint on first use.
+        from . import dcp
+
+        return getattr(dcp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

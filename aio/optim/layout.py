@@ -7,6 +7,10 @@ end to end and cut into sub-groups of at most ``sub_group_size`` elements
 changes no bit of the result. A sub-group never mixes param groups (each is
 stepped with its group's hyper-parameters), and a parameter with no local
 elements (a shard of zero rows) is in none.
+
+:class:`Layout` is the read-only view of it that
+:meth:`aio.optim.NVMeAdam.layout` gives other modules (aio.fsdp's gradient
+stream), per parameter rather than per sub-group.
 """
 
 from __future__ import annotations
@@ -38,6 +42,44 @@ class SubGroup:
     group: int
     numel: int = 0
     pieces: list[Piece] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """Elements [start, start + count) of one parameter's flattened local
+    tensor, at `offset` in sub-group `subgroup` (a :class:`Piece` seen from
+    the parameter)."""
+
+    subgroup: int
+    start: int
+    count: int
+    offset: int
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: its tensors have no truth value
+class Layout:
+    """How an :class:`aio.optim.NVMeAdam` laid its parameters out, frozen
+    at the moment it was asked for (a later layout, after the parameters
+    are swapped for others, is a new one): `params`, the parameters in the
+    optimizer's order (param_groups', state_dict's ids); `pieces[k]`,
+    parameter k's pieces in order (none when it has no local elements); and
+    `subgroup_numels[i]`, sub-group i's elements."""
+
+    params: tuple[Any, ...]
+    pieces: tuple[tuple[ParamPiece, ...], ...]
+    subgroup_numels: tuple[int, ...]
+
+    def numel(self, index: int) -> int:
+        """Parameter `index`'s local elements (those of its pieces)."""
+        return sum(pc.count for pc in self.pieces[index])
+
+
+def layout_of(params: Sequence[Any], subgroups: Sequence[SubGroup]) -> Layout:
+    """The :class:`Layout` of `params` packed into `subgroups`."""
+    per_param: list[list[ParamPiece]] = [[] for _ in params]
+    for i, pc in pieces_of(subgroups):
+        per_param[pc.param].append(ParamPiece(i, pc.start, pc.count, pc.offset))
+    return Layout(tuple(params), tuple(map(tuple, per_param)), tuple(sg.numel for sg in subgroups))
 
 
 def local_flat(p: Any, name: str) -> torch.Tensor:

@@ -34,17 +34,20 @@ is loaded to the drive at the next step() or state_dict()
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ..swap.optimizer import OptimizerSwapper
 from . import CPUAdam, _check_hyper, _unsupported
+from .drive_moments import DriveMoments, DriveSource, drive_source, drive_tensor
 from .dtensor import check_pair, is_dtensor, like, local_of, shard_of
-from .layout import SubGroup, local_flat, pack, pieces_of
+from .grad_source import GradientSource
+from .layout import Layout, SubGroup, layout_of, local_flat, pack, pieces_of
 from .nvme_master import (
     TIER_WARNING,
     check_live,
@@ -195,6 +198,44 @@ class NVMeAdam(torch.optim.Optimizer):
             if why is not None:  # said at construction, not at the first step
                 raise params_refused(self.master, where, why)
 
+    def lay_out(self) -> None:
+        """Lay the sub-groups out now, as the first step() (or load of a
+        state) would: from the parameters param_groups holds, their master
+        weights taken from them as they are; laid out again if param_groups
+        hold others than at the layout (the state following by position). A
+        no-op once laid out for these parameters."""
+        self._refuse_closed()
+        self._ensure_layout()
+
+    def _refuse_closed(self) -> None:
+        if self._closed:  # a new layout would make a swap folder that nothing removes
+            raise ValueError(
+                f"{type(self).__name__} is closed (close() freed its buffers and removed its swap "
+                "folder): build a new one, and load_state_dict() a state saved before close()"
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad(), and an attached gradient source's gradients
+        dropped too (its ``discard()``: aio.fsdp's stream holds them on the
+        drive, not in ``p.grad``), so the next backward starts afresh as
+        it would without the source."""
+        super().zero_grad(set_to_none)
+        if self._grad_source is not None:
+            self._grad_source.discard()
+
+    def layout(self) -> Layout:
+        """The sub-group layout (:class:`aio.optim.layout.Layout`, a frozen
+        view): the parameters in this optimizer's order, per parameter its
+        pieces ``(subgroup, start, count, offset)`` and each sub-group's
+        elements. ValueError before the layout (the first step(), a load of
+        a state, or :meth:`lay_out`)."""
+        if self._swapper is None:
+            raise ValueError(
+                f"{type(self).__name__}.layout(): the sub-groups are not laid out yet; call lay_out() (or "
+                "step() / load_state_dict()) first"
+            )
+        return layout_of(self._params, self._subgroups)
+
     def _ensure_layout(self, adopt: bool = True) -> _Swapper:
         """The swapper, laid out for the parameters param_groups holds now:
         at the first need, and again (:meth:`_relayout`, the state following
@@ -284,12 +325,13 @@ class NVMeAdam(torch.optim.Optimizer):
         replacing the state, or (None) the old state carried over by
         position (:meth:`_carried_state`). All or nothing: on any error the
         old layout and state stay as they were, its swapper open."""
-        if self._skip_freed or "_take_grads" in self.__dict__:
+        if self._skip_freed or self._grad_source is not None:
             # aio.fsdp's tier and gradient stream hold this layout (its swapper, its pieces).
             raise ValueError(
                 f"{type(self).__name__}: param_groups hold other parameters than when the sub-groups were "
-                "laid out, and aio.fsdp (offload_params / stream_gradients) uses that layout; swap the "
-                "parameters before attaching aio.fsdp, or give the optimizer its parameters back"
+                "laid out, and aio.fsdp (offload_params / stream_gradients: an attached gradient source) "
+                "uses that layout; swap the parameters before attaching aio.fsdp, or give the optimizer its "
+                "parameters back"
             )
         carried = self._carried_state(old_sw, params) if fill is None else None
         old_state = self.state
@@ -437,8 +479,11 @@ class NVMeAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW/Adam step over every parameter (all with a gradient, or
         none: then nothing happens). Everything is checked before anything
-        changes; a failure during the swapped step leaves the optimizer
-        refusing further steps until load_state_dict() (aio's swapper)."""
+        changes; a failure during the swapped step (an I/O error, Ctrl-C)
+        leaves the optimizer refusing to step or save until load_state_dict(),
+        its message saying whether the model's weights need loading too
+        (some parameters took the step's new weights)."""
+        self._refuse_closed()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -446,17 +491,80 @@ class NVMeAdam(torch.optim.Optimizer):
         for k, g in enumerate(self.param_groups):
             _check_group(g, f"param group {k}")
         sw = self._ensure_layout()
-        grads = self._local_grads()
+        src = self._grad_source
+        sourced = src.local_grads() if src is not None else None  # checks only, as _local_grads
+        grads: Mapping[int, Any] | None = dict.fromkeys(sourced) if sourced else self._local_grads()
         if grads is None:
             return loss
         if self._master_mode == "params":  # checked before anything changes
             for k in grads:
                 check_live(self._flat(k), _name(k))
         sw.torch_groups.update(sw.optimizer, [_hyper(g) for g in self.param_groups])
-        self._take_grads(sw, grads)
-        sw.step(after=self._write_back)
+        if src is not None and sourced:
+            src.take_grads()
+        else:
+            self._take_grads(sw, grads)
+        self._written_back = 0
+        try:
+            self._swapped_step(sw, src)
+        except BaseException as e:
+            self._refuse_after(sw, e)
+            raise
         self._count_steps(sw, grads)
         return loss
+
+    def _swapped_step(self, sw: _Swapper, src: GradientSource | None) -> None:
+        """The swapped update; with a gradient source, its scale applied and
+        the source told the step is over, also when the update raised."""
+        if src is None:
+            sw.step(after=self._write_back)
+            return
+        try:
+            sw.step(after=self._write_back, grad_scale=src.grad_scale())
+        finally:
+            src.step_done()
+
+    # The source attach_gradient_source() gave, asked by step() instead of p.grad.
+    _grad_source: GradientSource | None = None
+
+    @property
+    def gradient_source(self) -> GradientSource | None:
+        """The attached :class:`aio.optim.grad_source.GradientSource`, or None."""
+        return self._grad_source
+
+    def attach_gradient_source(self, source: GradientSource) -> None:
+        """Have step() take its gradients from `source` (see
+        :mod:`aio.optim.grad_source` for when it asks what) until
+        :meth:`detach_gradient_source`. Needs the layout (:meth:`lay_out`),
+        which stays while `source` is attached (parameters swapped for
+        others are a ValueError at the next step); one source at a time."""
+        self._refuse_closed()
+        if not isinstance(source, GradientSource):
+            raise TypeError(
+                f"attach_gradient_source: source must implement aio.optim.grad_source.GradientSource "
+                f"(local_grads, take_grads, grad_scale, step_done, discard), got {type(source).__name__}"
+            )
+        if self._grad_source is not None:
+            raise ValueError(
+                f"{type(self).__name__} already has a gradient source ({type(self._grad_source).__name__}); "
+                "detach_gradient_source() it (aio.fsdp's stream: close() it) first"
+            )
+        if self._swapper is None:
+            raise ValueError(
+                f"attach_gradient_source before the {type(self).__name__}'s sub-groups are laid out: call "
+                "lay_out() first (the source works with layout())"
+            )
+        self._grad_source = source
+
+    def detach_gradient_source(self, source: GradientSource) -> None:
+        """Stop asking `source`: step() reads ``p.grad`` again. ValueError
+        when `source` is not the attached one."""
+        if self._grad_source is not source:
+            raise ValueError(
+                f"detach_gradient_source: {type(source).__name__} is not the gradient source attached to "
+                f"this {type(self).__name__}"
+            )
+        self._grad_source = None
 
     def _local_grads(self) -> dict[int, torch.Tensor] | None:
         """Each parameter's local gradient, flattened; None when none has one."""
@@ -478,6 +586,11 @@ class NVMeAdam(torch.optim.Optimizer):
                 raise ValueError(
                     f"{_name(k)}: its gradient has {g.numel()} local elements, the parameter {n}"
                 )
+            if g.shape != local_of(p).shape:  # stepped flat, it would train on transposed values
+                raise ValueError(
+                    f"{_name(k)}: its gradient has shape {tuple(g.shape)}, the parameter "
+                    f"{tuple(local_of(p).shape)}"
+                )
             out[k] = g.reshape(-1)
         if not out:
             return None
@@ -488,7 +601,7 @@ class NVMeAdam(torch.optim.Optimizer):
             )
         return out
 
-    def _take_grads(self, sw: _Swapper, grads: dict[int, torch.Tensor]) -> None:
+    def _take_grads(self, sw: _Swapper, grads: Mapping[int, torch.Tensor]) -> None:
         for i, sg in enumerate(self._subgroups):
             buf = self._grads.get(i)
             if buf is None:
@@ -500,15 +613,57 @@ class NVMeAdam(torch.optim.Optimizer):
             else:
                 sw.hold_gradient(i, buf)
 
+    # Sub-groups of the running step whose new weights went into the parameters (_refuse_after).
+    _written_back = 0
+    _closed = False
+
     def _write_back(self, index: int, master: torch.Tensor) -> None:
+        self._written_back += 1  # first: a Ctrl-C in the copy leaves it part-written
         for pc in self._subgroups[index].pieces:
             flat = self._flat(pc.param)
             if self.skip_freed_parameters and flat.untyped_storage().nbytes() == 0:
                 continue  # freed by an offload tier, which reads these values from the master
             flat[pc.start : pc.start + pc.count].copy_(master[pc.offset : pc.offset + pc.count])
 
+    def _refuse_after(self, sw: _Swapper, e: BaseException) -> None:
+        """After the swapped step raised (`e`) with the swapper refusing use:
+        its reason, in this optimizer's terms, says what to load. The state
+        saved before the step, alone while no parameter took new weights;
+        the model's weights too once some did (load_state_dict() takes the
+        master weights from the parameters: a mix of two steps taken as they
+        are would train on in silence). Keeping the old weights to undo the
+        mix would cost a copy of the model."""
+        if not sw.broken:
+            return
+        if self._written_back:
+            what = (
+                f"{self._written_back} of {len(self._subgroups)} sub-groups' new weights went into the "
+                "parameters (the others kept the last step's), the optimizer state on the drive is "
+                "partly updated. Recover: load the model's weights, then load_state_dict() the "
+                "optimizer state, both saved before this step"
+            )
+        else:
+            what = (
+                "the parameters are unchanged (the last step's values), the optimizer state on the "
+                "drive partly updated. Recover: load_state_dict() a state saved before this step"
+            )
+        sw.broken = (
+            f"{type(self).__name__}.step() failed part-way ({type(e).__name__}: {e}); {what}, "
+            "before stepping or saving again"
+        )
+
     # -- what a parameter tier reads (aio.fsdp) ----------------------------------------------
     _skip_freed = False
+
+    @property
+    def swapper(self) -> OptimizerSwapper | None:
+        """The :class:`aio.swap.OptimizerSwapper` paging the sub-groups of
+        the current layout (:meth:`layout`; its indices are the sub-groups'),
+        None before the layout. For its public methods (a
+        :mod:`gradient source <aio.optim.grad_source>` writes gradient slots
+        and leases pinned buffers); stepping it, loading it or closing it is
+        this optimizer's business."""
+        return self._swapper
 
     @property
     def master_mode(self) -> str | None:
@@ -614,6 +769,9 @@ class NVMeAdam(torch.optim.Optimizer):
         sd = super().state_dict()
         if sw is None:
             return sd
+        if self._streaming:
+            sd["state"] = self._placeholders(sw, sd["state"])
+            return sd
         moments = self._read_moments(sw)
         state = {}
         for k, st in sd["state"].items():
@@ -625,6 +783,66 @@ class NVMeAdam(torch.optim.Optimizer):
             }
         sd["state"] = state
         return sd
+
+    # -- streamed DCP save and load (aio.optim.dcp) -------------------------------------------
+    _streaming = False
+    _moments: DriveMoments | None = None  # the placeholders' drive access, inside streamed_state()
+
+    @contextlib.contextmanager
+    def streamed_state(self) -> Iterator[None]:
+        """Inside it, state_dict() (and ``get_optimizer_state_dict``) gives
+        each moment as a drive-backed placeholder
+        (:class:`aio.optim.dcp.DriveTensor`, a DTensor over one for a
+        DTensor parameter) instead of reading them all into memory:
+        ``dcp.save(..., planner=aio.optim.DriveSavePlanner())`` reads each
+        from the drive as DCP writes it, ``dcp.load(...,
+        planner=aio.optim.DriveLoadPlanner())`` writes each to the drive
+        as DCP reads it, and load_state_dict() (``set_optimizer_state_dict``)
+        of that state dict loads the steps and hyper-parameters (until it
+        does, the optimizer refuses to step). The planners lease swap
+        buffers and give them back after their last item; save and load
+        inside the block: at its end the placeholders refuse. See
+        docs/fsdp.md."""
+        if self._streaming:
+            raise ValueError(f"{type(self).__name__}.streamed_state() is already active")
+        self._streaming = True
+        try:
+            yield
+        finally:
+            self._streaming = False
+            self._end_moments()
+
+    def _end_moments(self) -> None:
+        """Close the current placeholders' drive access (writing what a
+        streamed load left in buffers, giving the swap buffers back)."""
+        moments, self._moments = self._moments, None
+        if moments is not None:
+            moments.close()  # calls _refuse_steps when loaded moments wait for load_state_dict()
+
+    def _refuse_steps(self, sw: _Swapper) -> None:
+        """Moments loaded by DriveLoadPlanner wait for load_state_dict():
+        the swapper refuses (steps, reads) until a load_state_dict()."""
+        if not sw.closed:
+            sw.broken = (
+                f"{type(self).__name__}: moments were loaded by DriveLoadPlanner, but not yet the steps: "
+                "call set_optimizer_state_dict (load_state_dict) with that state dict, or load another state"
+            )
+
+    def _placeholders(self, sw: _Swapper, state: Mapping[int, Any]) -> dict[int, Any]:
+        """`state` (torch's, by parameter index) with each moment a
+        placeholder read from the drive when a planner asks for it."""
+        self._end_moments()
+        moments = DriveMoments(sw, layout_of(self._params, self._subgroups), lambda: self._refuse_steps(sw))
+        self._moments = moments
+        out = {}
+        for k, st in state.items():
+            p = self._params[k]
+            shape = tuple(local_of(p).shape)
+            out[k] = {
+                "step": st["step"].clone(),
+                **{n: like(p, drive_tensor(shape, DriveSource(moments, k, n))) for n in MOMENTS},
+            }
+        return out
 
     def _read_moments(self, sw: _Swapper) -> dict[int, dict[str, torch.Tensor]]:
         out = {k: {n: torch.zeros(numel) for n in MOMENTS} for k, numel in enumerate(self._numels)}
@@ -650,6 +868,10 @@ class NVMeAdam(torch.optim.Optimizer):
         which it does not make; once laid out, it starts every parameter
         afresh, as torch's does."""
         sw = self._swapper
+        moments = _streamed_moments(state_dict)
+        if moments is not None:
+            self._load_streamed(moments, state_dict)
+            return
         if sw is None and not any((state_dict.get("state") or {}).values()):
             self._load_groups(state_dict, lambda: None)
             return
@@ -660,6 +882,64 @@ class NVMeAdam(torch.optim.Optimizer):
             return
         # Not adopt: what someone else wrote into self.state is replaced by this load.
         self._load_into(self._ensure_layout(adopt=False), state_dict)
+
+    def _load_streamed(self, moments: DriveMoments, state_dict: dict[str, Any]) -> None:
+        """load_state_dict() of a state dict whose moments DriveLoadPlanner
+        wrote to the drive: the steps and hyper-parameters, the master
+        weights taken from the parameters (with them on the drive)."""
+        sw = self._swapper
+        if sw is None or moments.swapper is not sw or moments.closed and not moments.written:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state dict's moments are placeholders of "
+                "another (or an ended) streamed_state(); load it with dcp.load(..., planner="
+                "aio.optim.DriveLoadPlanner()) inside the streamed_state() that made it"
+            )
+        missing = [
+            (k, n)
+            for k, st in (state_dict.get("state") or {}).items()
+            for n in MOMENTS
+            if (src := drive_source(st.get(n))) is None or not src.moments.is_loaded(src.index, src.name)
+        ]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: moments {missing[:4]} (parameter, name) were not "
+                "loaded: load the state dict with dcp.load(..., planner=aio.optim.DriveLoadPlanner()) first"
+            )
+        moments.flush()
+        bare = {**state_dict, "state": {k: {**st, **dict.fromkeys(MOMENTS, ON_DRIVE)}
+                                        for k, st in state_dict["state"].items()}}  # fmt: skip
+        steps = self._load_groups(bare, self._plan_steps)
+        if sw.broken:  # set by an earlier streamed load left unfinished: this one finishes it
+            sw.broken = None
+        try:
+            for i, step in enumerate(steps):
+                sw.write_state(i, {}, {"step": torch.tensor(step)})
+                if sw.master_slot():
+                    sw.update_master(i, self._fill_master(i))
+        except BaseException:
+            sw.broken = f"{type(self).__name__}.load_state_dict() was interrupted part-way; load it again"
+            raise
+        moments.applied = True
+        for k, p in enumerate(self._params):
+            step = _loaded_step(self.state.get(p, {}), k)
+            if step is not None:
+                self._set_step(p, step)
+
+    def _plan_steps(self) -> list[float]:
+        """Each sub-group's loaded step (self.state, after torch's load),
+        checked as _plan_load checks it."""
+        out = []
+        for i, sg in enumerate(self._subgroups):
+            steps = {_loaded_step(self.state.get(self._params[pc.param], {}), pc.param) for pc in sg.pieces}
+            step = steps.pop()
+            if steps or step is None:
+                raise ValueError(
+                    f"sub-group {i} holds parameters with different or missing step counts "
+                    f"{sorted(map(str, steps | {step}))} ({_name(sg.pieces[0].param)} ...): a streamed load "
+                    "needs every parameter's state"
+                )
+            out.append(step)
+        return out
 
     def _load_into(self, sw: _Swapper, state_dict: dict[str, Any]) -> None:
         self._apply_load(sw, self._load_groups(state_dict, self._plan_load))
@@ -757,6 +1037,7 @@ class NVMeAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Free the buffers and remove this rank's swap folder (the optimizer
         is unusable afterwards). Idempotent; also at interpreter exit."""
+        self._closed = True
         if self._swapper is not None:
             self._swapper.close()
 
@@ -814,7 +1095,10 @@ def _check_group(group: Mapping[str, Any], where: str) -> None:
     why = _unsupported(dict(group))
     if why is not None:
         raise ValueError(f"{where}: NVMeAdam/NVMeAdamW do not support {why}; use torch.optim.Adam/AdamW")
-    _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    try:
+        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    except ValueError as e:  # set mid-run (a scheduler): say which group
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -833,6 +1117,23 @@ def _written(state: Mapping[Any, Any], params: Iterable[Any]) -> dict[Any, Any]:
         if st and not (st.get("exp_avg") is ON_DRIVE and st.get("exp_avg_sq") is ON_DRIVE):
             out[p] = st
     return out
+
+
+def _streamed_moments(state_dict: Mapping[str, Any]) -> DriveMoments | None:
+    """The drive access of a state dict whose moments are placeholders
+    (made inside streamed_state()), else None; ValueError for a mix."""
+    found = {
+        id(src.moments): src.moments
+        for st in (state_dict.get("state") or {}).values()
+        if isinstance(st, Mapping)
+        for n in MOMENTS
+        if (src := drive_source(st.get(n))) is not None
+    }
+    if len(found) > 1:
+        raise ValueError(
+            "load_state_dict: the state dict mixes placeholders of several streamed_state() calls"
+        )
+    return next(iter(found.values()), None)
 
 
 def _loaded_step(st: Mapping[str, Any], index: int) -> float | None:

@@ -516,21 +516,35 @@ class OptimizerSwapper:
         yet on the drive (unless not `write_back`: they are lost). Called before
         anything else needs the buffers or reads the drive copy. A failed write
         leaves the swapper refusing use until restored (import_checkpoint(),
-        or without a master slot its owner writing every sub-group again)."""
-        io, self._carry = self._carry, None
+        or without a master slot its owner writing every sub-group again).
+        Ctrl-C loses nothing: during the write-back, the states stay in their
+        buffers (the next call writes what is left); during the drain, the
+        next call (or close()) finishes it."""
+        io = self._carry
         if io is None:
             return
-        try:
-            if write_back:
+        if write_back:
+            try:
                 io.write_back()
-        except BaseException as e:
-            self.broken = (
-                f"writing kept optimizer state back failed ({type(e).__name__}: {e}); the swapped "
-                f"optimizer state is incomplete. {self._restore_hint()}"
-            )
-            raise
-        finally:
+            except KeyboardInterrupt:
+                raise  # no write failed: the buffers still hold what did not land
+            except BaseException as e:
+                self.broken = (
+                    f"writing kept optimizer state back failed ({type(e).__name__}: {e}); the swapped "
+                    f"optimizer state is incomplete. {self._restore_hint()}"
+                )
+                self._drain_carry()
+                raise
+        self._drain_carry()
+
+    def _drain_carry(self) -> None:
+        """Wait for the kept buffers' I/O and give them back; forgotten only
+        once done, so a Ctrl-C in the wait leaves the rest to the next call
+        (their buffers are never leaked, nor handed out under I/O)."""
+        io = self._carry
+        if io is not None:
             io.abort()
+            self._carry = None
 
     def flush(self) -> None:
         """Write the fp32 master weights of the stepped sub-groups the last
@@ -545,11 +559,11 @@ class OptimizerSwapper:
         try:
             self._carry.write_masters()
         except BaseException as e:
-            self.drop_cached(write_back=False)
-            self.broken = (
+            self.broken = (  # first: a Ctrl-C in the drain below must not leave it usable
                 f"writing master weights failed ({type(e).__name__}: {e}); the swapped optimizer "
                 f"state is incomplete. {self._restore_hint()}"
             )
+            self._drain_carry()
             raise
 
     def _settle_grad(self, g: _SubGroup) -> None:
@@ -559,9 +573,15 @@ class OptimizerSwapper:
 
     # -- the step ----------------------------------------------------------------------
     def _ensure_optimizer(self) -> None:
+        """The torch optimizer over the sub-groups' proxies (made at first
+        need), none of them holding a gradient: a step cut short in _apply
+        (Ctrl-C) left its proxy one, and the optimizer would step it again,
+        into a buffer another sub-group holds by then."""
         if self.optimizer is None:
             proxies = {i: self.groups[i].proxy for i in self.groups}
             self.optimizer = self.optimizer_cls(self.torch_groups.build(proxies), **self.hyper)
+        for g in self.groups.values():
+            g.proxy.grad = None
 
     def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None, lowp: Any = None) -> None:
         import torch
@@ -645,7 +665,9 @@ class OptimizerSwapper:
         order = sorted(self.groups, reverse=self.steps % 2 == 1)
         # Gradients on the drive take buffers during backward: nothing is kept then.
         write_back = all(self.groups[i].grad_mem is not None for i in order)
-        if not write_back:
+        # A write-back cut short (Ctrl-C in drop_cached()) left writes in flight
+        # from kept buffers: finished first, not stepped under.
+        if not write_back or (self._carry is not None and self._carry.writes):
             self.drop_cached()
         for i in order:
             if not self.groups[i].valid and (self._carry is None or i not in self._carry.reads):
@@ -676,12 +698,19 @@ class OptimizerSwapper:
             self.steps += 1
             self._carry = io
         except BaseException as e:
-            io.abort()
-            self.broken = (
-                f"optimizer step {self.steps + 1} failed ({type(e).__name__}: {e}); the swapped "
-                f"optimizer state is partly updated. {self._restore_hint()}"
-            )
+            self._abandon_step(io, e)
             raise
+
+    def _abandon_step(self, io: _StepIO, e: BaseException) -> None:
+        """After step() failed with `e`: refuse use, then drain `io`. Refusing
+        first: a second Ctrl-C during the drain must not leave a half-updated
+        state usable; the drain is then finished by drop_cached() or close()."""
+        self.broken = (
+            f"optimizer step {self.steps + 1} failed ({type(e).__name__}: {e}); the swapped "
+            f"optimizer state is partly updated. {self._restore_hint()}"
+        )
+        self._carry = io
+        self._drain_carry()
 
     def _check_after(self, after: Callable[[int, Any], None] | None) -> None:
         if after is None and not self.master_slot():
@@ -1436,10 +1465,12 @@ class _StepIO:
 
     def write_back(self) -> None:
         """Write every carried sub-group not yet on the drive, and wait (the
-        writes are tracked in `writes`, so abort() drains them after a failure)."""
+        writes are tracked in `writes`, so abort() drains them after a failure;
+        after a Ctrl-C, a second call waits for those already started)."""
         parts = self.sw._saved_parts()
+        started = {entry[0] for entry in self.writes}
         for i, (leases, _futs, dirty) in list(self.reads.items()):
-            if dirty:
+            if dirty and i not in started:
                 self.writes.append(self._start_write(i, [leases[n] for n in parts]))
         while self.writes:
             i, _leases, futs = self.writes[0]
@@ -1452,18 +1483,21 @@ class _StepIO:
     def abort(self) -> None:
         """After a failure (or to give everything back): drain so nothing still
         reads into or writes from a buffer, keep the sub-groups whose writes
-        landed valid, release every lease. Dirty sub-groups are lost."""
+        landed valid, release every lease. Dirty sub-groups are lost. Each
+        entry is dropped only once settled: run again after a Ctrl-C, it
+        goes on where it stopped."""
         for _leases, futs, _ in self.reads.values():
             for fut in futs:
                 fut.exception()
         while self.writes:
-            i, _kept, futs = self.writes.popleft()
+            i, _kept, futs = self.writes[0]
             errors = [fut.exception() for fut in futs]  # every one waited for
             if all(e is None for e in errors):
                 self.sw.groups[i].valid = True
-        for lease in self.held:
-            lease.release()
-        self.held.clear()
+            self.writes.popleft()
+        while self.held:
+            self.held[-1].release()  # waits for any I/O still on its buffer
+            self.held.pop()
         self.reads.clear()
         self.carried.clear()
         self.kept.clear()

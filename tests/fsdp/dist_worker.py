@@ -110,14 +110,22 @@ class _Watch:
 
 
 def _train(
-    model, opt, rank, steps=STEPS, start=0, tier=None, clip=None, stream=None
+    model, opt, rank, steps=STEPS, start=0, tier=None, clip=None, stream=None, micro=1, sync=None
 ) -> tuple[list[float], list[int]]:
+    """`steps` steps of `micro` backwards each (gradient accumulation when
+    more than one; `sync`: FSDP2's set_requires_gradient_sync per backward);
+    the mean loss over ranks per step, resident shard bytes."""
     losses, resident = [], []
     for step in range(start, start + steps):
-        x, y = _batch(step, rank)
         opt.zero_grad()
-        loss = ((model(x).float() - y) ** 2).mean()
-        loss.backward()
+        loss = torch.zeros(())
+        for j in range(micro):
+            if sync is not None:
+                model.set_requires_gradient_sync(sync[j])
+            x, y = _batch(step + 100 * j, rank)
+            part = ((model(x).float() - y) ** 2).mean() / micro
+            part.backward()
+            loss += part.detach()
         if clip is not None and stream is not None:
             stream.clip_grad_norm_(clip)
         elif clip is not None:
@@ -438,7 +446,7 @@ def _fill(model, full: list[torch.Tensor], rank: int) -> None:
             p.to_local().copy_(chunks[rank] if rank < len(chunks) else f[:0])
 
 
-def case_stream(rank, tmp, **shard_kw):
+def case_stream(rank, tmp, micro=1, sync=None, **shard_kw):
     """A meta-device model filled through the tier (empty_shards) and its
     gradients streamed to NVMeAdamW's gradient slots (stream_gradients),
     clipped by the stream: bit-identical to the same FSDP2 training in
@@ -450,7 +458,7 @@ def case_stream(rank, tmp, **shard_kw):
     ref = _shard(_model(), **shard_kw)
     start = _full(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
-    lt, _ = _train(ref, ref_opt, rank, clip=CLIP)
+    lt, _ = _train(ref, ref_opt, rank, clip=CLIP, micro=micro, sync=sync)
     pt = _full(ref)
     model = _meta_model(**shard_kw)
     drive = os.path.join(tmp, "drive")
@@ -463,7 +471,7 @@ def case_stream(rank, tmp, **shard_kw):
     _fill(model, start, rank)
     stream = stream_gradients(model, opt, tier)
     watch = _Watch(model, tier)
-    la, resident = _train(model, opt, rank, tier=tier, clip=CLIP, stream=stream)
+    la, resident = _train(model, opt, rank, tier=tier, clip=CLIP, stream=stream, micro=micro, sync=sync)
     x, y = _batch(0, rank)
     ((model(x) - y) ** 2).mean().backward()
     no_grads = all(p.grad is None for p in model.parameters())
@@ -497,6 +505,20 @@ def case_stream(rank, tmp, **shard_kw):
 
 def case_stream_prefetch(rank, tmp):
     return case_stream(rank, tmp, prefetch=True)
+
+
+def case_stream_accum(rank, tmp):
+    """Two backwards a step (gradient accumulation) with the stream: the
+    second adds to the first's sums read back from the drive, as FSDP2 adds
+    into p.grad; clipped by the accumulated norms."""
+    return case_stream(rank, tmp, micro=2)
+
+
+def case_stream_nosync(rank, tmp):
+    """Four backwards a step, FSDP2's no-sync on the first and third: FSDP2
+    accumulates those unsharded and reduces at the next; the stream sees
+    two backwards a step and adds them."""
+    return case_stream(rank, tmp, micro=4, sync=(False, True, False, True))
 
 
 def _worker(rank: int, world: int, out: str, cases: list[str]) -> None:

@@ -40,10 +40,11 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
     "plain", "prefetch", "ac", "ac_prefetch", "grouped", "root_keep", "bf16_offload",
     "window1", "miss", "nvme", "nvme_own", "nvme_bf16", "dcp", "dcp_nvme", "late_optimizer", "late_nvme",
-    "reads", "reads_nvme", "stream", "stream_prefetch",
+    "reads", "reads_nvme", "stream", "stream_prefetch", "stream_accum", "stream_nosync",
 ]  # fmt: skip
-THREE = ["ac_prefetch", "grouped", "bf16_offload", "nvme_bf16", "stream"]
-STREAM = {"stream", "stream_prefetch"}
+THREE = ["ac_prefetch", "grouped", "bf16_offload", "nvme_bf16", "stream", "stream_accum"]
+STREAM = {"stream", "stream_prefetch", "stream_accum", "stream_nosync"}
+MICRO = {"stream_accum": 2, "stream_nosync": 2}  # backwards per step the stream sees (reduced ones)
 READS = {"reads", "reads_nvme"}
 TRAINING = set(TWO) - {"miss", "dcp", "dcp_nvme"} - READS - STREAM
 FROM_MASTER = {"nvme", "nvme_bf16"}  # NVMeAdamW, params_from_master=True
@@ -157,4 +158,8 @@ def test_meta_init_and_streamed_gradients(results: dict, world: int, case: str) 
         assert st["sync_fetches"] == 0 and st["user_fetches"] == 0, st
         assert st["params_from_master"] == st["groups"], st
         assert res["most_resident"] <= (st["window"] + 1) * res["biggest_group"], res
-        assert gs["subgroups_written"] == (STEPS + 1) * gs["subgroups"] and gs["subgroups"] > 1, gs
+        micro = MICRO.get(case, 1)
+        assert gs["subgroups_written"] == (micro * STEPS + 1) * gs["subgroups"] and gs["subgroups"] > 1, gs
+        assert gs["micro_batches"] == micro * STEPS + 1, gs
+        # From the second backward of a step on, every element is added to the sum read back.
+        assert gs["accumulated_bytes"] == (micro - 1) * STEPS * gs["bytes"] // (micro * STEPS + 1), gs

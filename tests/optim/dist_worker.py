@@ -361,6 +361,80 @@ def case_dcp_load(rank, tmp):
     return {"equal": equal, "losses": {f"{k}<-{s}": v[0] for (k, s), v in runs.items()}}
 
 
+def _stream_run(kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0, streamed_load=True):
+    """_ckpt_run with NVMeAdamW's streamed DCP save (always) and load
+    (unless `streamed_load` is False: DCP's default load of the
+    checkpoint): the moments one parameter at a time, through
+    streamed_state() and aio.optim's planners."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from aio.optim import DriveLoadPlanner, DriveSavePlanner
+
+    model = _fsdp2(_model())
+    opt = _nvme(model.parameters(), tmp, rank, master="drive" if kind == "aio-drive" else "auto")
+    if load_from:
+        with opt.streamed_state() if streamed_load else _nothing():
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            planner = DriveLoadPlanner() if streamed_load else None
+            dcp.load(state, checkpoint_id=load_from, planner=planner)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = _train(model, opt, steps, rank, start=start)
+    if save_to:
+        with opt.streamed_state():
+            msd, osd = get_state_dict(model, opt)
+            writer = FileSystemWriter(save_to, single_file_per_rank=False)
+            dcp.save({"model": msd, "optim": osd}, storage_writer=writer, planner=DriveSavePlanner())
+    full = _full(model)
+    opt.close()
+    return losses, full
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+STREAM_KINDS = ("aio", "aio-drive")
+
+
+def case_dcp_stream_save(rank, tmp):
+    """3 steps, then a streamed DCP save (FSDP2 DTensor moments read from
+    the drive one parameter at a time), with either master: the same losses
+    as torch's AdamW (case dcp_save's run, again here)."""
+    lt = _ckpt_run("torch", rank, tmp)[0]
+    out = {
+        kind: _stream_run(kind, rank, tmp, save_to=os.path.join(tmp, f"ckpt_stream_{kind}"))
+        for kind in STREAM_KINDS
+    }
+    return {"equal": all(ls == lt for ls, _ in out.values()), "losses": out["aio"][0]}
+
+
+def case_dcp_stream_load(rank, tmp):
+    """The 2-rank checkpoints resharded to this world, 3 more steps: a
+    streamed load (either master) of the streamed checkpoints, of aio's
+    default one and of torch's; DCP's default load of a streamed checkpoint
+    into aio's and torch's optimizers -- all bit-identical to torch's AdamW
+    resumed from torch's checkpoint."""
+    ref_l, ref_p = _ckpt_run("torch", rank, tmp, load_from=os.path.join(tmp, "ckpt_torch"), start=3)
+    ck = {src: os.path.join(tmp, f"ckpt_{src}") for src in ("stream_aio", "stream_aio-drive", "aio", "torch")}
+    runs = {}
+    for kind in STREAM_KINDS:
+        for src in ck:
+            runs[(kind, src, "streamed")] = _stream_run(kind, rank, tmp, load_from=ck[src], start=3)
+    runs[("aio", "stream_aio", "default")] = _stream_run(
+        "aio", rank, tmp, load_from=ck["stream_aio"], start=3, streamed_load=False
+    )
+    runs[("torch", "stream_aio-drive", "default")] = _ckpt_run(
+        "torch", rank, tmp, load_from=ck["stream_aio-drive"], start=3
+    )
+    equal = all(ls == ref_l and all(map(torch.equal, p, ref_p)) for ls, p in runs.values())
+    return {"equal": equal, "runs": len(runs), "losses": {"<-".join(k): v[0] for k, v in runs.items()}}
+
+
 def case_ddp(rank, tmp):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -6,7 +6,9 @@ resumed), param groups + LambdaLR + clip_grad_norm_ on
 DTensors, the Accelerate-style parameter swap, get_optimizer_state_dict
 without a hidden step, a DCP save on 2 ranks loaded on 3 (torch <-> aio
 both ways, master weights in the parameters <-> on the drive), and
-aio.fsdp's parameter tier with either master. Every case is bit-identical
+aio.fsdp's parameter tier with either master, and NVMeAdamW's streamed DCP
+save (2 ranks) and load (3 ranks; aio.optim.dcp's planners) against the
+default path and torch's checkpoints. Every case is bit-identical
 (torch.equal) to torch.optim.AdamW(foreach=False) on the same engine. Every
 engine case runs aio's optimizer with the master weights in the parameters
 ("auto", which picks them: fp32 CPU parameters under gloo) and on the drive,
@@ -38,9 +40,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
     "fsdp2", "fsdp2_offload", "fsdp2_bf16", "cpu_adamw_dtensor", "groups_lambda_clip",
     "accelerate_swap", "no_hidden_step", "dcp_save", "ddp", "zero1", "zero1_checkpoint", "fsdp1",
-    "rank_folders", "tier_master",
+    "rank_folders", "tier_master", "dcp_stream_save",
 ]  # fmt: skip
-THREE = ["fsdp2", "dcp_load", "zero1", "fsdp1", "rank_folders"]
+THREE = ["fsdp2", "dcp_load", "zero1", "fsdp1", "rank_folders", "dcp_stream_load"]
 # Cases that run aio's optimizer under both masters (dist_worker.MASTERS).
 BOTH = {"fsdp2", "fsdp2_offload", "fsdp2_bf16", "groups_lambda_clip", "accelerate_swap", "no_hidden_step",
         "ddp", "zero1", "zero1_checkpoint", "fsdp1"}  # fmt: skip
@@ -62,7 +64,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], l
         sub = os.path.join(out, f"w{world}")
         os.makedirs(sub)
         if world == 3:
-            for name in ("ckpt_torch", "ckpt_aio", "ckpt_aio-drive"):
+            ckpts = ("ckpt_torch", "ckpt_aio", "ckpt_aio-drive", "ckpt_stream_aio", "ckpt_stream_aio-drive")
+            for name in ckpts:
                 src = os.path.join(out, "w2", name)
                 if os.path.isdir(src):
                     os.symlink(src, os.path.join(sub, name))
