@@ -49,8 +49,9 @@ one OpenMP thread), the whole job's figures summed over its ranks in the
 main table, each rank's in a second:
 
   fsdp           aio's FSDP2 main job (``aio-train --nproc N``,
-                 aio.fsdp.train): the GPT built on the meta device, each
-                 block and the root fully_shard-ed, shards on the drive
+                 aio.fsdp.train) at its defaults: the GPT built on the meta
+                 device, each Linear, each block (its layer norms) and the
+                 root fully_shard-ed (``--unit linear``), shards on the drive
                  (aio.fsdp.offload_params), NVMeAdamW, fp32 gradients
                  streamed to the drive when they pass half the memory
                  (``--gradients auto``); same size, batch, clip, lr and seed

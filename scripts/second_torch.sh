@@ -31,7 +31,9 @@ CUDA_LIBS=(
 # groups and LR schedulers, GradScaler and autocast, checkpoints
 # (torch.load with safe_globals), module hooks and CUDA streams, FSDP2 /
 # FSDP1 / DDP / DCP under aio.optim (tests/optim), a stored parameter's
-# class and torch function dispatch (tests/zero/test_stored_param.py). The rest of
+# class and torch function dispatch (tests/zero/test_stored_param.py), the
+# FSDP2 internals aio.fsdp's parameter tier touches (tests/fsdp: aio.fsdp.SUPPORTED
+# names the torch versions CI runs them on, so this one too). The rest of
 # the suite runs once, on the default torch (CI time: each file here costs
 # a second worker's torch import and its tests again).
 TESTS=(
@@ -39,6 +41,8 @@ TESTS=(
   tests/zero/test_checkpoint.py tests/zero/test_hooks.py tests/zero/test_streams.py
   tests/optim/test_distributed.py tests/optim/test_nvme_adamw.py
   tests/zero/test_stored_param.py tests/test_rss_estimate.py
+  tests/fsdp/test_param_tier.py tests/fsdp/test_stand_in.py tests/fsdp/test_step_errors.py
+  tests/fsdp/test_comm_buffers.py
 )
 
 install() {

@@ -107,6 +107,26 @@ class Shard:
         return int(self.data.untyped_storage().nbytes())
 
 
+def module_groups(module: Any) -> list[Any]:
+    """The FSDPParamGroups of one FSDP2 module's state (none where this
+    torch's state has no such list)."""
+    return list(getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()))
+
+
+def release_comm_buffers(pg: Any, gather: bool = False, reduce: bool = False) -> None:
+    """Drop the buffers FSDP2 keeps in a group's ``comm_ctx`` past their
+    collective to overlap the next one on a GPU: `gather`, the forward's
+    all-gather output (kept until the next group's copy-out); `reduce`, the
+    last reduce-scatter inputs (kept to recycle). As torch 2.13/2.14 name
+    them; where they are not there nothing is dropped."""
+    ctx: Any = getattr(pg, "comm_ctx", None)
+    if gather and getattr(ctx, "all_gather_state", None) is not None:
+        ctx.all_gather_state = None
+    states = getattr(ctx, "reduce_scatter_states", None) if reduce else None
+    if states:
+        states.clear()
+
+
 def fsdp_groups(model: torch.nn.Module) -> list[Any]:
     """Every FSDPParamGroup of `model`'s FSDP2 modules, once each (grouped
     ``fully_shard([a, b])`` shares one state), in module order."""

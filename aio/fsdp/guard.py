@@ -261,20 +261,32 @@ def _rewrap(
     storages = {r.untyped_storage().data_ptr(): t for t in ins for r in (reals[id(t)],)}
     storages.pop(0, None)
 
-    def wrapped(x: Any, which: int | None) -> Any:
-        if isinstance(x, (list, tuple)):  # a collective's (tensors, work), a split's pieces
-            return type(x)([wrapped(y, i if which is None else which) for i, y in enumerate(x)])
-        if not isinstance(x, torch.Tensor) or isinstance(x, ShardStandIn):
-            return x
-        if id(x) in back:
-            return back[id(x)]
-        t = storages.get(x.untyped_storage().data_ptr())
-        if t is None:
-            return x
-        # An alias of the shard would outlive its release: a stand-in replaying the op.
-        return ShardStandIn(x, t._keeper, t._group, t._index, (func, args, kwargs, which))
+    # Module-level recursion: a nested function calling itself is a reference
+    # cycle that held this op's arguments (a whole gathered layer at set-up)
+    # until the next full collection.
+    return _unaliased(out, None, back, storages, (func, args, kwargs))
 
-    return wrapped(out, None)
+
+def _unaliased(
+    x: Any, which: int | None, back: dict[int, Any], storages: dict[int, Any], op: tuple[Any, Any, Any]
+) -> Any:
+    """`x` (an op's output, or a list/tuple of them) with every alias of a
+    shard replaced: the stand-in it was given back (`back`, an in-place
+    op's result), or a stand-in replaying the op (one sharing a shard's
+    storage, `storages`)."""
+    if isinstance(x, (list, tuple)):  # a collective's (tensors, work), a split's pieces
+        return type(x)(
+            [_unaliased(y, i if which is None else which, back, storages, op) for i, y in enumerate(x)]
+        )
+    if not isinstance(x, torch.Tensor) or isinstance(x, ShardStandIn):
+        return x
+    if id(x) in back:
+        return back[id(x)]
+    t = storages.get(x.untyped_storage().data_ptr())
+    if t is None:
+        return x
+    # An alias of the shard would outlive its release: a stand-in replaying the op.
+    return ShardStandIn(x, t._keeper, t._group, t._index, (*op, which))
 
 
 def _foreach_chunks(args: tuple[Any, ...], ins: list[ShardStandIn]) -> list[list[int]] | None:

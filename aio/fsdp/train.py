@@ -35,6 +35,14 @@ from typing import Any
 
 from .. import train as single
 
+# What one fully_shard group holds (--unit).
+UNITS = ("linear", "block")
+# NVMeAdamW's sub-group per rank (--sub-group-size), in elements: 16 MiB of
+# fp32, so its 11 pinned buffers take 176 MiB whatever the model. Each
+# parameter is cut into sub-groups of this size (the step is elementwise:
+# the same bits as whole tensors) and the drive sees 16 MiB I/Os.
+SUB_GROUP_SIZE = 1 << 22
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of the several-rank run (a subset of aio-train's)."""
@@ -62,6 +70,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="linear lr warm-up over this many optimizer steps (0 or 1: none)",
     )
     ap.add_argument("--window", type=int_in(1, 1 << 20), default=2, help="FSDP groups read ahead")
+    ap.add_argument(
+        "--unit",
+        choices=UNITS,
+        default="linear",
+        help="what one fully_shard group holds: linear (each Linear of a block, then the block's layer "
+        "norms: a gathered group is one weight matrix) or block (a whole transformer block)",
+    )
+    ap.add_argument(
+        "--backward-prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let FSDP2 all-gather the next group during a group's backward (its default). Default: on "
+        "GPU ranks (NCCL overlaps it), off on CPU ranks (nothing to overlap with; one gathered group "
+        "fewer in memory)",
+    )
+    ap.add_argument(
+        "--sub-group-size",
+        type=int_in(1, 1 << 40),
+        default=SUB_GROUP_SIZE,
+        help="NVMeAdamW's sub-group, in local elements (at most the largest local shard): its 11 pinned "
+        "buffers hold 4 bytes each per element",
+    )
     ap.add_argument(
         "--gradients",
         choices=("auto", "cpu", "nvme"),
@@ -126,26 +156,92 @@ def _init_dist() -> tuple[int, int, Any]:
 
 
 def _build(args: argparse.Namespace, device: Any, meta: bool = False) -> Any:
-    """The GPT (seeded, so every rank builds the same), each block and the
-    root fully_shard-ed over all ranks. With `meta`, built on the meta
-    device and given empty shards (``to_empty``): no rank ever holds the
-    whole model; fill them with :func:`init_like_build`."""
+    """The GPT (seeded, so every rank builds the same), fully_shard-ed over
+    all ranks in groups of ``args.unit`` (see :func:`shard_gpt`). With
+    `meta`, built on the meta device and given empty shards (``to_empty``):
+    no rank ever holds the whole model; fill them with :func:`init_like_build`."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(args.seed)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = single.build_gpt(args.vocab, args.width, args.layers, args.heads, args.seq)
     if not meta:
         model = model.to(device)
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_gpt(model, device, args.unit, backward_prefetch(args, device))
     if meta:
         model.to_empty(device=device)
     return model
+
+
+def backward_prefetch(args: argparse.Namespace, device: Any) -> bool:
+    """``--backward-prefetch`` as asked, else on for GPU ranks only."""
+    return device.type == "cuda" if args.backward_prefetch is None else bool(args.backward_prefetch)
+
+
+def shard_gpt(model: Any, device: Any, unit: str = "linear", backward_prefetch: bool = False) -> None:
+    """fully_shard ``build_gpt``'s model over all ranks. `unit` "block": each
+    transformer block is one group; "linear": each of its four Linears is
+    one, and the block one more for its layer norms. FSDP2 holds a few
+    groups gathered at once (the parameters, its all-gather buffer, in
+    backward their gradients and the reduce-scatter input): a rank's working
+    set scales with the largest group, 398 MB of fp32 for a block of width
+    2880 against 133 MB for its largest Linear. The root holds the tied
+    embedding/head. Each parameter's shard is the same either way (dim 0,
+    chunked per parameter), and so are the values trained.
+
+    Without `backward_prefetch`, each FSDP module is set to prefetch only
+    itself in backward (``set_modules_to_backward_prefetch``; gathered
+    already, a no-op): FSDP2's default all-gathers the next group while a
+    group's gradients are computed and reduced, one more group in memory."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for block in model.blocks:
+        if unit == "linear":
+            for layer in (block.attn.qkv, block.attn.proj, block.fc, block.out):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if not backward_prefetch:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_modules_to_backward_prefetch([m])
+    if device.type == "cpu":
+        free_comm_buffers(model)
+
+
+def free_comm_buffers(model: Any) -> None:
+    """On CPU ranks, free the buffers FSDP2 keeps past their collective: the
+    forward's all-gather output, kept until the next group's copy-out (to
+    overlap the two on a GPU), and the last reduce-scatter input, kept until
+    the next group's reduction (to recycle it on a GPU). With gloo both
+    collectives are synchronous: the buffers are done with when FSDP keeps
+    them, one gathered group each. On every FSDP module, a forward pre-hook
+    after FSDP's (its own is prepended) drops the first, and a backward
+    pre-hook, as the module's backward begins, drops the second. These are
+    FSDP2's internals (``comm_ctx``), as torch 2.13 names them; where they
+    are not there nothing is freed (aio.fsdp._internals keeps them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from ._internals import module_groups, release_comm_buffers
+
+    def drop_gather(m: Any, *_: Any) -> None:
+        for pg in module_groups(m):
+            release_comm_buffers(pg, gather=True)
+
+    def drop_reduce(m: Any, *_: Any) -> None:
+        for pg in module_groups(m):
+            release_comm_buffers(pg, reduce=True)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            hooks: Any = module  # an nn.Module too
+            hooks.register_forward_pre_hook(drop_gather)
+            hooks.register_full_backward_pre_hook(drop_reduce)
 
 
 def init_like_build(model: Any, seed: int) -> None:
@@ -157,7 +253,7 @@ def init_like_build(model: Any, seed: int) -> None:
     The tied head draws its own values and drops them, as the build does.
     With the parameter tier on, the copies go through the shards'
     stand-ins: at most ``window`` FSDP groups are in memory."""
-    import copy
+    import gc
 
     import torch
 
@@ -169,7 +265,10 @@ def init_like_build(model: Any, seed: int) -> None:
             own = dict(m._parameters)
             if reset is None or all(p is None for p in own.values()):
                 continue
-            layer = copy.copy(m)  # the same layer on full-size tensors of its own
+            # The same layer on full-size tensors of its own. Not copy.copy: a
+            # fully_shard-ed class's __new__ runs __init__ again (without its arguments).
+            layer = object.__new__(type(m))
+            layer.__dict__.update(m.__dict__)
             layer.__dict__["_parameters"] = {
                 n: None if p is None else torch.empty(p.shape, dtype=p.dtype) for n, p in own.items()
             }
@@ -178,6 +277,11 @@ def init_like_build(model: Any, seed: int) -> None:
                 if p is not None and id(p) not in done:
                     done.add(id(p))
                     _set_shard(p, layer._parameters[n])
+                    # Young cycles collected now: one through the copy's stand-in held the
+                    # full-size layer until a full collection (+0.37 GiB a block at width
+                    # 2880; aio.fsdp.guard no longer makes it, this stays as the guard
+                    # against any other, for a collection of young objects costs little).
+                    gc.collect(1)
 
 
 def _set_shard(p: Any, full: Any) -> None:
@@ -211,6 +315,8 @@ def _step(
     import torch
     import torch.distributed as dist
 
+    from ..zero.malloc import trim_if_fragmented
+
     for g in opt.param_groups:
         g["lr"] = single.warmup_lr(args.lr, step + 1, args.warmup_steps)
     x, y = single.batch(step, rank, args.batch, args.seq, args.vocab)
@@ -221,6 +327,7 @@ def _step(
     )
     t1 = time.perf_counter()
     loss.backward()
+    trim_if_fragmented()  # the activations' holes in the heap (as aio.zero's trainer does)
     t2 = time.perf_counter()
     if args.clip and stream is not None:
         stream.clip_grad_norm_(args.clip)  # the gradients are on the drive, p.grad is None
@@ -262,15 +369,21 @@ def streams_gradients(args: argparse.Namespace, world: int) -> bool:
 
 def _set_up(args: argparse.Namespace, device: Any, nvme: list[str], stream: bool) -> tuple[Any, ...]:
     """Model (meta-built, its shards filled through the tier), NVMeAdamW at
-    aio-train's built-in optimizer settings per rank (sub-groups of the
-    largest local tensor, its buffer rule), the tier and the stream (or None)."""
+    aio-train's built-in optimizer settings per rank (its buffer rule, for
+    sub-groups of ``--sub-group-size`` elements or the largest local tensor
+    if smaller), the tier and the stream (or None)."""
     import torch.distributed as dist
 
     from ..optim import NVMeAdamW
+    from ..zero.malloc import TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD, set_mmap_threshold
     from . import offload_params, stream_gradients
 
+    # aio.zero's training setting: blocks of 8 MiB or more (shards, gathered
+    # groups, gradients) get their own mapping, returned to the OS when freed.
+    set_mmap_threshold(TRAIN_MMAP_THRESHOLD, TRAIN_TRIM_THRESHOLD)
     model = _build(args, device, meta=True)
-    size = largest_local(model)
+    largest = largest_local(model)
+    size = min(largest, args.sub_group_size)
     opt = NVMeAdamW(
         model.parameters(), lr=args.lr, weight_decay=0.01, nvme_path=nvme, match_torch=True,
         sub_group_size=size, gradients="nvme" if stream else "cpu", **single.optimizer_buffers(size),
@@ -279,7 +392,7 @@ def _set_up(args: argparse.Namespace, device: Any, nvme: list[str], stream: bool
     init_like_build(model, args.seed)
     grads = stream_gradients(model, opt, tier) if stream else None
     dist.barrier()  # set-up ends on every rank before the first step is timed
-    return model, opt, tier, grads, size
+    return model, opt, tier, grads, largest
 
 
 def _tiered(args: argparse.Namespace, rank: int, device: Any, nvme: list[str], rates: Any) -> dict[str, Any]:
@@ -372,17 +485,20 @@ def predicted_peak_rss(args: argparse.Namespace, world: int, run: dict[str, Any]
     """A rank's peak RSS over its RSS before the model was built: the pinned
     buffers plus the larger of set-up -- window + 1 groups' shards and one
     layer's parameters full-size (the model is built on the meta device and
-    filled a layer at a time) -- and training: window + 1 groups gathered
-    whole (the parameters, FSDP's all-gather buffer, their gradients and the
-    reduce-scatter input: 4 copies), the activations and, unless they are
-    streamed to the drive, two gradient copies of the shard (FSDP's reduced
-    gradient and the optimizer's held one); plus RSS_SLACK."""
+    filled a layer at a time) -- and training: the largest group gathered
+    whole 4 times over (its parameters, FSDP's all-gather buffer, their
+    gradients and the reduce-scatter input), 2 more with
+    ``--backward-prefetch`` (the next group's buffer and parameters), window +
+    1 groups' shards, the activations and, unless they are streamed to the
+    drive, two gradient copies of the shard (FSDP's reduced gradient and the
+    optimizer's held one); plus RSS_SLACK."""
     n = single.gpt_params(args.vocab, args.width, args.layers, args.seq)
     group = run["largest_group_bytes"]
     setup = (args.window + 1) * group + 4 * run["largest_param_numel"] * world
     acts = single.gpt_activation_bytes(argparse.Namespace(**{**vars(args), "dtype": "fp32"}))
     held = 0 if run["streamed"] else 8 * n // world
-    training = held + (args.window + 1) * 4 * group * world + acts
+    gathered = 4 + 2 * bool(args.backward_prefetch)
+    training = held + gathered * group * world + (args.window + 1) * group + acts
     return run["pinned_bytes"] + max(setup, training) + RSS_SLACK
 
 
