@@ -5,7 +5,8 @@ tier, every variant in a process group of its own (gloo on CPU; NCCL where
 
     python bench/fsdp_step.py [--world 2] [--variants torch,cpu-adam,nvme,nvme-drive,ds-nvme]
         [--layers 4 --width 512 --heads 8 --vocab 8192 --seq 64 --batch 2]
-        [--warmup 1] [--steps 3] [--dir /local_nvme] [--drive-mib 256] [--json out.json]
+        [--warmup 1] [--steps 3] [--dir /local_nvme [--dir /nvme1 ...]] [--drive-mib 256]
+        [--rounds 1] [--json out.json]
 
 Variants:
 
@@ -37,11 +38,27 @@ Columns, per rank (the median over ranks; figures over the timed steps):
                   meter for every variant; MB = 1e6 bytes; writes the page
                   cache absorbs are not in it)
   aio MB/step     what aio's optimizer read and wrote per step, by its count
-  step / floor    s/step against the time the drive needs for aio's bytes
-                  (read / read GB/s + written / write GB/s, the rates measured
-                  with aio.quickcheck.drive_rates in --dir before the run)
-  opt / floor     the optimizer step alone against that floor (on a CPU box the
-                  forward and backward dominate s/step)
+  floor s         the job's drive floor: the time its drives need for the
+                  bytes aio's optimizer moves in one step. Ranks whose folders
+                  are on one device share that device's rates, so its floor is
+                  the bytes of ALL of them (read / read GB/s + written / write
+                  GB/s, each rank's median bytes summed); ranks on different
+                  devices (one --dir per rank: rank r uses the r-th --dir,
+                  modulo their count) run in parallel, so the job's floor is
+                  the largest device's. Rates: aio.quickcheck.drive_rates in
+                  each device's --dir just before and just after the
+                  variant's run, averaged (a shared disk's speed drifts).
+  step / floor    s/step against that floor
+  opt / floor     the optimizer step alone against it (on a CPU box the
+                  forward and backward dominate s/step). 1.0 = the drive's
+                  speed; all ranks of one drive stepping at once is what the
+                  drive sees, so one rank's bytes alone would understate the
+                  floor by the number of ranks sharing it
+
+--rounds N runs the variant list N times and prints each variant's median
+over rounds of opt / floor, opt s and s/step, and the per-round ratio of
+the first two variants' optimizer steps, median [min..max] (interleaved
+A/B: list them as A,B or A,B,B,A).
 
 Each rank writes its figures to a JSON file before the group is torn down
 (gloo may abort at exit); the table is built from those files.
@@ -79,8 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dir", help="folder on the drive (default: a temporary one)")
+    ap.add_argument(
+        "--dir", action="append",
+        help="folder on the drive (default: a temporary one); repeat for one drive per rank (rank r "
+        "uses the r-th, modulo their count)",
+    )  # fmt: skip
     ap.add_argument("--drive-mib", type=int, default=256, help="MiB each way for the drive's rates (0: none)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the variant list this many times")
     ap.add_argument("--sub-group-size", type=int, default=1_000_000, help="nvme: elements per sub-group")
     ap.add_argument(
         "--buffer-count", type=int, default=4, help="nvme: pinned sub-group buffers (few: the state pages)"
@@ -243,20 +265,20 @@ def _run_rank(a: argparse.Namespace, variant: str, rank: int, folder: str) -> di
     return {**res, "peak_rss": _peak_rss(), "pinned": locked_bytes()}
 
 
-def _worker(rank: int, a: argparse.Namespace, variant: str, root: str, port: int) -> None:
+def _worker(rank: int, a: argparse.Namespace, variant: str, roots: list[str], port: int) -> None:
     import torch.distributed as dist
 
     world = str(a.world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=world)
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=world)
     dist.init_process_group(a.backend, rank=rank, world_size=a.world)
-    folder = os.path.join(root, f"rank{rank}")
+    folder = os.path.join(roots[rank % len(roots)], f"rank{rank}")
     os.makedirs(folder, exist_ok=True)
     try:
         res = _run_rank(a, variant, rank, folder)
     except Exception:
         res = {"error": traceback.format_exc(limit=8)}
-    with open(os.path.join(root, f"{variant}.rank{rank}.json"), "w") as f:
+    with open(os.path.join(roots[0], f"{variant}.rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
     dist.destroy_process_group()
@@ -265,26 +287,71 @@ def _worker(rank: int, a: argparse.Namespace, variant: str, root: str, port: int
 # -- the parent ---------------------------------------------------------------------------------
 
 
-def run_variant(a: argparse.Namespace, variant: str, root: str, port: int) -> list[dict[str, Any]]:
-    """`variant` in a process group of `a.world` ranks; each rank's figures."""
+def run_variant(a: argparse.Namespace, variant: str, roots: list[str], port: int) -> list[dict[str, Any]]:
+    """`variant` in a process group of `a.world` ranks, rank r's folder
+    under ``roots[r % len(roots)]``; each rank's figures."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if variant == "ds-nvme":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        mp.spawn(_worker, args=(a, variant, root, port), nprocs=a.world, join=True)
+        mp.spawn(_worker, args=(a, variant, roots, port), nprocs=a.world, join=True)
     except Exception as e:  # gloo may abort at teardown: the files say what ran
         print(f"fsdp_step: {variant}: the group ended with {type(e).__name__}", file=sys.stderr)
     out = []
     for rank in range(a.world):
-        path = os.path.join(root, f"{variant}.rank{rank}.json")
+        path = os.path.join(roots[0], f"{variant}.rank{rank}.json")
         out.append(json.load(open(path)) if os.path.exists(path) else {"error": "no result written"})
     return out
 
 
-def row(variant: str, ranks: list[dict[str, Any]], rates: dict[str, float]) -> dict[str, Any]:
-    """One table row: the median over ranks of each rank's medians."""
+Rates = dict[int, dict[str, float]]  # device (st_dev) -> {"read": GB/s, "write": GB/s}
+
+
+def devices(dirs: list[str], world: int) -> list[int]:
+    """The device (st_dev) each rank's folder is on: rank r's is the r-th of
+    `dirs`, modulo their count."""
+    return [os.stat(dirs[r % len(dirs)]).st_dev for r in range(world)]
+
+
+def measure_rates(dirs: list[str], mib: int) -> Rates:
+    """Each device's read and write GB/s, measured once per device (in the
+    first of `dirs` on it); empty with `mib` 0."""
+    from aio.quickcheck import drive_rates
+
+    out: Rates = {}
+    for d in dirs:
+        dev = os.stat(d).st_dev
+        if mib and dev not in out:
+            out[dev] = dict(drive_rates(d, mib << 20))
+    return out
+
+
+def job_floor(ranks: list[dict[str, Any]], devs: list[int], rates: Rates) -> float | None:
+    """Seconds the job's drives need for one step's bytes of aio's optimizer
+    (each rank's median read and written, by its own count). The ranks on
+    one device share its rates, so that device's floor is the bytes of all
+    of them; devices work in parallel, so the job's floor is the largest.
+    None without rates for a device, or with no bytes."""
+    med = statistics.median
+    moved: dict[int, list[float]] = {}
+    for r, dev in zip(ranks, devs, strict=True):
+        acc = moved.setdefault(dev, [0.0, 0.0])
+        acc[0] += med(r["aio_r"])
+        acc[1] += med(r["aio_w"])
+    floors = []
+    for dev, (read, written) in moved.items():
+        rt = rates.get(dev) or {}
+        if not (rt.get("read") and rt.get("write")):
+            return None
+        floors.append(read / 1e9 / rt["read"] + written / 1e9 / rt["write"])
+    return max(floors) or None
+
+
+def row(variant: str, ranks: list[dict[str, Any]], devs: list[int], rates: Rates) -> dict[str, Any]:
+    """One table row: the median over ranks of each rank's medians; the
+    floor the whole job's (:func:`job_floor`)."""
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         return {"variant": variant, "error": errors[0].strip().splitlines()[-1]}
@@ -302,37 +369,34 @@ def row(variant: str, ranks: list[dict[str, Any]], rates: dict[str, float]) -> d
         "aio MB/step": (aio_r + aio_w) / 1e6,
         "losses": ranks[0]["loss"],
     }
-    if rates.get("read") and rates.get("write") and aio_r + aio_w:
-        # aio's own count splits a step's bytes by direction (/proc/self/io
-        # leaves out what the page cache absorbed).
-        floor = aio_r / 1e9 / rates["read"] + aio_w / 1e9 / rates["write"]
+    floor = job_floor(ranks, devs, rates) if aio_r + aio_w else None
+    if floor:
+        out["floor s"] = floor
         out["step / floor"] = step / floor
         out["opt / floor"] = out["opt s"] / floor
     return out
 
 
-def print_table(rows: list[dict[str, Any]], a: argparse.Namespace, rates: dict[str, float]) -> None:
+COLUMNS = [
+    "s/step", "opt s", "peak RSS GiB", "pinned MiB", "drive MB/step", "aio MB/step", "floor s",
+    "step / floor", "opt / floor",
+]  # fmt: skip
+
+
+def print_table(rows: list[dict[str, Any]], a: argparse.Namespace, rates: Rates, devs: list[int]) -> None:
     """The table, and the ratios the issue's targets are about."""
+    shared = len(devs) - len(set(devs))
     print(
         f"\nFSDP2 step, world {a.world} ({a.backend}), GPT {a.layers}x{a.width} vocab {a.vocab}; "
-        f"drive GB/s {rates}"
+        f"drive GB/s {list(rates.values())}; {len(set(devs))} device(s) for {a.world} ranks"
+        + (" (the floor counts the bytes of every rank on a device)" if shared else "")
     )
-    cols = [
-        "s/step",
-        "opt s",
-        "peak RSS GiB",
-        "pinned MiB",
-        "drive MB/step",
-        "aio MB/step",
-        "step / floor",
-        "opt / floor",
-    ]
-    print(f"| variant | {' | '.join(cols)} |\n|---|{'---|' * len(cols)}")
+    print(f"| variant | {' | '.join(COLUMNS)} |\n|---|{'---|' * len(COLUMNS)}")
     for r in rows:
         if "error" in r:
             print(f"| {r['variant']} | failed: {r['error']} |")
             continue
-        cells = [f"{r[c]:.3f}" if isinstance(r.get(c), float) else "-" for c in cols]
+        cells = [f"{r[c]:.3f}" if isinstance(r.get(c), float) else "-" for c in COLUMNS]
         print(f"| {r['variant']} | {' | '.join(cells)} |")
     by = {r["variant"]: r for r in rows if "error" not in r}
     if "torch" in by and "cpu-adam" in by:
@@ -348,25 +412,59 @@ def print_table(rows: list[dict[str, Any]], a: argparse.Namespace, rates: dict[s
         print(f"DeepSpeed NVMe step / NVMeAdamW step: {by['ds-nvme']['s/step'] / by['nvme']['s/step']:.2f}x")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every variant and print the table (exit 1 if one failed)."""
-    a = parse_args(argv)
-    root = a.dir or tempfile.mkdtemp(prefix="fsdp-step-")
-    rates: dict[str, float] = {}
-    if a.drive_mib:
-        from aio.quickcheck import drive_rates
+def summary(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Over rounds: each variant's median opt / floor, opt s and s/step, and
+    the per-round ratio of the first variant's optimizer step to the
+    second's (interleaved A/B), median [min..max]."""
+    med = statistics.median
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(r["variant"] for rows in rounds for r in rows):
+        rs = [r for rows in rounds for r in rows if r["variant"] == name and "error" not in r]
+        cols = [c for c in ("opt / floor", "opt s", "s/step") if rs and c in rs[0]]
+        out[name] = {c: med(r[c] for r in rs) for c in cols}
+    names = list(out)
+    if len(names) >= 2:
+        a, b = names[:2]
+        ratios = []
+        for rows in rounds:
+            sa = [r["opt s"] for r in rows if r["variant"] == a and "error" not in r]
+            sb = [r["opt s"] for r in rows if r["variant"] == b and "error" not in r]
+            if sa and sb:
+                ratios.append(sum(sa) / sum(sb))
+        if ratios:
+            out[f"opt s {a} / {b}"] = [med(ratios), min(ratios), max(ratios)]
+    return out
 
-        rates = dict(drive_rates(root, a.drive_mib << 20))
-    rows, raw = [], {}
-    for i, variant in enumerate(a.variants):
-        folder = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
-        raw[variant] = run_variant(a, variant, folder, 29500 + os.getpid() % 1000 + i)
-        rows.append(row(variant, raw[variant], rates))
-    print_table(rows, a, rates)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every variant (every round) and print the tables (exit 1 if one failed)."""
+    a = parse_args(argv)
+    dirs = a.dir or [tempfile.mkdtemp(prefix="fsdp-step-")]
+    devs = devices(dirs, a.world)
+    rounds, raw, all_rates = [], [], []
+    for k in range(a.rounds):
+        rows, rates = [], measure_rates(dirs, a.drive_mib)
+        for i, variant in enumerate(a.variants):
+            roots = [tempfile.mkdtemp(prefix=f"{variant}-", dir=d) for d in dirs]
+            ranks = run_variant(a, variant, roots, 29500 + (os.getpid() + 7 * k) % 1000 + i)
+            # The rates just before and just after the run, averaged: a shared disk drifts.
+            after = measure_rates(dirs, a.drive_mib)
+            both = {dev: {x: (r[x] + after[dev][x]) / 2 for x in r} for dev, r in rates.items()}
+            raw.append({"round": k, "variant": variant, "ranks": ranks, "rates": [rates, after]})
+            rows.append(row(variant, ranks, devs, both))
+            rates = after
+        print_table(rows, a, rates, devs)
+        rounds.append(rows)
+        all_rates.append(rates)
+    summ = summary(rounds) if a.rounds > 1 else {}
+    if summ:
+        print("\nmedian over rounds:", json.dumps(summ, indent=1))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rates": rates, "rows": rows, "ranks": raw}, f, indent=1)
-    return 1 if any("error" in r for r in rows) else 0
+            out = {"args": vars(a), "rates": [{str(d): r for d, r in x.items()} for x in all_rates],
+                   "rounds": rounds, "summary": summ, "ranks": raw}  # fmt: skip
+            json.dump(out, f, indent=1)
+    return 1 if any("error" in r for rows in rounds for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -25,10 +25,15 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 
-from .drive_moments import DriveSource, drive_source
+from .drive_moments import DriveMoments, DriveSource, drive_source
 from .dtensor import local_of
 
 __all__ = ["DriveLoadPlanner", "DriveSavePlanner"]
+
+
+def _distinct(sources: Iterable[DriveSource]) -> list[DriveMoments]:
+    """The placeholders' drive accesses, each once."""
+    return list({id(s.moments): s.moments for s in sources}.values())
 
 
 class _Countdown:
@@ -60,9 +65,13 @@ class DriveSavePlanner(DefaultSavePlanner):
     of the rank's state)."""
 
     def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        """DefaultSavePlanner's, then the placeholders found by key."""
+        """DefaultSavePlanner's, then the placeholders found by key and
+        checked current (before the writer opens a file: a refused save
+        leaves a checkpoint already at the path as it was)."""
         super().set_up_planner(state_dict, *args, **kwargs)
         self.drive = {k: s for k, v in self.state_dict.items() if (s := drive_source(v)) is not None}
+        for moments in _distinct(self.drive.values()):
+            moments.begin_save()
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """DefaultSavePlanner's, then the placeholders' items counted."""
@@ -88,15 +97,21 @@ class DriveLoadPlanner(DefaultLoadPlanner):
     parameter's pieces are read one after another, as from a checkpoint
     saved with one file per tensor or on the same layout). Then
     ``set_optimizer_state_dict`` (the optimizer's load_state_dict) with the
-    same state dict loads the steps; until it does, the optimizer refuses
-    to step (its moments are newer than its steps). After its last item
-    each planner gives the swap buffers it leased back."""
+    same state dict loads the steps; from the load's first write to the
+    drive until it does, the optimizer refuses to step (its moments are
+    newer than its steps). A moment counts as loaded once on the drive; a
+    failed load is retried with a new planner (each load starts afresh).
+    After its last item each planner gives the swap buffers it leased back
+    (after a failure, the optimizer's next step or the block's end does)."""
 
     def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         """DefaultLoadPlanner's (placeholders stay on the meta device), then
-        the placeholders found by key."""
+        the placeholders found by key and their load begun (what a failed
+        load of them left is dropped: every moment is loaded again)."""
         super().set_up_planner(state_dict, *args, **kwargs)
         self.drive = {k: s for k, v in self.state_dict.items() if (s := drive_source(v)) is not None}
+        for moments in _distinct(self.drive.values()):
+            moments.begin_load()  # a retry after a failed load starts afresh
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         """DefaultLoadPlanner's, then the placeholders' items counted."""

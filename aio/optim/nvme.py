@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..swap import SwapStateError
 from ..swap.optimizer import OptimizerSwapper
 from . import CPUAdam, _check_hyper, _unsupported
 from .drive_moments import DriveMoments, DriveSource, drive_source, drive_tensor
@@ -433,23 +434,21 @@ class NVMeAdam(torch.optim.Optimizer):
     def _init_masters(self, sw: _Swapper, indices: Iterable[int]) -> None:
         """Sub-groups `indices` start from the parameters as they are now:
         their master weights copied to the drive, or (the parameters being
-        the master) read from the parameters at each step."""
+        the master) stepped in the parameters themselves, piece by piece."""
         if sw.master_slot():
             sw.initialize_many((i, self._fill_master(i)) for i in indices)
             return
         for i in indices:
-            sw.initialize_from(i, self._master_source(i))
+            sw.initialize_in_place(i, self._master_pieces(i))
 
-    def _master_source(self, i: int) -> Callable[[torch.Tensor], list[Any]]:
-        """Sub-group `i`'s master weights read from the parameters (master="params")."""
+    def _master_pieces(self, i: int) -> Callable[[], list[torch.Tensor]]:
+        """Sub-group `i`'s master weights, the parameters' own elements
+        (master="params"), resolved at each use: never copied."""
 
-        def source(out: torch.Tensor) -> list[Any]:
-            for pc in self._subgroups[i].pieces:
-                src = self._flat(pc.param)
-                out[pc.offset : pc.offset + pc.count].copy_(src[pc.start : pc.start + pc.count])
-            return []  # copied now: nothing left in flight
+        def pieces() -> list[torch.Tensor]:
+            return [self._flat(pc.param)[pc.start : pc.start + pc.count] for pc in self._subgroups[i].pieces]
 
-        return source
+        return pieces
 
     def _fill_master(self, i: int) -> Callable[[torch.Tensor], None]:
         def fill(out: torch.Tensor) -> None:
@@ -484,6 +483,7 @@ class NVMeAdam(torch.optim.Optimizer):
         its message saying whether the model's weights need loading too
         (some parameters took the step's new weights)."""
         self._refuse_closed()
+        self._settle_streamed()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -602,23 +602,30 @@ class NVMeAdam(torch.optim.Optimizer):
         return out
 
     def _take_grads(self, sw: _Swapper, grads: Mapping[int, torch.Tensor]) -> None:
+        """Give the swapper each sub-group's gradient: held in memory, the
+        gradients' own elements (pieces, nothing packed); for the drive,
+        packed into one buffer per sub-group first."""
         for i, sg in enumerate(self._subgroups):
+            if not sw.gradients_on_drive:
+                sw.hold_gradient(i, [grads[pc.param][pc.start : pc.start + pc.count] for pc in sg.pieces])
+                continue
             buf = self._grads.get(i)
             if buf is None:
                 buf = self._grads[i] = torch.empty(sg.numel, dtype=torch.float32)
             for pc in sg.pieces:
                 buf[pc.offset : pc.offset + pc.count].copy_(grads[pc.param][pc.start : pc.start + pc.count])
-            if sw.gradients_on_drive:
-                sw.write_gradient(i, buf, async_op=False)
-            else:
-                sw.hold_gradient(i, buf)
+            sw.write_gradient(i, buf, async_op=False)
 
     # Sub-groups of the running step whose new weights went into the parameters (_refuse_after).
     _written_back = 0
     _closed = False
 
-    def _write_back(self, index: int, master: torch.Tensor) -> None:
+    def _write_back(self, index: int, master: torch.Tensor | None) -> None:
+        """The step's new master weights of sub-group `index` into the
+        parameters; None: stepped in them already (master="params")."""
         self._written_back += 1  # first: a Ctrl-C in the copy leaves it part-written
+        if master is None:
+            return
         for pc in self._subgroups[index].pieces:
             flat = self._flat(pc.param)
             if self.skip_freed_parameters and flat.untyped_storage().nbytes() == 0:
@@ -772,6 +779,8 @@ class NVMeAdam(torch.optim.Optimizer):
         if self._streaming:
             sd["state"] = self._placeholders(sw, sd["state"])
             return sd
+        if self._awaiting:
+            raise SwapStateError(self._awaiting_message())
         moments = self._read_moments(sw)
         state = {}
         for k, st in sd["state"].items():
@@ -787,21 +796,31 @@ class NVMeAdam(torch.optim.Optimizer):
     # -- streamed DCP save and load (aio.optim.dcp) -------------------------------------------
     _streaming = False
     _moments: DriveMoments | None = None  # the placeholders' drive access, inside streamed_state()
+    # The streamed load whose state dict load_state_dict() accepts: the one begun last, until a
+    # step or a default load (an older one's moments may no longer be those on the drive).
+    _pending: DriveMoments | None = None
+    # A streamed load wrote moments to the drive, its steps are not loaded yet: steps and saves
+    # refuse until load_state_dict() of its state dict or of another state (not swapper.broken:
+    # a genuine swapper failure must never be cleared by a load of the moments alone).
+    _awaiting = False
 
     @contextlib.contextmanager
     def streamed_state(self) -> Iterator[None]:
         """Inside it, state_dict() (and ``get_optimizer_state_dict``) gives
         each moment as a drive-backed placeholder
-        (:class:`aio.optim.dcp.DriveTensor`, a DTensor over one for a
-        DTensor parameter) instead of reading them all into memory:
+        (:class:`aio.optim.drive_moments.DriveTensor`, a DTensor over one
+        for a DTensor parameter) instead of reading them all into memory:
         ``dcp.save(..., planner=aio.optim.DriveSavePlanner())`` reads each
         from the drive as DCP writes it, ``dcp.load(...,
         planner=aio.optim.DriveLoadPlanner())`` writes each to the drive
         as DCP reads it, and load_state_dict() (``set_optimizer_state_dict``)
-        of that state dict loads the steps and hyper-parameters (until it
-        does, the optimizer refuses to step). The planners lease swap
-        buffers and give them back after their last item; save and load
-        inside the block: at its end the placeholders refuse. See
+        of that state dict loads the steps and hyper-parameters (from the
+        load's first write to the drive until it does, or another state is
+        loaded, the optimizer refuses to step or save; a failed dcp.load is
+        retried with the same or a new state dict). The planners lease swap
+        buffers and give them back after their last item (after a failure:
+        at the next step, the next save or load, or the block's end); save
+        and load inside the block: at its end the placeholders refuse. See
         docs/fsdp.md."""
         if self._streaming:
             raise ValueError(f"{type(self).__name__}.streamed_state() is already active")
@@ -813,26 +832,45 @@ class NVMeAdam(torch.optim.Optimizer):
             self._end_moments()
 
     def _end_moments(self) -> None:
-        """Close the current placeholders' drive access (writing what a
-        streamed load left in buffers, giving the swap buffers back)."""
+        """Close the current placeholders' drive access (giving back the
+        swap buffers a failed save or load left leased, writing nothing)."""
         moments, self._moments = self._moments, None
         if moments is not None:
-            moments.close()  # calls _refuse_steps when loaded moments wait for load_state_dict()
+            moments.close()
 
-    def _refuse_steps(self, sw: _Swapper) -> None:
-        """Moments loaded by DriveLoadPlanner wait for load_state_dict():
-        the swapper refuses (steps, reads) until a load_state_dict()."""
-        if not sw.closed:
-            sw.broken = (
-                f"{type(self).__name__}: moments were loaded by DriveLoadPlanner, but not yet the steps: "
-                "call set_optimizer_state_dict (load_state_dict) with that state dict, or load another state"
-            )
+    def _settle_streamed(self) -> None:
+        """Before a step: the buffers a failed streamed save or load left
+        leased go back (unwritten), and the step is refused while a
+        streamed load's moments wait for their steps."""
+        if self._moments is not None:
+            self._moments.abandon()
+        if self._awaiting:
+            raise SwapStateError(self._awaiting_message())
+        self._pending = None  # the moments change: no streamed state dict loaded before fits them
+
+    def _awaiting_message(self) -> str:
+        return (
+            f"{type(self).__name__}: a streamed load (DriveLoadPlanner) wrote moments to the drive, but "
+            "not yet their steps: call set_optimizer_state_dict (load_state_dict) with the state dict "
+            "dcp.load filled; if that dcp.load failed, run it again first (in this or a new "
+            "streamed_state() block), or load another state"
+        )
+
+    def _load_begun(self, moments: DriveMoments) -> None:
+        self._pending = moments
+
+    def _moments_written(self, moments: DriveMoments) -> None:
+        self._pending, self._awaiting = moments, True
+
+    def _save_refusal(self) -> str | None:
+        return self._awaiting_message() if self._awaiting else None
 
     def _placeholders(self, sw: _Swapper, state: Mapping[int, Any]) -> dict[int, Any]:
         """`state` (torch's, by parameter index) with each moment a
         placeholder read from the drive when a planner asks for it."""
         self._end_moments()
-        moments = DriveMoments(sw, layout_of(self._params, self._subgroups), lambda: self._refuse_steps(sw))
+        layout = layout_of(self._params, self._subgroups)
+        moments = DriveMoments(sw, layout, self._load_begun, self._moments_written, self._save_refusal)
         self._moments = moments
         out = {}
         for k, st in state.items():
@@ -867,11 +905,17 @@ class NVMeAdam(torch.optim.Optimizer):
         the parameters) loads only the hyper-parameters before the layout,
         which it does not make; once laid out, it starts every parameter
         afresh, as torch's does."""
-        sw = self._swapper
         moments = _streamed_moments(state_dict)
         if moments is not None:
             self._load_streamed(moments, state_dict)
             return
+        self._pending = None  # whatever this load writes, no earlier streamed state dict fits it
+        self._load_default(state_dict)
+        self._awaiting = False  # the whole state is loaded: no moments wait for their steps
+
+    def _load_default(self, state_dict: dict[str, Any]) -> None:
+        """load_state_dict() of a state dict holding its moments."""
+        sw = self._swapper
         if sw is None and not any((state_dict.get("state") or {}).values()):
             self._load_groups(state_dict, lambda: None)
             return
@@ -886,44 +930,49 @@ class NVMeAdam(torch.optim.Optimizer):
     def _load_streamed(self, moments: DriveMoments, state_dict: dict[str, Any]) -> None:
         """load_state_dict() of a state dict whose moments DriveLoadPlanner
         wrote to the drive: the steps and hyper-parameters, the master
-        weights taken from the parameters (with them on the drive)."""
+        weights taken from the parameters (with them on the drive). Only the
+        streamed load begun last, with every moment on the drive, and no
+        step or default load since."""
+        sw = self._streamed_swapper(moments, state_dict)
+        bare = {**state_dict, "state": {k: {**st, **dict.fromkeys(MOMENTS, ON_DRIVE)}
+                                        for k, st in state_dict["state"].items()}}  # fmt: skip
+        steps = self._load_groups(bare, self._plan_steps)
+        # First: a failure below leaves some sub-groups' steps loaded; refused until loaded again.
+        self._awaiting = True
+        for i, step in enumerate(steps):
+            sw.write_state(i, {}, {"step": torch.tensor(step)})
+            if sw.master_slot():
+                sw.update_master(i, self._fill_master(i))
+        self._awaiting = False
+        for k, p in enumerate(self._params):
+            step = _loaded_step(self.state.get(p, {}), k)
+            if step is not None:
+                self._set_step(p, step)
+
+    def _streamed_swapper(self, moments: DriveMoments, state_dict: dict[str, Any]) -> _Swapper:
+        """The swapper, after a ValueError unless `moments` are the last
+        streamed load's, all of them on the drive."""
         sw = self._swapper
-        if sw is None or moments.swapper is not sw or moments.closed and not moments.written:
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: the state dict's moments are placeholders of "
-                "another (or an ended) streamed_state(); load it with dcp.load(..., planner="
-                "aio.optim.DriveLoadPlanner()) inside the streamed_state() that made it"
-            )
         missing = [
             (k, n)
             for k, st in (state_dict.get("state") or {}).items()
             for n in MOMENTS
             if (src := drive_source(st.get(n))) is None or not src.moments.is_loaded(src.index, src.name)
         ]
-        if missing:
+        if sw is not None and moments is self._moments and (moments is not self._pending or missing):
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: moments {missing[:4]} (parameter, name) were not "
-                "loaded: load the state dict with dcp.load(..., planner=aio.optim.DriveLoadPlanner()) first"
+                f"{type(self).__name__}.load_state_dict: moments {missing[:4] or '(all)'} (parameter, name) "
+                "were not loaded: load the state dict with dcp.load(..., planner="
+                "aio.optim.DriveLoadPlanner()) first (again, if it failed)"
             )
-        moments.flush()
-        bare = {**state_dict, "state": {k: {**st, **dict.fromkeys(MOMENTS, ON_DRIVE)}
-                                        for k, st in state_dict["state"].items()}}  # fmt: skip
-        steps = self._load_groups(bare, self._plan_steps)
-        if sw.broken:  # set by an earlier streamed load left unfinished: this one finishes it
-            sw.broken = None
-        try:
-            for i, step in enumerate(steps):
-                sw.write_state(i, {}, {"step": torch.tensor(step)})
-                if sw.master_slot():
-                    sw.update_master(i, self._fill_master(i))
-        except BaseException:
-            sw.broken = f"{type(self).__name__}.load_state_dict() was interrupted part-way; load it again"
-            raise
-        moments.applied = True
-        for k, p in enumerate(self._params):
-            step = _loaded_step(self.state.get(p, {}), k)
-            if step is not None:
-                self._set_step(p, step)
+        if sw is None or moments.swapper is not sw or moments is not self._pending or missing:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state dict's moments are placeholders of "
+                "another streamed_state(), or of a streamed load since replaced (by a later streamed load, "
+                "a step or another load), or not loaded: load the state dict that the last dcp.load(..., "
+                "planner=aio.optim.DriveLoadPlanner()) filled, before stepping"
+            )
+        return sw
 
     def _plan_steps(self) -> list[float]:
         """Each sub-group's loaded step (self.state, after torch's load),

@@ -11,6 +11,11 @@ gradients are only ever held in memory, as aio.zero's trainer does with
 ``aio_zero.gradients: cpu``; without the master weights where
 :meth:`OptimizerSwapper.master_slot` says they live elsewhere, as
 NVMeAdamW's ``master="params"`` keeps them in the model's fp32 parameters).
+Master weights kept elsewhere are copied into a buffer for the update and
+out after it (:meth:`OptimizerSwapper.initialize_from`), or stepped where they
+are, piece by piece, with no copy and no buffer
+(:meth:`OptimizerSwapper.initialize_in_place`); a gradient held in memory may
+be pieces too (:meth:`OptimizerSwapper.hold_gradient`; :mod:`aio.swap.pieces`).
 
 The optimizer's state tensors are discovered by stepping the optimizer once
 on a probe parameter, not hard-coded, so any elementwise torch optimizer
@@ -50,6 +55,7 @@ from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
 from .param import SwapStateError
 from .param_groups import TorchGroups
+from .pieces import Pieces, check_pieces, is_pieces, segments
 from .pool import BufferPool
 from .storage import (
     align_up,
@@ -80,11 +86,14 @@ class _SubGroup:
     scalars: dict[str, Any] | None = None  # None until its first step
     valid: bool = False  # drive copy holds a complete state
     grad_future: IOFuture | None = None
-    grad_mem: Any = None  # fp32 CPU tensor holding the gradient instead of the drive
+    # fp32 CPU tensor holding the gradient instead of the drive, or its pieces (a tuple: pieces.py)
+    grad_mem: Any = None
     proxy: Any = None
     history: list[str] = field(default_factory=list)
     # Until its master weights are first written: reads them from elsewhere (initialize_from).
     master_source: MasterSource | None = None
+    # Master weights stepped where they live (initialize_in_place): their pieces, asked at each use.
+    master_pieces: Callable[[], Sequence[Any]] | None = None
 
 
 BUFFER_COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
@@ -409,8 +418,46 @@ class OptimizerSwapper:
         self._check_usable()
         self.drop_cached()
         g = self.groups[index]
-        g.scalars, g.valid, g.master_source = None, True, source
+        g.scalars, g.valid, g.master_source, g.master_pieces = None, True, source, None
         return True
+
+    def initialize_in_place(self, index: int, pieces: Callable[[], Sequence[Any]]) -> None:
+        """initialize_from() for master weights that the step updates where
+        they live, never copied: ``pieces()`` returns the float32 CPU
+        tensors, each contiguous, laid end to end (the sub-group's size in
+        all) that hold sub-group `index`'s master weights -- NVMeAdamW's
+        parameters with ``master="params"`` -- asked at every use (a tensor
+        replaced between steps is the one stepped). The update runs on them
+        piece by piece (:mod:`aio.swap.pieces`: the same bits, the update
+        being elementwise), so a step copies nothing in or out for them and
+        leases no buffer for them; `after` gets None for their master (they
+        hold the new values already). Needs master_slot() False (ValueError
+        otherwise). Its gradient and states start at zero."""
+        self._check_usable()
+        if self.master_slot():
+            raise ValueError(
+                f"sub-group {index}: initialize_in_place() is for a swapper whose master weights live "
+                "elsewhere (master_slot() False); this one keeps them on the drive: initialize() it"
+            )
+        if not callable(pieces):
+            raise TypeError(f"sub-group {index}: pieces must be a callable, got {type(pieces).__name__}")
+        self.drop_cached()  # kept buffers were leased for the old mode (one for the master)
+        g = self.groups[index]
+
+        def source(out: Any) -> list[IOFuture]:  # read_master() and read_state("param")
+            at = 0
+            for t in self._master_pieces(g):
+                out[at : at + t.numel()].copy_(t)
+                at += t.numel()
+            return []
+
+        g.scalars, g.valid, g.master_source, g.master_pieces = None, True, source, pieces
+
+    def _master_pieces(self, g: _SubGroup) -> Pieces:
+        """Sub-group `g`'s in-place master weights, checked (see initialize_in_place)."""
+        if g.master_pieces is None:
+            raise SwapStateError(f"sub-group {g.index}'s master weights are not in place")
+        return check_pieces(g.master_pieces(), g.numel, f"sub-group {g.index}'s master weights")
 
     def _start_part_read(self, g: _SubGroup, name: str, lease: Lease) -> list[IOFuture]:
         """Start reading one of sub-group `g`'s tensors into `lease`'s buffer:
@@ -495,11 +542,23 @@ class OptimizerSwapper:
         """Let the next step() take sub-group `index`'s gradient from `grad` (fp32,
         CPU, kept by reference: fill it before step()) instead of reading it from
         the drive: 8 bytes per element less I/O per step, for 4 bytes per element
-        of memory. A later write_gradient() makes the drive copy current again."""
+        of memory. A later write_gradient() makes the drive copy current again.
+        `grad` may also be a list of pieces (float32 CPU tensors, each
+        contiguous, laid end to end: NVMeAdamW's parameters' gradients), which
+        the step reads where they are (:mod:`aio.swap.pieces`): nothing packed.
+        Pieces of a sub-group without a gradient slot are held for one step:
+        let go once it is stepped, so the caller's tensors (``p.grad``, which
+        ``zero_grad()`` drops) are not kept alive into the next backward;
+        hold them again before the next step."""
         import torch
 
         self._check_usable()
         g = self.groups[index]
+        if not isinstance(grad, torch.Tensor):
+            held = check_pieces(grad, g.numel, f"sub-group {index}'s held gradient")
+            self._settle_grad(g)
+            g.grad_mem = held
+            return
         if grad.numel() != g.numel or grad.dtype != torch.float32 or grad.device.type != "cpu":
             raise ValueError(
                 f"sub-group {index}: a held gradient must be {g.numel} fp32 elements on the CPU, "
@@ -584,20 +643,53 @@ class OptimizerSwapper:
             g.proxy.grad = None
 
     def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None, lowp: Any = None) -> None:
+        """Step sub-group `g` on `views` (name -> its tensor; the master
+        weights and the gradient may be pieces: then stepped as segments,
+        each a proxy of one optimizer step, :mod:`aio.swap.pieces`)."""
         import torch
 
-        from ..optim import CPUAdam, step_scaled
+        from ..optim import step_scaled
 
-        proxy = g.proxy
-        proxy.data = views["param"]
-        proxy.grad = views["grad"]
-        st = self.optimizer.state[proxy]
+        if is_pieces(views["param"]) or is_pieces(views["grad"]):
+            segs = segments(g.numel, {**views, "lowp": lowp})
+            proxies = [torch.nn.Parameter(torch.empty(0)) for _ in segs]
+            opt = self._segment_optimizer(g, proxies)
+        else:
+            segs, proxies, opt = [{**views, "lowp": lowp}], [g.proxy], self.optimizer
+        for proxy, seg in zip(proxies, segs, strict=True):
+            proxy.data = seg["param"]
+            proxy.grad = seg["grad"]
+            self._start_state(opt, g, proxy, seg)
+        lows: dict[Any, Any] | None = None
+        if lowp is not None:
+            lows = {p: seg["lowp"] for p, seg in zip(proxies, segs, strict=True)}
+        step_scaled(opt, [seg["grad"] for seg in segs], grad_scale, lows)
+        scalars = [self._end_state(opt, g, proxy, seg) for proxy, seg in zip(proxies, segs, strict=True)]
+        g.scalars = scalars[0]  # every segment counted from the same values, once
+
+    def _segment_optimizer(self, g: _SubGroup, proxies: list[Any]) -> Any:
+        """A torch optimizer over `proxies` (sub-group `g`'s segments) with
+        the hyper-parameters of `g`'s param group now: one step() for all."""
+        pg = self.optimizer.param_groups[self.torch_groups.torch_index[self.torch_groups.of.get(g.index, 0)]]
+        return self.optimizer_cls(
+            [{**{k: v for k, v in pg.items() if k != "params"}, "params": proxies}], **self.hyper
+        )
+
+    def _start_state(self, opt: Any, g: _SubGroup, proxy: Any, views: dict[str, Any]) -> None:
+        """`proxy`'s state in `opt` before its update: `g`'s scalars and its
+        state tensors' `views`, or the optimizer's first state."""
+        import torch
+
+        from ..optim import CPUAdam
+
+        st = opt.state[proxy]
         st.clear()
         if g.scalars is not None:
-            st.update(g.scalars)
+            # A copy each: the update counts a proxy's step on in place.
+            st.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.scalars.items()})
             for name, _ in self.spec:
                 st[name] = views[name]
-        elif isinstance(self.optimizer, CPUAdam):
+        elif isinstance(opt, CPUAdam):
             # Its first state is a zero step and zero moments, which the buffers
             # hold already (_read_parts zeroes them): stepped in place, not
             # made in fresh memory and copied over (16 GB at 2B in step 1:
@@ -612,7 +704,13 @@ class OptimizerSwapper:
             # parameter without it; lazy ones create nothing here and make it
             # in step(). Either way it is copied into the buffer below.
             st.update(self.optimizer_cls([proxy], **self.hyper).state.get(proxy, {}))
-        step_scaled(self.optimizer, [views["grad"]], grad_scale, None if lowp is None else {proxy: lowp})
+
+    def _end_state(self, opt: Any, g: _SubGroup, proxy: Any, views: dict[str, Any]) -> dict[str, Any]:
+        """After the update: `proxy`'s state tensors in their `views`, its
+        state forgotten by `opt`; returns its scalars (copies)."""
+        import torch
+
+        st = opt.state[proxy]
         names = {n for n, _ in self.spec}
         for name in names:
             t = st.get(name)
@@ -620,10 +718,11 @@ class OptimizerSwapper:
                 raise SwapStateError(f"optimizer did not produce state '{name}' for sub-group {g.index}")
             if t.data_ptr() != views[name].data_ptr():
                 views[name].copy_(t)
-        g.scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items() if k not in names}
+        scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items() if k not in names}
         st.clear()
         proxy.grad = None
         proxy.data = torch.empty(0)
+        return scalars
 
     def step(
         self,
@@ -669,11 +768,7 @@ class OptimizerSwapper:
         # from kept buffers: finished first, not stepped under.
         if not write_back or (self._carry is not None and self._carry.writes):
             self.drop_cached()
-        for i in order:
-            if not self.groups[i].valid and (self._carry is None or i not in self._carry.reads):
-                raise SwapStateError(f"sub-group {i} has no valid state on the drive; initialize() it first")
-            if "grad" not in self.groups[i].parts and self.groups[i].grad_mem is None:
-                raise SwapStateError(f"sub-group {i} has no gradient: hold_gradient() one before step()")
+        in_place = self._check_ready(order)
         self._ensure_optimizer()
         io, self._carry = self._carry, None
         io = io or _StepIO(self, self._pool())
@@ -689,10 +784,18 @@ class OptimizerSwapper:
                 if i not in io.reads:
                     io.start_read(i, must=True)
                 io.finish_read(i)  # before any read ahead takes the buffers it needs
-                if ahead and k + 1 < len(order) and order[k + 1] not in io.reads:
-                    io.start_read(order[k + 1], must=False, partly=write_back)
+                nxt = order[k + 1] if ahead and k + 1 < len(order) else None
+                if nxt is not None and nxt not in io.reads:
+                    io.start_read(nxt, must=False, partly=write_back)
                 leases = io.take_read(i)
-                self._step_subgroup(self.groups[i], leases, after, grad_scale, (lowp or {}).get(i))
+                if nxt is not None and nxt not in io.reads:
+                    # Again: the write-back started beside i's read may have
+                    # landed meanwhile, freeing buffers to read ahead into
+                    # during i's update (the drive idled through each update).
+                    io.start_read(nxt, must=False, partly=write_back)
+                self._step_subgroup(
+                    self.groups[i], leases, after, grad_scale, (lowp or {}).get(i), in_place.get(i)
+                )
                 io.done_stepping(i, leases, write_back)
             io.carry_over(order[::-1], read_ahead=write_back)
             self.steps += 1
@@ -700,6 +803,17 @@ class OptimizerSwapper:
         except BaseException as e:
             self._abandon_step(io, e)
             raise
+
+    def _check_ready(self, order: list[int]) -> dict[int, Pieces]:
+        """Before a step changes anything: SwapStateError unless every
+        sub-group has a valid state and a gradient; returns the master
+        weights' pieces of those stepped in place (asked once a step)."""
+        for i in order:
+            if not self.groups[i].valid and (self._carry is None or i not in self._carry.reads):
+                raise SwapStateError(f"sub-group {i} has no valid state on the drive; initialize() it first")
+            if "grad" not in self.groups[i].parts and self.groups[i].grad_mem is None:
+                raise SwapStateError(f"sub-group {i} has no gradient: hold_gradient() one before step()")
+        return {i: self._master_pieces(g) for i, g in self.groups.items() if g.master_pieces is not None}
 
     def _abandon_step(self, io: _StepIO, e: BaseException) -> None:
         """After step() failed with `e`: refuse use, then drain `io`. Refusing
@@ -713,7 +827,8 @@ class OptimizerSwapper:
         self._drain_carry()
 
     def _check_after(self, after: Callable[[int, Any], None] | None) -> None:
-        if after is None and not self.master_slot():
+        in_place = all(g.master_pieces is not None for g in self.groups.values())
+        if after is None and not self.master_slot() and not in_place:
             # The update would land in a buffer and be dropped: moments and step
             # count advanced, master weights not -- a silent divergence.
             raise ValueError(
@@ -728,7 +843,10 @@ class OptimizerSwapper:
         after: Callable[[int, Any], None] | None,
         grad_scale: Any,
         lowp: Any = None,
+        in_place: Pieces | None = None,
     ) -> None:
+        """Step sub-group `g` from its buffers (`leases`); `in_place`: its
+        master weights' pieces, stepped where they are (initialize_in_place)."""
         import torch
 
         from ..optim import CPUAdam
@@ -740,15 +858,19 @@ class OptimizerSwapper:
         widen = bool(self.narrowed) and not isinstance(self.optimizer, CPUAdam)
         for name in self.narrowed if widen else []:
             widen_bf16(leases[name].tensor(torch.uint8), g.numel)
-        if "param" not in g.parts:
+        if "param" not in g.parts and in_place is None:
             # Master weights kept off the drive (master_slot): taken from their
             # source now, not when read ahead or kept from the last step, so a
             # change made to them since (a model load) is what gets stepped.
             _wait_all(self._start_part_read(g, "param", leases["param"]))
         views = self._views(g, leases, widened=widen)
+        if in_place is not None:
+            views["param"] = in_place
         if "grad" not in views:
             views["grad"] = g.grad_mem
         self._apply(g, views, grad_scale, lowp)
+        if is_pieces(g.grad_mem) and "grad" not in g.parts:
+            g.grad_mem = None  # held for this step only (see hold_gradient)
         for name in self.narrowed if widen else []:  # as the drive holds them
             raw = leases[name].tensor(torch.uint8)
             narrow_bf16(raw, g.numel)
@@ -761,7 +883,7 @@ class OptimizerSwapper:
             g.master_source = None
         self.counters["subgroup_steps"] += 1
         if after is not None:
-            after(g.index, views["param"])
+            after(g.index, None if in_place is not None else views["param"])
 
     def master_extent(self, index: int) -> tuple[SwapSpace, int] | None:
         """Where sub-group `index`'s fp32 master weights live on the drive: the
@@ -824,6 +946,19 @@ class OptimizerSwapper:
         write_state() refuses them), then each optimizer state (``exp_avg``,
         ``exp_avg_sq`` for Adam)."""
         return [n for n in self._saved_parts() if n != "param" or self.master_slot()]
+
+    def scalars(self, index: int) -> dict[str, Any] | None:
+        """Sub-group `index`'s scalar state (Adam's ``step``) as a new dict
+        (tensors cloned: a later step does not change it), None before its
+        first step or load."""
+        import torch
+
+        g = self.groups.get(index)
+        if g is None:
+            raise ValueError(f"no sub-group {index} is registered")
+        if g.scalars is None:
+            return None
+        return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.scalars.items()}
 
     def _state_part(self, index: int, name: str) -> _SubGroup:
         g = self.groups.get(index)
@@ -966,6 +1101,12 @@ class OptimizerSwapper:
     def _saved_parts(self) -> list[str]:
         """The tensors a step writes back and a checkpoint holds: all but the gradient."""
         return ["param", *(n for n, _ in self.spec)]
+
+    def _kept_parts(self, g: _SubGroup) -> list[str]:
+        """The tensors a stepped sub-group keeps a buffer for: _saved_parts()
+        but the master weights where they are stepped in place."""
+        parts = self._saved_parts()
+        return parts[1:] if g.master_pieces is not None else parts
 
     def _param_groups(self) -> list[dict[str, Any]]:
         if self.optimizer is None:
@@ -1294,7 +1435,7 @@ class _StepIO:
         sw, g = self.sw, self.sw.groups[i]
         futs: list[IOFuture] = []
         try:
-            for name, lease in zip(sw._saved_parts(), leases, strict=True):
+            for name, lease in zip(sw._kept_parts(g), leases, strict=True):
                 if name not in g.parts:  # master weights kept off the drive (master_slot)
                     continue
                 off, n = sw._part_io(g, name)
@@ -1361,9 +1502,10 @@ class _StepIO:
         while another read is partial); False when nothing was started."""
         sw, g = self.sw, self.sw.groups[i]
         names = [n for n in g.parts if n != "grad" or g.grad_mem is None]
-        if "param" not in g.parts:
+        if "param" not in g.parts and g.master_pieces is None:
             # Master weights kept off the drive take a buffer but no read:
             # leased last, so a partial read ahead spends its buffers on reads.
+            # (Stepped in place, they take none.)
             names.append("param")
         if self.partial and not must:
             return False
@@ -1421,7 +1563,7 @@ class _StepIO:
         kept dirty (`write_back`), or written now, pipelined or waited for."""
         if "grad" in leases:
             self._release(leases["grad"])
-        kept = [leases[name] for name in self.sw._saved_parts()]
+        kept = [leases[name] for name in self.sw._kept_parts(self.sw.groups[i])]
         if write_back:
             self.kept[i] = (kept, True)
             return
@@ -1441,7 +1583,11 @@ class _StepIO:
         while self.writes:
             self._finish_write(self.writes.popleft())
         for i, (leases, dirty) in self.kept.items():
-            self.reads[i] = (dict(zip(self.sw._saved_parts(), leases, strict=True)), [], dirty)
+            self.reads[i] = (
+                dict(zip(self.sw._kept_parts(self.sw.groups[i]), leases, strict=True)),
+                [],
+                dirty,
+            )
             self.carried.add(i)
         self.kept.clear()
         if read_ahead:
@@ -1467,10 +1613,10 @@ class _StepIO:
         """Write every carried sub-group not yet on the drive, and wait (the
         writes are tracked in `writes`, so abort() drains them after a failure;
         after a Ctrl-C, a second call waits for those already started)."""
-        parts = self.sw._saved_parts()
         started = {entry[0] for entry in self.writes}
         for i, (leases, _futs, dirty) in list(self.reads.items()):
             if dirty and i not in started:
+                parts = self.sw._kept_parts(self.sw.groups[i])
                 self.writes.append(self._start_write(i, [leases[n] for n in parts]))
         while self.writes:
             i, _leases, futs = self.writes[0]

@@ -361,11 +361,17 @@ def case_dcp_load(rank, tmp):
     return {"equal": equal, "losses": {f"{k}<-{s}": v[0] for (k, s), v in runs.items()}}
 
 
-def _stream_run(kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0, streamed_load=True):
+def _stream_run(
+    kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0, streamed_load=True, fail=False
+):
     """_ckpt_run with NVMeAdamW's streamed DCP save (always) and load
     (unless `streamed_load` is False: DCP's default load of the
     checkpoint): the moments one parameter at a time, through
-    streamed_state() and aio.optim's planners."""
+    streamed_state() and aio.optim's planners. Small sub-groups: a
+    parameter's local moment spans several, a resharded checkpoint's
+    pieces cross them. `fail`: the first streamed load fails on rank 1
+    between two pieces of a moment (every rank sees it fail), then is
+    retried with the same state dict in the same block."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -373,13 +379,16 @@ def _stream_run(kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0,
     from aio.optim import DriveLoadPlanner, DriveSavePlanner
 
     model = _fsdp2(_model())
-    opt = _nvme(model.parameters(), tmp, rank, master="drive" if kind == "aio-drive" else "auto")
+    master = "drive" if kind == "aio-drive" else "auto"
+    opt = _nvme(model.parameters(), tmp, rank, master=master, sub_group_size=STREAM_SUB_GROUP)
     if load_from:
         with opt.streamed_state() if streamed_load else _nothing():
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd}
+            if fail and not _failed_load(state, load_from, rank):
+                raise RuntimeError("the injected failure of the streamed load did not happen")
             planner = DriveLoadPlanner() if streamed_load else None
-            dcp.load(state, checkpoint_id=load_from, planner=planner)
+            dcp.load(state, checkpoint_id=load_from, planner=planner)  # after `fail`: the retry
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     losses = _train(model, opt, steps, rank, start=start)
     if save_to:
@@ -390,6 +399,34 @@ def _stream_run(kind, rank, tmp, load_from=None, save_to=None, steps=3, start=0,
     full = _full(model)
     opt.close()
     return losses, full
+
+
+STREAM_SUB_GROUP = 300  # elements: the 2-rank shards of the first two weights span 2 and 7 sub-groups
+
+
+def _failed_load(state, load_from, rank) -> bool:
+    """A streamed load failing on rank 1 after its 3rd placeholder piece
+    (rank 1 of 3 takes each moment of the first weight in two pieces from
+    the 2-rank checkpoint); True once every rank saw it fail."""
+    import torch.distributed.checkpoint as dcp
+
+    from aio.optim import DriveLoadPlanner
+
+    class Failing(DriveLoadPlanner):
+        committed = 0
+
+        def commit_tensor(self, read_item, tensor):
+            super().commit_tensor(read_item, tensor)
+            if read_item.dest_index.fqn in self.drive:
+                self.committed += 1
+                if rank == 1 and self.committed == 3:
+                    raise OSError(5, "Input/output error (injected)")
+
+    try:
+        dcp.load(state, checkpoint_id=load_from, planner=Failing())
+    except BaseException as e:  # DCP's CheckpointException (a BaseException), on every rank
+        return "injected" in str(e)
+    return False
 
 
 def _nothing():
@@ -404,27 +441,48 @@ STREAM_KINDS = ("aio", "aio-drive")
 def case_dcp_stream_save(rank, tmp):
     """3 steps, then a streamed DCP save (FSDP2 DTensor moments read from
     the drive one parameter at a time), with either master: the same losses
-    as torch's AdamW (case dcp_save's run, again here)."""
-    lt = _ckpt_run("torch", rank, tmp)[0]
+    as torch's AdamW, and the checkpoint what torch's is: torch's AdamW
+    resumed from it (DCP's default load) goes on as from torch's own."""
+    lt = _ckpt_run("torch", rank, tmp, save_to=os.path.join(tmp, "ckpt_stream_ref"))[0]
     out = {
         kind: _stream_run(kind, rank, tmp, save_to=os.path.join(tmp, f"ckpt_stream_{kind}"))
         for kind in STREAM_KINDS
     }
-    return {"equal": all(ls == lt for ls, _ in out.values()), "losses": out["aio"][0]}
+    ref = _ckpt_run("torch", rank, tmp, load_from=os.path.join(tmp, "ckpt_stream_ref"), steps=2, start=3)
+    resumed = [
+        _ckpt_run("torch", rank, tmp, load_from=os.path.join(tmp, f"ckpt_stream_{kind}"), steps=2, start=3)
+        for kind in STREAM_KINDS
+    ]
+    same = all(ls == ref[0] and all(map(torch.equal, p, ref[1])) for ls, p in resumed)
+    return {"equal": same and all(ls == lt for ls, _ in out.values()), "losses": out["aio"][0]}
 
 
 def case_dcp_stream_load(rank, tmp):
     """The 2-rank checkpoints resharded to this world, 3 more steps: a
     streamed load (either master) of the streamed checkpoints, of aio's
-    default one and of torch's; DCP's default load of a streamed checkpoint
-    into aio's and torch's optimizers -- all bit-identical to torch's AdamW
-    resumed from torch's checkpoint."""
-    ref_l, ref_p = _ckpt_run("torch", rank, tmp, load_from=os.path.join(tmp, "ckpt_torch"), start=3)
+    default one and of torch's; one failing on rank 1 between two pieces
+    of a moment, retried in the same block; DCP's default load of a
+    streamed checkpoint into aio's and torch's optimizers -- all
+    bit-identical to torch's AdamW resumed from torch's checkpoint. Then a
+    streamed save on this world (the last weight's 2 rows: a rank with a
+    0-element moment) resumes torch's AdamW as torch's own checkpoint does."""
+    ref_l, ref_p = _ckpt_run(
+        "torch",
+        rank,
+        tmp,
+        load_from=os.path.join(tmp, "ckpt_torch"),
+        start=3,
+        save_to=os.path.join(tmp, "ck3_torch"),
+    )
     ck = {src: os.path.join(tmp, f"ckpt_{src}") for src in ("stream_aio", "stream_aio-drive", "aio", "torch")}
     runs = {}
     for kind in STREAM_KINDS:
         for src in ck:
             runs[(kind, src, "streamed")] = _stream_run(kind, rank, tmp, load_from=ck[src], start=3)
+        runs[(kind, "stream_aio", "retried")] = _stream_run(
+            kind, rank, tmp, load_from=ck["stream_aio"], start=3, fail=True,
+            save_to=os.path.join(tmp, f"ck3_{kind}"),
+        )  # fmt: skip
     runs[("aio", "stream_aio", "default")] = _stream_run(
         "aio", rank, tmp, load_from=ck["stream_aio"], start=3, streamed_load=False
     )
@@ -432,6 +490,11 @@ def case_dcp_stream_load(rank, tmp):
         "torch", rank, tmp, load_from=ck["stream_aio-drive"], start=3
     )
     equal = all(ls == ref_l and all(map(torch.equal, p, ref_p)) for ls, p in runs.values())
+    ref2 = _ckpt_run("torch", rank, tmp, load_from=os.path.join(tmp, "ck3_torch"), steps=2, start=6)
+    for kind in STREAM_KINDS:
+        got = _ckpt_run("torch", rank, tmp, load_from=os.path.join(tmp, f"ck3_{kind}"), steps=2, start=6)
+        runs[("torch", f"ck3_{kind}", "default")] = got
+        equal = equal and got[0] == ref2[0] and all(map(torch.equal, got[1], ref2[1]))
     return {"equal": equal, "runs": len(runs), "losses": {"<-".join(k): v[0] for k, v in runs.items()}}
 
 
