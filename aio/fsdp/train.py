@@ -221,11 +221,16 @@ def free_comm_buffers(model: Any) -> None:
     the next group's reduction (to recycle it on a GPU). With gloo both
     collectives are synchronous: the buffers are done with when FSDP keeps
     them, one gathered group each. On every FSDP module, a forward pre-hook
-    after FSDP's (its own is prepended) drops the first, and a backward
-    pre-hook, as the module's backward begins, drops the second. These are
-    FSDP2's internals (``comm_ctx``), as torch 2.13 names them; where they
-    are not there nothing is freed (aio.fsdp._internals keeps them)."""
+    after FSDP's (its own is prepended) drops the first, and a gradient hook
+    on its outputs, as the module's backward begins, drops the second (a
+    multi-grad hook, as FSDP2 uses itself: a full backward hook would wrap
+    every input and output, warn when no input needs a gradient, and refuse
+    in-place ops on them). These are FSDP2's internals (``comm_ctx``), as
+    torch 2.13/2.14 name them; where they are not there nothing is freed
+    (aio.fsdp._internals keeps them)."""
+    import torch
     from torch.distributed.fsdp import FSDPModule
+    from torch.utils._pytree import tree_leaves
 
     from ._internals import module_groups, release_comm_buffers
 
@@ -233,15 +238,21 @@ def free_comm_buffers(model: Any) -> None:
         for pg in module_groups(m):
             release_comm_buffers(pg, gather=True)
 
-    def drop_reduce(m: Any, *_: Any) -> None:
-        for pg in module_groups(m):
-            release_comm_buffers(pg, reduce=True)
+    def arm_reduce(m: Any, _args: Any, output: Any) -> None:
+        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+
+            def drop_reduce(_grads: Any) -> None:
+                for pg in module_groups(m):
+                    release_comm_buffers(pg, reduce=True)
+
+            torch.autograd.graph.register_multi_grad_hook(outs, drop_reduce, mode="any")
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
             hooks: Any = module  # an nn.Module too
             hooks.register_forward_pre_hook(drop_gather)
-            hooks.register_full_backward_pre_hook(drop_reduce)
+            hooks.register_forward_hook(arm_reduce)
 
 
 def init_like_build(model: Any, seed: int) -> None:

@@ -82,7 +82,40 @@ def resolve_master(requested: str, params: Sequence[Any], tier_reads_master: boo
         return "drive"
     # auto: a tier that frees the parameters between steps reads them back
     # from the master on the drive; keep it there (its default path).
-    return "drive" if requested == "auto" and tier_reads_master else "params"
+    if requested == "auto" and tier_reads_master:
+        return "drive"
+    overlap = overlapping(params)
+    if overlap is None:
+        return "params"
+    if requested == "auto":
+        return "drive"
+    a, b = overlap
+    raise ValueError(
+        f"{name(a)} and {name(b)} share memory: master='params' updates the parameters in "
+        "place, so the second would be stepped from the first's new values; use "
+        "master='drive' (or 'auto'), or give the optimizer each tensor once"
+    )
+
+
+def overlapping(params: Sequence[Any]) -> tuple[int, int] | None:
+    """The indices of two parameters whose local tensors share bytes
+    (views of one buffer), or None."""
+    spans = []
+    for k, p in enumerate(params):
+        local = local_of(p)
+        storage = local.untyped_storage()
+        n = local.numel() * local.element_size()
+        if n and storage.nbytes():  # a freed shard (or aio.fsdp's stand-in for one) aliases nothing
+            start = storage.data_ptr() + local.storage_offset() * local.element_size()
+            spans.append((start, start + n, k))
+    spans.sort()
+    reach, owner = -1, -1  # the furthest end so far, and whose
+    for start, end, k in spans:
+        if start < reach:
+            return (min(owner, k), max(owner, k))
+        if end > reach:
+            reach, owner = end, k
+    return None
 
 
 def check_live(flat: torch.Tensor, name: str) -> None:

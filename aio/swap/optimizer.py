@@ -810,8 +810,10 @@ class OptimizerSwapper:
         weights' pieces of those stepped in place (asked once a step)."""
         for i in order:
             if not self.groups[i].valid and (self._carry is None or i not in self._carry.reads):
+                self._drop_held_pieces()
                 raise SwapStateError(f"sub-group {i} has no valid state on the drive; initialize() it first")
             if "grad" not in self.groups[i].parts and self.groups[i].grad_mem is None:
+                self._drop_held_pieces()
                 raise SwapStateError(f"sub-group {i} has no gradient: hold_gradient() one before step()")
         return {i: self._master_pieces(g) for i, g in self.groups.items() if g.master_pieces is not None}
 
@@ -823,8 +825,17 @@ class OptimizerSwapper:
             f"optimizer step {self.steps + 1} failed ({type(e).__name__}: {e}); the swapped "
             f"optimizer state is partly updated. {self._restore_hint()}"
         )
+        self._drop_held_pieces()
         self._carry = io
         self._drain_carry()
+
+    def _drop_held_pieces(self) -> None:
+        """Forget gradients held as pieces (views of the owner's gradients,
+        held for one step only) after a step that did not take them: they
+        would keep a whole set of gradients alive into the next backward."""
+        for g in self.groups.values():
+            if is_pieces(g.grad_mem) and "grad" not in g.parts:
+                g.grad_mem = None
 
     def _check_after(self, after: Callable[[int, Any], None] | None) -> None:
         in_place = all(g.master_pieces is not None for g in self.groups.values())
@@ -868,6 +879,11 @@ class OptimizerSwapper:
             views["param"] = in_place
         if "grad" not in views:
             views["grad"] = g.grad_mem
+        if in_place is not None and after is not None:
+            # Told before the update, which changes the parameters themselves: a
+            # Ctrl-C right after the kernel returns must not leave them counted
+            # unchanged (the owner's recovery advice depends on it).
+            after(g.index, None)
         self._apply(g, views, grad_scale, lowp)
         if is_pieces(g.grad_mem) and "grad" not in g.parts:
             g.grad_mem = None  # held for this step only (see hold_gradient)
@@ -882,8 +898,8 @@ class OptimizerSwapper:
         if "param" in g.parts:
             g.master_source = None
         self.counters["subgroup_steps"] += 1
-        if after is not None:
-            after(g.index, None if in_place is not None else views["param"])
+        if after is not None and in_place is None:
+            after(g.index, views["param"])
 
     def master_extent(self, index: int) -> tuple[SwapSpace, int] | None:
         """Where sub-group `index`'s fp32 master weights live on the drive: the

@@ -42,10 +42,17 @@ def _kept(model: torch.nn.Module, free: bool) -> tuple[list[bool], list[int], fl
 
     held: list[int] = []
     gathered: list[bool] = []
+
+    def probe_backward(_m: Any, _args: Any, out: Any) -> None:
+        # As the module's backward begins: a gradient hook on its output, after shard_gpt's.
+        torch.autograd.graph.register_multi_grad_hook(
+            [out], lambda _g: held.append(len(ctx().reduce_scatter_states)), mode="any"
+        )
+
     for block in model.blocks:
         for layer in (block.attn.qkv, block.fc):  # registered after shard_gpt's: run after them
             layer.register_forward_pre_hook(lambda *_: gathered.append(ctx().all_gather_state is not None))
-            layer.register_full_backward_pre_hook(lambda *_: held.append(len(ctx().reduce_scatter_states)))
+            layer.register_forward_hook(probe_backward)
     x = torch.arange(16).reshape(1, 16) % 32
     loss = model(x).float().pow(2).mean()
     loss.backward()
