@@ -740,7 +740,12 @@ class SwapStorage:
         me = _identity()
         name = f"{job}-rank{r}-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         for _attempt in range(8):
-            self.root, self._root_fd = _open_private_root(nvme_path)
+            try:
+                self.root, self._root_fd = _open_private_root(nvme_path)
+            except FileNotFoundError:
+                # Another job of ours (another rank) removed the empty user folder
+                # between our mkdir and its checks: redo.
+                continue
             try:
                 self.reclaimed = _reclaim_dead(self._root_fd, me)
                 os.mkdir(name, 0o700, dir_fd=self._root_fd)  # exclusive: never share a folder

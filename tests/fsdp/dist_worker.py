@@ -535,6 +535,12 @@ def _worker(rank: int, world: int, out: str, cases: list[str]) -> None:
             res = {"ok": False, "error": traceback.format_exc()}
         with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(res, f, default=str)
+        if not res["ok"]:
+            # The other ranks may be inside a collective of this case: a barrier
+            # here would hang the group until the test's timeout. Leave: their
+            # collective fails at once (gloo sees the peer gone) and they report.
+            sys.stdout.flush()
+            os._exit(3)
         dist.barrier()
     dist.barrier()
     dist.destroy_process_group()

@@ -208,3 +208,28 @@ def test_without_procfs_the_handle_gets_the_real_path(tmp_path, monkeypatch):
     finally:
         space.close()
     assert not os.path.exists(space.dirs[0])
+
+
+def test_the_user_folder_removed_by_another_rank_while_opening_is_made_again(tmp_path, monkeypatch) -> None:
+    """Two ranks of one user share the per-user folder; one closing (its
+    rmdir of the emptied folder) between the other's mkdir and its checks
+    made the other fail with FileNotFoundError (seen as a hung 2-rank job):
+    the opening is redone."""
+    from aio.swap import storage as st
+
+    real, calls = st._open_private_root, []
+
+    def removed_once(path: str):
+        calls.append(path)
+        if len(calls) == 1:
+            os.rmdir(os.path.join(path, st.root_name()))  # the other rank's close, just now
+            raise FileNotFoundError(2, "No such file or directory", os.path.join(path, st.root_name()))
+        return real(path)
+
+    os.mkdir(tmp_path / st.root_name(), 0o700)
+    monkeypatch.setattr(st, "_open_private_root", removed_once)
+    s = st.SwapStorage(str(tmp_path), "optimizer")
+    try:
+        assert len(calls) == 2 and os.path.isdir(s.dir)
+    finally:
+        s.close()
