@@ -96,6 +96,9 @@ class GradientStream:
             )
         self._expected = {k for k in range(len(params)) if self._numel[k]}
         self.counters = collections.Counter[str]()
+        # Filling: buffer, lease (or None), whether it holds an earlier micro-batch's sum.
+        self._open: dict[int, tuple[torch.Tensor, Any, bool]] = {}
+        self._writes: collections.deque[tuple[Any, Any]] = collections.deque()  # future, lease
         self._reset()
         self._hooks: list[Any] = []
         optimizer.attach_gradient_source(self)
@@ -116,9 +119,6 @@ class GradientStream:
         self._release_leases()
         self._got: set[int] = set()  # parameters with a gradient in any micro-batch
         self._new_micro_batch()
-        # Filling: buffer, lease (or None), whether it holds an earlier micro-batch's sum.
-        self._open: dict[int, tuple[torch.Tensor, Any, bool]] = {}
-        self._writes: collections.deque[tuple[Any, Any]] = collections.deque()  # future, lease
         self._written: set[int] = set()
         self._norms: dict[int, torch.Tensor] = {}
         self._scale: torch.Tensor | None = None
@@ -303,10 +303,10 @@ class GradientStream:
     def _release_leases(self) -> None:
         """Wait for the gradient writes under way (failed or not) and give
         every buffer back: the step, and the next backward, need them."""
-        for _, lease, _ in getattr(self, "_open", {}).values():
+        for _, lease, _ in self._open.values():
             if lease is not None:
                 lease.release()
-        for fut, lease in getattr(self, "_writes", ()):
+        for fut, lease in self._writes:
             fut.exception()
             if lease is not None:
                 lease.release()
@@ -316,7 +316,6 @@ class GradientStream:
         """Drop this iteration's streamed gradients, and any ``p.grad`` (as
         ``zero_grad()`` drops them without a step; NVMeAdamW's zero_grad()
         calls this)."""
-        self._release_leases()
         self._sw.discard_gradients()
         self._reset()
         for p in self._params:  # a hook that raised left its p.grad: the next backward would add to it

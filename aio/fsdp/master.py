@@ -53,12 +53,6 @@ def is_laid_out(opt: Any) -> bool:
     return opt.master_mode is not None
 
 
-def lay_out(opt: Any) -> None:
-    """Lay NVMeAdamW `opt`'s sub-groups out now, from the parameters as they
-    are (what its first step or load does first: its public ``lay_out()``)."""
-    opt.lay_out()
-
-
 def master_sources(opt: Any, groups: list[Any]) -> dict[int, Source]:
     """A master-weights Source for every group all of whose shards are
     float32 parameters of `opt` with their whole master on the drive."""

@@ -46,7 +46,7 @@ from ..swap.drives import SwapSpace
 from ..swap.storage import align_up
 from ._internals import Shard, TierError, check_torch, fsdp_groups, lazy_init, module_name, shards_of
 from .guard import ShardStandIn
-from .master import Source, is_laid_out, is_nvme_adam, lay_out, master_sources, skip_released_write_back
+from .master import Source, is_laid_out, is_nvme_adam, master_sources, skip_released_write_back
 
 _log = logger.getChild("fsdp")
 DEFAULT_WINDOW = 2
@@ -495,7 +495,7 @@ class ParamTier:
             return
         self._quiet += 1
         try:
-            lay_out(opt)
+            opt.lay_out()
             self._take_masters()
         finally:
             self._quiet -= 1
