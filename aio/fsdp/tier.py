@@ -47,6 +47,7 @@ from ..swap.storage import align_up
 from ._internals import Shard, TierError, check_torch, fsdp_groups, lazy_init, module_name, shards_of
 from .guard import ShardStandIn
 from .master import Source, is_laid_out, is_nvme_adam, master_sources, skip_released_write_back
+from .upload import ShardUploader, Upload
 
 _log = logger.getChild("fsdp")
 DEFAULT_WINDOW = 2
@@ -75,6 +76,7 @@ class _Group:
         self.blank = False  # no values anywhere yet (empty_shards): made in memory, not read
         self.read: tuple[Lease, list[Any]] | None = None  # READING: its slot and futures
         self.write: tuple[Lease, Any] | None = None  # a write of it in flight
+        self.upload: Upload | None = None  # device shards: copies up not yet waited for (upload.py)
         # Per shard while stood in for (guard.py): its real local tensor and the stand-in.
         self.locals: list[torch.Tensor | None] = [None] * len(shards)
         self.stand_ins: list[ShardStandIn | None] = [None] * len(shards)
@@ -120,6 +122,8 @@ class ParamTier:
             self._pgs = [g.pg for g in self.groups]  # compared by identity: never hashed
             self._dropped = False
             self._pool = PinnedPool(window, max(g.io_bytes for g in self.groups), lock=pin_memory)
+            # Shards in GPU memory go up on a side stream (upload.py); CPU shards touch no stream.
+            self._up = self._uploader()
             self._inflight: collections.deque[_Group] = collections.deque()
             self._trace: list[int] = []  # the previous iteration's gathers, in order
             self._current: list[int] = []
@@ -156,6 +160,14 @@ class ParamTier:
         for g in self.groups:
             g.blank, g.dirty = True, False
             self._release(g)
+
+    def _uploader(self) -> ShardUploader | None:
+        device = next((s.data.device for g in self.groups for s in g.shards), torch.device("cpu"))
+        if device.type == "cpu":
+            return None
+        up = ShardUploader(device)
+        self.counters["staging_registered"] = int(self._pin and up.register(self._pool))
+        return up
 
     def _lay_out(self, pgs: list[Any]) -> list[_Group]:
         groups = []
@@ -268,6 +280,7 @@ class ParamTier:
             self._on_trace = self._on_trace and pos < len(self._trace) and self._trace[pos] == g.index
             self._ensure(g)
             self._look_ahead(pos + 1)
+            self._advance()
         return orig(async_op)
 
     def _wait_for_unshard(self, g: _Group, orig: Any) -> Any:
@@ -309,12 +322,26 @@ class ParamTier:
             if g.where == RELEASED and not self._start_read(g, wait=False):
                 return
 
+    def _advance(self) -> None:
+        """Device shards: start the copies up of the reads that have landed,
+        a window ahead of their gather, so that its wait (upload.py) finds
+        them done."""
+        if self._up is None:
+            return
+        for g in list(self._inflight):
+            if g.write is None and g.read is not None and all(f.done() for f in g.read[1]):
+                self._finish(g)
+
     # -- reads, writes, releases ---------------------------------------------------------------
     def _slot(self, wait: bool) -> Lease | None:
         """A pinned slot; when none is free, finish the oldest I/O first
         (a read in flight is completed into its shards), unless `wait` is
-        False and that would be a read: then None."""
+        False and that would be a read: then None. Device shards: a slot an
+        upload still reads is given back once its copies are done."""
         while self._pool.available() == 0:
+            # A copy up is shorter than a drive read: waited for first.
+            if self._up is not None and self._up.reclaim(block=wait):
+                continue
             if not self._inflight:
                 raise TierError("the tier's pinned slots are all leased with no I/O in flight (a bug)")
             oldest = self._inflight[0]
@@ -337,19 +364,21 @@ class ParamTier:
             lease, futs = g.read
             g.read = None
             self._inflight.remove(g)
+            taken = False
             try:
                 for fut in futs:
                     fut.result()
-                self._fill(g, lease.tensor(torch.uint8))
+                taken = True
+                self._fill(g, lease)
             except BaseException:
                 # Left READING with no read attached it would pass as loaded (freed
                 # storage read: a SIGSEGV): freed and RELEASED, a later use re-reads it.
-                for s in g.shards:
-                    s.data.untyped_storage().resize_(0)
+                self._free(g)
                 g.where = RELEASED
                 raise
             finally:
-                lease.release()  # waits for every read on the slot, also after a failed one
+                if not taken:
+                    lease.release()  # waits for every read on the slot, also after a failed one
             g.where = RESIDENT
 
     def _start_read(self, g: _Group, wait: bool) -> bool:
@@ -386,25 +415,55 @@ class ParamTier:
         self.counters["materialized"] += 1
 
     @torch.no_grad()
-    def _fill(self, g: _Group, staging: torch.Tensor) -> None:
+    def _fill(self, g: _Group, lease: Lease) -> None:
+        """g's shards from the slot `lease` (given back here: after the copy
+        on the CPU, once the copies up are done for device shards)."""
         src = g.master or g.own
+        staging = lease.tensor(torch.uint8)
+        if self._up is not None:
+            shards = [(s.data, s.nbytes) for s in g.shards]
+            g.upload = self._up.fill(shards, src.zero, src.copies, staging, lease)
+            return
+        try:
+            for s in g.shards:
+                s.data.untyped_storage().resize_(s.nbytes)
+            for j, start in src.zero:  # FSDP's padding rows: zeros, as FSDP made them
+                g.shards[j].data.view(torch.uint8)[start:].zero_()
+            for pos, j, dst, nbytes in src.copies:
+                g.shards[j].data.view(torch.uint8)[dst : dst + nbytes].copy_(staging[pos : pos + nbytes])
+        finally:
+            lease.release()  # waits for every read on the slot, also after a failed one
+
+    def _land(self, g: _Group) -> None:
+        """Device shards: the host waits for g's copies up before anything
+        reads them (FSDP's copy-in stream included; upload.py says why)."""
+        if g.upload is not None:
+            up, g.upload = g.upload, None
+            if self._up is not None:
+                self._up.land(up)
+
+    def _free(self, g: _Group) -> None:
+        """Free g's shard storage (device shards: after the side stream is
+        ordered after the compute stream; upload.py)."""
+        g.upload = None  # its slot stays held by the uploader until its copies are done
+        if self._up is not None:
+            self._up.free([s.data for s in g.shards])
+            return
         for s in g.shards:
-            s.data.untyped_storage().resize_(s.nbytes)
-        for j, start in src.zero:  # FSDP's padding rows: zeros, as FSDP made them
-            g.shards[j].data.view(torch.uint8)[start:].zero_()
-        for pos, j, dst, nbytes in src.copies:
-            g.shards[j].data.view(torch.uint8)[dst : dst + nbytes].copy_(staging[pos : pos + nbytes])
+            s.data.untyped_storage().resize_(0)
 
     def _ensure(self, g: _Group) -> None:
         """g's shards in memory now; a read the look-ahead did not start is
         made here, synchronously (counted; logged once)."""
         if g.where == RESIDENT:
+            self._land(g)
             return
         if g.where == RELEASED:
             if not g.blank:
                 self._count_miss(g)
             self._start_read(g, wait=True)
         self._finish(g)
+        self._land(g)
 
     def _count_miss(self, g: _Group) -> None:
         if not self._trace:
@@ -435,9 +494,10 @@ class ParamTier:
                         f"FSDP group {module_name(g.pg)}: a shard changed size or dtype ({s.fsdp_param}); "
                         "the tier cannot keep it: close() the tier before changing the model"
                     )
+            if g.dirty:
+                self._land(g)  # the write-out's copy reads the shards
             self._write_out(g)
-            for s in g.shards:
-                s.data.untyped_storage().resize_(0)
+            self._free(g)
             g.where = RELEASED
         self._stand_in(g)
 
@@ -449,6 +509,8 @@ class ParamTier:
         if lease is None:
             raise TierError("no pinned slot for a write (a bug: a waiting _slot always returns one)")
         staging = lease.tensor(torch.uint8, g.io_bytes)
+        # Device shards: a synchronous copy on the compute stream (upload.py says why), so
+        # the drive write below starts after it landed and the free after it needs no event.
         with torch.no_grad():
             for s in g.shards:
                 staging[s.start : s.start + s.nbytes].copy_(s.data.view(torch.uint8))
@@ -464,6 +526,8 @@ class ParamTier:
     def _drain(self) -> None:
         while self._inflight:
             self._finish(self._inflight[0])
+        if self._up is not None:
+            self._up.drain()  # every slot back (the pool may be replaced next)
 
     def _load_all(self, skip_master: bool = False) -> None:
         """Every shard in memory (but those read from the master weights, if
@@ -473,6 +537,7 @@ class ParamTier:
             for ahead in todo[i + 1 : i + 1 + self.window]:
                 if ahead.where == RELEASED and not self._start_read(ahead, wait=False):
                     break
+            self._advance()
             self._ensure_quiet(g)
 
     def _ensure_quiet(self, g: _Group) -> None:
@@ -480,6 +545,7 @@ class ParamTier:
             self._start_read(g, wait=True)
         if g.where == READING or g.write is not None:
             self._finish(g)
+        self._land(g)
 
     # -- the optimizer step and resident() ---------------------------------------------------
     def prepare_optimizer(self) -> None:
@@ -584,6 +650,8 @@ class ParamTier:
             return
         self._drain()
         self._pool = PinnedPool(self.window, nbytes, lock=self._pin)
+        if self._up is not None:
+            self.counters["staging_registered"] = int(self._pin and self._up.register(self._pool))
 
     @contextlib.contextmanager
     def resident(self, modified: bool = True) -> Iterator[None]:
@@ -718,6 +786,12 @@ class ParamTier:
             "user_fetches": self.counters["user_fetches"],
             "setup_fetches": self.counters["setup_fetches"],
             "materialized": self.counters["materialized"],
+            # Device shards (upload.py): groups copied up on the side stream, their bytes, the
+            # host waits for a copy that had not landed yet, whether the staging is CUDA-pinned.
+            "uploads": self._up.counters["uploads"] if self._up is not None else 0,
+            "upload_bytes": self._up.counters["upload_bytes"] if self._up is not None else 0,
+            "upload_waits": self._up.counters["upload_waits"] if self._up is not None else 0,
+            "staging_registered": bool(self.counters["staging_registered"]),
         }
 
     def close(self, restore: bool = True) -> None:
@@ -738,6 +812,8 @@ class ParamTier:
                 self._restore_locals()
         finally:
             self.closed = True
+            if self._up is not None:
+                self._up.close()
             for h in self._handles:
                 if callable(h):
                     h()

@@ -12,7 +12,10 @@ are judged from those files, never from the exit status.
 Every case trains the same small model twice on the same engine and data
 and reports whether losses and full parameters are bit-identical
 (``torch.equal``), with peak GPU memory (``torch.cuda.max_memory_allocated``),
-the bytes aio locked (``aio.pinned.locked_bytes``) and the tier's counters.
+the bytes aio locked (``aio.pinned.locked_bytes``) and the tier's counters
+(with device-resident shards: the groups copied up on its side stream, their
+bytes, the host waits that blocked on a copy, whether its staging is
+CUDA-registered; ``aio/fsdp/upload.py``).
 One comparison is not expected to be bit-identical on a GPU:
 ``optim_resident`` (parameters in GPU memory) steps torch's AdamW on the
 GPU and aio's on the CPU, whose rounding may differ (fused multiply-adds);

@@ -3,7 +3,8 @@ item 5), through tests/fsdp/cuda_worker.py: NVMeAdamW bit-identical to
 torch's AdamW with ``CPUOffloadPolicy(pin_memory=True)``, the parameter tier
 bit-identical to the same FSDP2 training in memory (device-resident shards
 and CPU-offloaded ones, under torch's AdamW and NVMeAdamW), with peak GPU
-memory and pinned bytes. scripts/gpu_acceptance.sh runs it (its ``-k cuda``
+memory and pinned bytes; device-resident shards must have gone up on the
+tier's side stream (its upload counters). scripts/gpu_acceptance.sh runs it (its ``-k cuda``
 selects this file), also under ``TORCH_CUDA_SANITIZER=1``, and keeps the
 figures (``AIO_GPU_FIGURES``).
 
@@ -47,7 +48,7 @@ def _results(device: str, out: str, **extra_env: str) -> dict[str, dict]:
     return found
 
 
-def _check(res: dict[str, dict], exact_resident: bool) -> None:
+def _check(res: dict[str, dict], exact_resident: bool, on_gpu: bool = False) -> None:
     for name in CASES:
         r = res[name]
         assert r["ok"], f"{name}: {r['error']}"
@@ -64,6 +65,16 @@ def _check(res: dict[str, dict], exact_resident: bool) -> None:
     # The tier reads every group ahead of FSDP (counted) and the optimizer's master feeds it.
     assert res["tier"]["torch"]["aio"]["tier"]["reads"] > 0
     assert res["tier"]["nvme"]["aio"]["tier"]["params_from_master"] > 0
+    # Device-resident shards go up on the side stream (aio/fsdp/upload.py), from CUDA-registered
+    # staging; CPU shards (the twin, CPUOffloadPolicy) touch no stream.
+    for variant, v in res["tier"].items():
+        if isinstance(v, dict):
+            figures = v["aio"]["tier"]
+            side = on_gpu and not variant.endswith("_offload")
+            assert (figures["uploads"] > 0) == side, (variant, figures)
+            assert figures["staging_registered"] == side, (variant, figures)
+            if side:
+                assert figures["upload_bytes"] > 0 and figures["upload_waits"] <= figures["uploads"]
 
 
 def test_cuda_rank_cases_on_the_cpu_twin(tmp_path) -> None:
@@ -85,4 +96,4 @@ def test_cuda_rank_nvme_tiers_on_the_gpu(tmp_path) -> None:
         name = "fsdp_cuda_rank" + ("_sanitizer" if os.environ.get("TORCH_CUDA_SANITIZER") else "") + ".json"
         with open(os.path.join(figures, name), "w") as f:
             json.dump(res, f, indent=1, default=str)
-    _check(res, exact_resident=False)
+    _check(res, exact_resident=False, on_gpu=True)

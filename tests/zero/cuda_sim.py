@@ -38,6 +38,16 @@ the older ``fake_streams`` could not see is modelled:
 - **Poison**: besides new device blocks, every recycled host region (a
   staging-ring region taken again, a swap-pool slot leased again) is filled
   with 0xFF before reuse.
+- **Resizable storages** (FSDP2's shards, freed with
+  ``untyped_storage().resize_(0)`` and allocated again with
+  ``resize_(nbytes)``): :meth:`CudaSim.resizable` makes such a device
+  tensor (its bytes in host memory outside the arena), :meth:`CudaSim.adopt`
+  turns a host tensor's storage into one. Growing it from 0
+  allocates on the current stream (poisoned there, as a new block);
+  shrinking it to 0 is a free under the reuse rule: a use by another stream
+  that neither the allocating stream nor the host is ordered after, and
+  that was not ``record_stream``-ed, raises :class:`Hazard` (the allocator
+  may hand the block to the allocating stream's next allocation at once).
 - **Counters**: peak device bytes, pageable H2D/D2H copies, blocking host
   waits.
 """
@@ -211,6 +221,14 @@ class Accesses:
                 stack = _stack()
             keep.append(_Record(lo, hi, write, actor, seq, what, stack))
             self.pages[page] = keep
+
+    def unordered(self, lo, hi, vc, skip):
+        """The first record in [lo, hi) by an actor not in `skip` that `vc` is not ordered after."""
+        for page in range(lo >> _SECTOR, ((hi - 1) >> _SECTOR) + 1):
+            for r in self.pages.get(page, ()):
+                if r.lo < hi and lo < r.hi and r.actor not in skip and vc.get(r.actor, 0) < r.seq:
+                    return r
+        return None
 
     def forget(self, lo, hi):
         for page in range(lo >> _SECTOR, ((hi - 1) >> _SECTOR) + 1):
@@ -500,6 +518,65 @@ class CudaSim:
         self.after_call()
         return block[:nbytes].view(dtype)
 
+    def resizable(self, numel, dtype):
+        """A device tensor of `numel` elements whose storage may be
+        ``resize_``-d to 0 and back (see the module docstring); allocated on
+        the current stream."""
+        t = torch.empty(0, dtype=dtype)
+        st = t.untyped_storage()
+        st._sim_dev = True
+        st._sim_resizable = True
+        st.resize_(numel * t.element_size())
+        return t.set_(st, 0, (numel,))
+
+    def adopt(self, t):
+        """Treat host tensor `t`'s storage as a :meth:`resizable` device
+        storage allocated on the current stream (e.g. FSDP2's shards, made on
+        the CPU, then run through code that expects them on a GPU)."""
+        st = t.untyped_storage()
+        st._sim_dev = st._sim_resizable = True
+        st._sim_alloc_on, st._sim_used_on = self.current, set()
+        return t
+
+    def _resize(self, orig, st, nbytes):
+        """``UntypedStorage.resize_`` for :meth:`resizable` storages: an allocation or a free."""
+        if not getattr(st, "_sim_resizable", False):
+            return orig(st, nbytes)
+        old = st.nbytes()
+        if old and nbytes and old != nbytes:
+            raise NotImplementedError("the simulator resizes device storages to 0 and back only")
+        if old and not nbytes:
+            self._free_resizable(st, st.data_ptr(), st.data_ptr() + old)
+        out = orig(st, nbytes)
+        if nbytes and not old:
+            s = self.current
+            lo = st.data_ptr()
+            st._sim_alloc_on, st._sim_used_on = s, set()
+            seq, vc = s._enqueue("poison", (lo, nbytes))
+            self.accesses.access(lo, lo + nbytes, True, s.name, seq, vc, "storage allocated (resize_)")
+            self.after_call()
+        return out
+
+    def _free_resizable(self, st, lo, hi):
+        alloc = st._sim_alloc_on
+        skip = {"host", alloc.name, *(s.name for s in st._sim_used_on)}
+        r = self.accesses.unordered(lo, hi, _joined(alloc.vc, self.host_vc), skip)
+        if r is not None:
+            raise Hazard(
+                f"device storage [{lo:#x}, {hi:#x}) freed (resize_(0)) while {r.what} on {r.actor} is not "
+                f"ordered before its allocating stream {alloc.name} nor the host: the caching allocator may "
+                f"hand the block to {alloc.name}'s next allocation at once\n--- that access:\n"
+                f"{_format(r.stack)}--- the free:\n{_format(_stack())}"
+            )
+        # Its bytes go back to the host's allocator: what is queued on them runs first.
+        for s in self.streams:
+            last = [
+                seq for kind, p, seq in s.queue if kind in ("copy", "poison") and _touches(p, kind, lo, hi)
+            ]
+            if last:
+                self.run_to(s, max(last))
+        self.accesses.forget(lo, hi)
+
     def _free_block(self, off, size, stream, used_on):
         self.alloc.free(off, size, stream, used_on)
 
@@ -672,12 +749,21 @@ class CudaSim:
             sim.poison_host(lease.tensor(torch.uint8), "swap buffer leased again")
             return lease
 
+        resize = torch.UntypedStorage.resize_
+        self._patch(torch.UntypedStorage, "resize_", lambda st, nbytes: sim._resize(resize, st, nbytes))
         self._patch(streams.PinnedRing, "take", ring_take)
         self._patch(aio.pinned.PinnedPool, "acquire", pool_acquire)
 
     def stats(self):
         keys = ("pageable_h2d", "pageable_d2h", "blocking_waits", "copies", "user_h2d")
         return {"peak_device_bytes": self.alloc.peak, **{k: self.counters[k] for k in keys}}
+
+
+def _touches(payload, kind, lo, hi):
+    if kind == "poison":
+        return payload[0] < hi and lo < payload[0] + payload[1]
+    dst, src, n = payload
+    return dst < hi and lo < dst + n or src < hi and lo < src + n
 
 
 def _span(t):
