@@ -31,19 +31,19 @@ CUDA_LIBS=(
 # groups and LR schedulers, GradScaler and autocast, checkpoints
 # (torch.load with safe_globals), module hooks and CUDA streams, FSDP2 /
 # FSDP1 / DDP / DCP under aio.optim (tests/optim), a stored parameter's
-# class and torch function dispatch (tests/zero/test_stored_param.py). The rest of
-# the suite runs once, on the default torch (CI time: each file here costs
-# a second worker's torch import and its tests again).
+# class and torch function dispatch (tests/zero/test_stored_param.py), and
+# aio.fsdp's parameter tier, which reaches into FSDP2's groups and storage
+# (its 2- and 3-rank cases and FSDP2's kept communication buffers:
+# aio.fsdp.SUPPORTED names only the torch releases CI runs these on). The
+# rest of the suite runs once, on the default torch (CI time: each file here
+# costs a second worker's torch import and its tests again).
 TESTS=(
   tests/zero/test_cuda_sim.py tests/zero/test_param_groups.py tests/zero/test_scaler.py
   tests/zero/test_checkpoint.py tests/zero/test_hooks.py tests/zero/test_streams.py
   tests/optim/test_distributed.py tests/optim/test_nvme_adamw.py
   tests/zero/test_stored_param.py tests/test_rss_estimate.py
+  tests/fsdp/test_param_tier.py tests/fsdp/test_comm_buffers.py
 )
-# aio.fsdp's tier on this torch (aio.fsdp.SUPPORTED names 2.14): by hand, not in CI, whose
-# 15 minutes it would pass (~95 CPU-s beside the suite):
-#   PYTHONPATH=DIR AIO_EXPECT_TORCH=2.14.1 python3 -m pytest -q tests/fsdp/test_param_tier.py \
-#     tests/fsdp/test_stand_in.py tests/fsdp/test_step_errors.py tests/fsdp/test_comm_buffers.py
 
 install() {
   local dir="$1"

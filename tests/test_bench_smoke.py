@@ -62,6 +62,7 @@ CASES: dict[str, Case] = {
         "--dir {dir} --variants aio,torch --fp32 --rounds 1 --steps 1 --width 32 --layers 1"
         " --vocab 64 --seq 8 --heads 2 --batch 1 --idle 0 --drive-size 0",
         expect=("| variant |", "restore check (save, train a step, load, save again): ok"),
+        slow=True,  # ~20 s; tests/zero/test_checkpoint.py covers the save/restore it times
     ),
     "fsdp_step.py": Case(
         "--world 2 --layers 1 --width 32 --heads 2 --vocab 64 --seq 8 --steps 1 --drive-mib 0 "
@@ -95,7 +96,9 @@ CASES: dict[str, Case] = {
         slow=True,
     ),
     "pinned_memory.py": Case(
-        "--dir {dir} --width 32 --layers 1 --sides aio", expect=("pinned_bytes()", "aio-config estimate")
+        "--dir {dir} --width 32 --layers 1 --sides aio",
+        expect=("pinned_bytes()", "aio-config estimate"),
+        slow=True,  # ~16 s; tests/zero/test_pinned_accounting.py checks the same counts
     ),
     "profile_step.py": Case(
         "zero-cpu --fp32 --model gpt --layers 1 --width 32 --heads 2 --vocab 64 --seq 8 --batch 1"
@@ -130,6 +133,7 @@ CASES: dict[str, Case] = {
         " --single-submit false --overlap-events true --io-size 1M --repeats 1",
         expect=("smart search:", "exhaustive search:", "head to head"),
         ok=(0, 1),
+        slow=True,  # ~13 s; tests/test_sweep.py runs both searches
     ),
     "test_micro.py": Case(
         "bench/test_micro.py --benchmark-disable -q -x -p no:cacheprovider --bench-dir {dir}"

@@ -193,25 +193,32 @@ def _save_then_resume(tmp_path, io, *extra, op_dir=None):
     return full, resumed
 
 
-def test_nvme_checkpoint_save_load_continues_identically(tmp_path, cpu_offload_losses):
+@pytest.fixture(scope="module")
+def aio_save_then_resume(tmp_path_factory):
+    """aio's pipelined save at step 5 and resume (two runs), shared by the
+    test below and DeepSpeed's own op's canary (CI time: ~20 s a pair)."""
+    return _save_then_resume(tmp_path_factory.mktemp("aio-resume"), "aio", "--pipeline")
+
+
+def test_nvme_checkpoint_save_load_continues_identically(aio_save_then_resume, cpu_offload_losses):
     # DeepSpeed 0.19 alone does not: with offload_optimizer on NVMe its
     # load_checkpoint() skips the ZeRO optimizer checkpoint, so the first
     # resumed step starts Adam from scratch (aio.integrations.ds_checkpoint
     # restores it; see the test below for DeepSpeed's own op). Pipelined
     # only: the plain swapper trains identically (the test above) and both
     # save and load through the same code (CI time).
-    full, resumed = _save_then_resume(tmp_path, "aio", "--pipeline")
+    full, resumed = aio_save_then_resume
     assert full["losses"] == cpu_offload_losses
     assert resumed["losses"] == full["losses"][5:]
 
 
 @pytest.mark.timeout(ds_op.timeout_s())  # the op's build, if this test pays for it
-def test_deepspeeds_own_op_loses_optimizer_state_on_nvme_resume(tmp_path, ds_op_dir):
+def test_deepspeeds_own_op_loses_optimizer_state_on_nvme_resume(tmp_path, ds_op_dir, aio_save_then_resume):
     # The same run on DeepSpeed's op (no aio patch) trains identically but does
     # not resume identically: this is the DeepSpeed defect aio repairs. If a
     # DeepSpeed release fixes it this test fails, and the repair can go.
     op_dir = ds_op_dir("cpu")
-    mine_full, mine = _save_then_resume(tmp_path, "aio", "--pipeline")
+    mine_full, mine = aio_save_then_resume
     theirs_full, theirs = _save_then_resume(tmp_path, "dsop", "--pipeline", op_dir=op_dir)
     assert mine_full["losses"] == theirs_full["losses"]
     assert mine["losses"] == mine_full["losses"][5:]
