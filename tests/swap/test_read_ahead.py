@@ -1,9 +1,15 @@
 """OptimizerSwapper.step() with every gradient held in memory and few
-buffers: a read ahead that found no free buffer when sub-group i's read was
-started is tried again once i's read landed (the write-back started beside
-it has freed buffers by then), so the next sub-group is read during i's
-update instead of after it. Deterministic: the write-backs here report
-done only once a step has waited for a read."""
+buffers keeps the drive busy: a read ahead that found no free buffer when
+sub-group i's read was started is tried again as soon as the write-back
+started beside it lands (during the wait for i's reads, else after them),
+so the next sub-group is read during i's update instead of after it; the
+write-back the next read waits for starts before `after` runs; a read
+takes each buffer back as its own write lands. The drive's timing is
+made deterministic by futures that report done only once opened (by a
+later read, or after a patience)."""
+
+import errno
+import time
 
 import pytest
 
@@ -58,8 +64,8 @@ def test_a_read_ahead_refused_for_want_of_buffers_is_retried_after_the_read(tmp_
         gates.append(_Gated(real_write(buf, offset)))
         return gates[-1]
 
-    def take_read(io, i):
-        out = real_take(io, i)
+    def take_read(io, i, *rest, **kw):
+        out = real_take(io, i, *rest, **kw)
         for g in gates:  # every write-back in flight lands while i's read is waited for
             g.fut.exception()
             g.open = True
@@ -85,4 +91,263 @@ def test_a_read_ahead_refused_for_want_of_buffers_is_retried_after_the_read(tmp_
     assert [i for i, _ in steady] == [3, 2, 1, 0, 2, 3, 4, 5], started  # odd steps go in reverse
     assert not any(must for _, must in steady), started
     assert sw.counters["cached_subgroups"] == 2 * 2
+    sw.close()
+
+
+class _SlowRead:
+    """A read's future that reports done only once a later read started (or
+    `patience` seconds passed): a drive slower for reads than for writes."""
+
+    def __init__(self, fut, started, patience):
+        self.fut, self.started, self.n = fut, started, len(started)
+        self.deadline = time.monotonic() + patience
+
+    def _open(self):
+        return len(self.started) > self.n or time.monotonic() > self.deadline
+
+    def done(self):
+        return self._open() and self.fut.done()
+
+    def wait(self, timeout=None):
+        end = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while not self._open() and time.monotonic() < min(end, self.deadline):
+            time.sleep(0.0005)
+        return self.done() or (self._open() and self.fut.wait(max(0.0, end - time.monotonic())))
+
+    def exception(self, timeout=None):
+        while not self._open():
+            time.sleep(0.0005)
+        return self.fut.exception(timeout)
+
+    def result(self, timeout=None):
+        self.exception(timeout)
+        return self.fut.result(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.fut, name)
+
+
+PATIENCE = 1.0  # seconds a slow read waits for a later read to start
+
+
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+def test_a_write_back_landing_during_a_read_starts_the_read_ahead_in_the_wait(tmp_path, monkeypatch):
+    """While sub-group i's reads are waited for, the write-back started
+    beside them lands first: the next sub-group's read starts then, not once
+    i's reads landed (the drive otherwise ran one read alone, ~6 ms of each
+    ~14 ms sub-group in bench/fsdp_step.py's nvme-params), and the results
+    are torch's bits."""
+    n, count, steps = 4096, 6, 3
+    sw = _NoMasterSlot(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
+    masters = [torch.randn(n) for _ in range(count)]
+    ref = [torch.nn.Parameter(m.clone()) for m in masters]
+    ref_opt = CPUAdam(ref, lr=1e-2)
+    for i in range(count):
+        sw.register_subgroup(i, n)
+        sw.initialize_in_place(i, lambda i=i: [masters[i]])
+    real_read, real_take = sw.space.read, swap_optimizer._StepIO.take_read
+    started: list[int] = []  # the sub-group of every read started
+    order: list[tuple[str, int]] = []  # ("read", i) at a read's start, ("took", i) when i's reads landed
+
+    def read(buf, offset):
+        started.append(offset)
+        return _SlowRead(real_read(buf, offset), started, patience=PATIENCE)
+
+    def take_read(io, i, *rest, **kw):
+        out = real_take(io, i, *rest, **kw)
+        order.append(("took", i))
+        return out
+
+    real_start = swap_optimizer._StepIO.start_read
+
+    def start_read(io, i, must, partly=False):
+        ok = real_start(io, i, must, partly)
+        if ok:
+            order.append(("read", i))
+        return ok
+
+    monkeypatch.setattr(sw.space, "read", read)
+    monkeypatch.setattr(swap_optimizer._StepIO, "take_read", take_read)
+    monkeypatch.setattr(swap_optimizer._StepIO, "start_read", start_read)
+    t0 = time.monotonic()
+    for s in range(steps):
+        grads = [torch.randn(n) for _ in range(count)]
+        for i in range(count):
+            sw.hold_gradient(i, [grads[i]])
+            ref[i].grad = grads[i].clone()
+        order.append(("step", s))
+        sw.step()
+        ref_opt.step()
+    # Step 3 (odd steps go in reverse, even ones forward): sub-groups 0 and 1
+    # kept from step 2; from sub-group 2 on, each one's successor starts
+    # reading before its own reads are taken (before: right after).
+    last = order[order.index(("step", 2)) + 1 :]
+    for i in (2, 3, 4):
+        assert last.index(("read", i + 1)) < last.index(("took", i)), last
+    # A read waited out its patience only where none could start (the last
+    # of each step: ~3 s); before, every read did (~15 s). Whether the read
+    # ahead started in the wait or just before it (counters["ahead_in_wait"])
+    # depends on when the real write landed: the order above is the check.
+    assert time.monotonic() - t0 < PATIENCE * 8
+    for i in range(count):
+        assert torch.equal(masters[i], ref[i].detach()), i
+    sw.close()
+
+
+class _MasterOnDrive(OptimizerSwapper):
+    def gradient_slot(self):
+        return False
+
+
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+def test_the_write_back_the_next_read_waits_for_starts_before_after_runs(tmp_path, monkeypatch):
+    """Master weights on the drive, three tensors a sub-group in four
+    buffers: the next sub-group's read needs the stepped one's buffers, so
+    its write-back starts before `after` copies the new weights out (the
+    drive idled through that copy, ~2 ms a sub-group in bench/fsdp_step.py's
+    nvme-drive); the last sub-group of a step, whose buffers nothing needs,
+    stays kept. The results are torch's bits."""
+    n, count = 4096, 5
+    sw = _MasterOnDrive(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
+    masters = [torch.randn(n) for _ in range(count)]
+    ref = [torch.nn.Parameter(m.clone()) for m in masters]
+    ref_opt = CPUAdam(ref, lr=1e-2)
+    for i in range(count):
+        sw.register_subgroup(i, n)
+        sw.initialize(i, masters[i])
+    real_write = sw.space.write
+    written: list[int] = []  # the sub-group of every write started
+
+    def write(buf, offset):
+        written.append(next(i for i, g in sw.groups.items() if g.offset <= offset < g.offset + g.nbytes))
+        fut = real_write(buf, offset)
+        fut.wait()  # landed at once: which write-back is in flight must not hang on the drive's timing
+        return fut
+
+    seen: list[tuple[int, bool]] = []  # (sub-group, its write-back started) as `after` runs
+    out = [None] * count
+
+    def after(i, master):
+        seen.append((i, i in written))
+        out[i] = master.clone()
+        written.clear()
+
+    monkeypatch.setattr(sw.space, "write", write)
+    for _ in range(3):
+        grads = [torch.randn(n) for _ in range(count)]
+        for i in range(count):
+            sw.hold_gradient(i, grads[i])
+            ref[i].grad = grads[i].clone()
+        sw.step(after=after)
+        ref_opt.step()
+    orders = [list(range(count)), list(reversed(range(count))), list(range(count))]  # odd steps in reverse
+    assert seen == [(i, i != order[-1]) for order in orders for i in order]
+    for i in range(count):
+        assert torch.equal(out[i], ref[i].detach()), i
+    sw.close()
+
+
+class _Late(_SlowRead):
+    """A write's future that reports done only once a read started after it
+    (or `patience` seconds passed)."""
+
+
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+def test_a_read_reuses_each_buffer_as_its_write_back_lands(tmp_path, monkeypatch):
+    """Master weights on the drive, three tensors a sub-group in four
+    buffers: the rest of the next sub-group's read starts tensor by tensor
+    as the stepped one's writes land, not once all three did (measured: the
+    first landed ~2.5 ms after they started, the last ~8 ms). Here the
+    master weights' write lands at once and the moments' only once a later
+    read started: each step's reads then go on while moments are still
+    being written. The results are torch's bits."""
+    n, count = 4096, 5
+    sw = _MasterOnDrive(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
+    masters = [torch.randn(n) for _ in range(count)]
+    ref = [torch.nn.Parameter(m.clone()) for m in masters]
+    ref_opt = CPUAdam(ref, lr=1e-2)
+    for i in range(count):
+        sw.register_subgroup(i, n)
+        sw.initialize(i, masters[i])
+    real_write, real_read = sw.space.write, sw.space.read
+    reads: list[int] = []  # every read started
+    late: list[_Late] = []
+    overlapped = 0  # reads started while a write was still in flight
+
+    def write(buf, offset):
+        fut = real_write(buf, offset)
+        if any(offset == g.offset + g.parts["param"][0] for g in sw.groups.values()):
+            return fut
+        late.append(_Late(fut, reads, patience=0.3))  # what waits for all of them waits this long
+        return late[-1]
+
+    def read(buf, offset):
+        nonlocal overlapped
+        overlapped += any(not w._open() for w in late)
+        reads.append(offset)
+        return real_read(buf, offset)
+
+    monkeypatch.setattr(sw.space, "write", write)
+    monkeypatch.setattr(sw.space, "read", read)
+    out = [None] * count
+    for _ in range(3):
+        grads = [torch.randn(n) for _ in range(count)]
+        for i in range(count):
+            sw.hold_gradient(i, grads[i])
+            ref[i].grad = grads[i].clone()
+        sw.step(after=lambda i, master: out.__setitem__(i, master.clone()))
+        ref_opt.step()
+    assert overlapped >= 2 * (count - 2), overlapped  # steps 2 and 3: every sub-group read after a write-back
+    for i in range(count):
+        assert torch.equal(out[i], ref[i].detach()), i
+    sw.close()
+
+
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
+@pytest.mark.parametrize("nth", [1, 2, 3, 5, 8])
+def test_a_write_back_failing_while_its_buffers_are_reused_poisons_and_leaks_nothing(
+    tmp_path, monkeypatch, nth
+):
+    """The pipeline above (master weights on the drive, four buffers, each
+    read reusing a write-back's buffers as its writes land: the master
+    weights' at once, the moments' late) with the nth write of step 2
+    failing (1: a master weights' write, whose buffer a read takes back
+    before the moments landed): the step raises the I/O error, the swapper
+    refuses use, that sub-group reads as invalid and every buffer is back."""
+    n, count = 4096, 5
+    sw = _MasterOnDrive(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
+    for i in range(count):
+        sw.register_subgroup(i, n)
+        sw.initialize(i, torch.randn(n))
+    real_write, real_read = sw.space.write, sw.space.read
+    reads: list[int] = []
+
+    def write(buf, offset):
+        fut = real_write(buf, offset)
+        if any(offset == g.offset + g.parts["param"][0] for g in sw.groups.values()):
+            return fut
+        return _Late(fut, reads, patience=0.3)
+
+    def read(buf, offset):
+        reads.append(offset)
+        return real_read(buf, offset)
+
+    monkeypatch.setattr(sw.space, "write", write)
+    monkeypatch.setattr(sw.space, "read", read)
+    for step in range(2):
+        for i in range(count):
+            sw.hold_gradient(i, torch.randn(n))
+        if step == 1:
+            sw.space.drives[0].writer._c.inject_fault("error", errno.EIO, "write", nth, 1)
+            with pytest.raises(OSError) as ei:
+                sw.step(after=lambda i, master: None)
+            assert ei.value.errno == errno.EIO
+        else:
+            sw.step(after=lambda i, master: None)
+    sw.space.drives[0].writer._c.clear_fault()
+    assert sw.broken and "partly updated" in sw.broken
+    assert not all(g.valid for g in sw.groups.values())
+    assert sw.pool.available() == 4
+    with pytest.raises(swap_optimizer.SwapStateError, match="partly updated"):
+        sw.step(after=lambda i, master: None)
     sw.close()
