@@ -11,9 +11,15 @@ Two ways to get it, pinned differently:
   fallback; it may hand out memory that is not page-aligned, which the core
   then stages through an aligned bounce buffer). ``pinned_kind`` says which.
 - ``PinnedPool``: one page-aligned allocation cut into equal slots, locked
-  with ``mlock`` when ``lock=True`` (plain page-aligned memory otherwise). It
-  is never registered with CUDA, with or without a GPU: copies between a slot
-  and a GPU tensor are pageable-memory copies.
+  with ``mlock`` when ``lock=True`` (plain page-aligned memory otherwise).
+  The pool itself never registers its memory with CUDA: copies between a
+  slot and a GPU tensor are pageable-memory copies unless its owner
+  registered it. Owners that feed a GPU do: aio.swap's swap buffers and
+  aio.fsdp's parameter tier (device shards, ``pin_memory=True``) make the
+  pool with ``lock=False``, register it with ``cudaHostRegister``
+  (:func:`cuda_register`, counted once in :func:`locked_bytes`), make it an
+  io_uring fixed buffer (:meth:`PinnedPool.make_fixed`), and fall back to
+  ``lock=True`` when CUDA refuses.
 
 Locking costs about 1 s per GiB, so allocate once and reuse.
 """
@@ -330,7 +336,8 @@ class PinnedPool:
 
     The allocation is locked with ``mlock`` when `lock` is true (an
     ``OSError`` naming RLIMIT_MEMLOCK if the kernel refuses) and left
-    pageable otherwise; it is never registered with CUDA (see the module
+    pageable otherwise; the pool does not register it with CUDA, its owner
+    may (``lock=False``, then :meth:`make_fixed`; see the module
     docstring). `slot_bytes` is rounded up to whole pages, so every slot
     starts on a page boundary and is aligned for direct I/O. ``acquire()``
     blocks (without holding the GIL) until a slot is free.

@@ -121,9 +121,9 @@ class ParamTier:
             self.groups = self._lay_out(pgs)
             self._pgs = [g.pg for g in self.groups]  # compared by identity: never hashed
             self._dropped = False
-            self._pool = PinnedPool(window, max(g.io_bytes for g in self.groups), lock=pin_memory)
             # Shards in GPU memory go up on a side stream (upload.py); CPU shards touch no stream.
             self._up = self._uploader()
+            self._pool = self._new_pool(max(g.io_bytes for g in self.groups))
             self._inflight: collections.deque[_Group] = collections.deque()
             self._trace: list[int] = []  # the previous iteration's gathers, in order
             self._current: list[int] = []
@@ -165,9 +165,22 @@ class ParamTier:
         device = next((s.data.device for g in self.groups for s in g.shards), torch.device("cpu"))
         if device.type == "cpu":
             return None
-        up = ShardUploader(device)
-        self.counters["staging_registered"] = int(self._pin and up.register(self._pool))
-        return up
+        return ShardUploader(device)
+
+    def _new_pool(self, slot_bytes: int) -> PinnedPool:
+        """`window` staging slots. Pinned for device shards: registered with CUDA
+        (a DMA source; no mlock, so RLIMIT_MEMLOCK does not apply and
+        aio.pinned.locked_bytes() counts it once) and made an io_uring fixed
+        buffer, as aio.swap.pool does; mlock-ed if CUDA refuses (copies from it
+        are then pageable). CPU shards: mlock-ed (with pin_memory)."""
+        self.counters["staging_registered"] = 0
+        if self._pin and self._up is not None:
+            pool = PinnedPool(self.window, slot_bytes, lock=False)
+            if self._up.register(pool):
+                pool.make_fixed()
+                self.counters["staging_registered"] = 1
+                return pool
+        return PinnedPool(self.window, slot_bytes, lock=self._pin)
 
     def _lay_out(self, pgs: list[Any]) -> list[_Group]:
         groups = []
@@ -337,12 +350,16 @@ class ParamTier:
         """A pinned slot; when none is free, finish the oldest I/O first
         (a read in flight is completed into its shards), unless `wait` is
         False and that would be a read: then None. Device shards: a slot an
-        upload still reads is given back once its copies are done."""
+        upload still reads is given back once its copies are done; not
+        waiting, the slots held by uploads whose copies are still queued
+        (behind the compute stream's work) are theirs until then: None."""
         while self._pool.available() == 0:
             # A copy up is shorter than a drive read: waited for first.
             if self._up is not None and self._up.reclaim(block=wait):
                 continue
             if not self._inflight:
+                if not wait and self._up is not None and self._up.pending():
+                    return None
                 raise TierError("the tier's pinned slots are all leased with no I/O in flight (a bug)")
             oldest = self._inflight[0]
             if oldest.write is None and not wait:
@@ -364,11 +381,9 @@ class ParamTier:
             lease, futs = g.read
             g.read = None
             self._inflight.remove(g)
-            taken = False
             try:
                 for fut in futs:
                     fut.result()
-                taken = True
                 self._fill(g, lease)
             except BaseException:
                 # Left READING with no read attached it would pass as loaded (freed
@@ -377,7 +392,9 @@ class ParamTier:
                 g.where = RELEASED
                 raise
             finally:
-                if not taken:
+                # The slot is an upload's once the uploader holds it (its copies still
+                # read it); else given back here, whatever raised where (Ctrl-C too).
+                if self._up is None or not self._up.holds(lease):
                     lease.release()  # waits for every read on the slot, also after a failed one
             g.where = RESIDENT
 
@@ -416,31 +433,29 @@ class ParamTier:
 
     @torch.no_grad()
     def _fill(self, g: _Group, lease: Lease) -> None:
-        """g's shards from the slot `lease` (given back here: after the copy
-        on the CPU, once the copies up are done for device shards)."""
+        """g's shards from the slot `lease`. The caller gives it back unless
+        the uploader holds it (device shards: until the copies up are done)."""
         src = g.master or g.own
         staging = lease.tensor(torch.uint8)
         if self._up is not None:
             shards = [(s.data, s.nbytes) for s in g.shards]
             g.upload = self._up.fill(shards, src.zero, src.copies, staging, lease)
             return
-        try:
-            for s in g.shards:
-                s.data.untyped_storage().resize_(s.nbytes)
-            for j, start in src.zero:  # FSDP's padding rows: zeros, as FSDP made them
-                g.shards[j].data.view(torch.uint8)[start:].zero_()
-            for pos, j, dst, nbytes in src.copies:
-                g.shards[j].data.view(torch.uint8)[dst : dst + nbytes].copy_(staging[pos : pos + nbytes])
-        finally:
-            lease.release()  # waits for every read on the slot, also after a failed one
+        for s in g.shards:
+            s.data.untyped_storage().resize_(s.nbytes)
+        for j, start in src.zero:  # FSDP's padding rows: zeros, as FSDP made them
+            g.shards[j].data.view(torch.uint8)[start:].zero_()
+        for pos, j, dst, nbytes in src.copies:
+            g.shards[j].data.view(torch.uint8)[dst : dst + nbytes].copy_(staging[pos : pos + nbytes])
 
     def _land(self, g: _Group) -> None:
         """Device shards: the host waits for g's copies up before anything
         reads them (FSDP's copy-in stream included; upload.py says why)."""
-        if g.upload is not None:
-            up, g.upload = g.upload, None
-            if self._up is not None:
-                self._up.land(up)
+        if g.upload is not None and self._up is not None:
+            # Cleared only once the host waited: interrupted before (Ctrl-C, an error), the
+            # group keeps its record and the next gather waits again.
+            self._up.land(g.upload)
+            g.upload = None
 
     def _free(self, g: _Group) -> None:
         """Free g's shard storage (device shards: after the side stream is
@@ -486,6 +501,12 @@ class ParamTier:
         self._user.pop(g.index, None)
         if not getattr(g.pg, "_reset_sharded_params", True):
             # Before FSDP's lazy init, which re-pads every shard from memory: kept.
+            return
+        if g.where == RESIDENT and self._up is not None and g.pg._all_gather_result is not None:
+            # Device shards whose all-gather FSDP issued and nothing waited for (an iteration
+            # that raised in between): FSDP's private copy-in stream may still read them, and
+            # no public event orders a free after it. Kept (and its stand-ins' tensors real)
+            # until its gather is waited for: its next wait_for_unshard releases it.
             return
         if g.where == RESIDENT:
             for s in g.shards:
@@ -649,9 +670,7 @@ class ParamTier:
         if nbytes <= self._pool.slot_bytes:
             return
         self._drain()
-        self._pool = PinnedPool(self.window, nbytes, lock=self._pin)
-        if self._up is not None:
-            self.counters["staging_registered"] = int(self._pin and self._up.register(self._pool))
+        self._pool = self._new_pool(nbytes)
 
     @contextlib.contextmanager
     def resident(self, modified: bool = True) -> Iterator[None]:
@@ -812,17 +831,27 @@ class ParamTier:
                 self._restore_locals()
         finally:
             self.closed = True
-            if self._up is not None:
-                self._up.close()
-            for h in self._handles:
-                if callable(h):
-                    h()
-                elif isinstance(h, tuple) and not (self._dropped and any(h[0] is pg for pg in self._pgs)):
-                    for name in h[1]:
-                        h[0].__dict__.pop(name, None)
-                elif not isinstance(h, tuple):
-                    h.remove()
-            self._space.close()
+            try:
+                if self._up is not None:
+                    self._up.close()  # may raise (a sticky CUDA error, Ctrl-C in its wait)
+            finally:
+                # Unhooked and the swap folder removed whatever the uploader raised (its
+                # error propagates after this, chained to one the load above raised).
+                try:
+                    self._unhook()
+                finally:
+                    self._space.close()
+
+    def _unhook(self) -> None:
+        """Remove every hook and per-instance wrapper the tier installed."""
+        for h in self._handles:
+            if callable(h):
+                h()
+            elif isinstance(h, tuple) and not (self._dropped and any(h[0] is pg for pg in self._pgs)):
+                for name in h[1]:
+                    h[0].__dict__.pop(name, None)
+            elif not isinstance(h, tuple):
+                h.remove()
 
     def _check_open(self) -> None:
         if self._dropped:

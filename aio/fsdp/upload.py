@@ -21,9 +21,11 @@ The ordering, and why each step is safe:
   waits for the event (:meth:`ShardUploader.land`). Every stream's work
   queued after that (FSDP's copy-in stream, the compute stream, a user's)
   is ordered after the copy, with public API only. The tier starts an
-  upload at the first gather after its drive read landed, up to a window
-  ahead of its own gather, so this wait has usually nothing left to wait
-  for (``stats()["upload_waits"]`` counts the ones that blocked). The wait
+  upload at the first gather (or the next group of a load of every shard)
+  after its drive read landed, up to a window ahead of its own gather, so
+  this wait has usually nothing left to wait for
+  (``stats()["upload_waits"]`` counts the ones that blocked, also those
+  forced by a slot an upload still held). The wait
   is an ``event.synchronize()`` even when a query found the event done:
   that is what ``TORCH_CUDA_SANITIZER`` counts as ordering.
 - **Staging.** An upload owns its pinned slot until its event completed:
@@ -39,13 +41,22 @@ The ordering, and why each step is safe:
   after FSDP's copy-in read too, which FSDP's copy-out made the compute
   stream wait for before the tier frees a gathered group. A block of the
   compute stream (a shard FSDP allocated, a blank group made in memory) is
-  reused only by later work on that stream, in order.
+  reused only by later work on that stream, in order. A group whose
+  all-gather FSDP issued and nothing waited for (an iteration that raised
+  in between) is not freed by the tier until that gather is waited for:
+  FSDP's copy-in stream may still read it, and no public event orders a
+  free after that stream.
+- **Registration.** Undone after :meth:`ShardUploader.drain`, or, for an
+  uploader dropped without :meth:`ShardUploader.close`, when its pool goes
+  and after the side stream finished (the copies may still read it).
 
 The write-out copy (device -> pinned staging before a drive write) stays
-synchronous on the compute stream, in the tier: it happens after the
-optimizer's step or a write by the user, where the host waits for the
-step anyway, and it orders the drive write after the copy and the free
-after the copy without an event or a held block.
+synchronous on the compute stream, in the tier: it orders the drive write
+after the copy and the free after the copy without an event or a held
+block, at the price of one host wait per dirty group written out (after
+the optimizer's step or a write by the user); when the optimizer steps on
+the GPU, that wait is for the step's kernels, a sync the step alone would
+not have had.
 """
 
 from __future__ import annotations
@@ -98,9 +109,14 @@ class ShardUploader:
             self._unregister = None
         undo = self._b.register_host(pool.base_ptr, pool.total_bytes)
         if undo is not None:
-            # Undone when the pool goes, before its memory does, if no later call did.
-            self._unregister = weakref.finalize(pool, undo)
+            # Undone when the pool goes, before its memory does, if no later call did (the
+            # uploader dropped unclosed): after the side stream's copies, which may read it.
+            self._unregister = weakref.finalize(pool, _unregister_after, self.side, undo)
         return undo is not None
+
+    def holds(self, lease: Any) -> bool:
+        """Whether an upload not yet done holds `lease` (its copies read the slot)."""
+        return any(up.lease is lease for up in self._pending)
 
     @torch.no_grad()
     def fill(
@@ -113,12 +129,14 @@ class ShardUploader:
     ) -> Upload:
         """Allocate each shard (tensor, nbytes), zero its rows from each
         (shard, byte) of `zeros`, copy each (staging pos, shard, byte, nbytes)
-        of `copies` from `staging`: all on the side stream. Takes `lease`
-        (the slot of `staging`): given back once the copies are done, also
-        when this raises part-way."""
+        of `copies` from `staging`: all on the side stream. Holds `lease`
+        (the slot of `staging`) from when its event exists (:meth:`holds`)
+        until the copies are done, also when this raises part-way; if this
+        raises before, the lease stays the caller's."""
         b = self._b
-        up = Upload(b.event(), lease)
+        up: Upload | None = None
         try:
+            up = Upload(b.event(), lease)
             with b.on(self.side):
                 for t, nbytes in shards:
                     t.untyped_storage().resize_(nbytes)
@@ -128,9 +146,10 @@ class ShardUploader:
                     b.copy(shards[j][0].view(torch.uint8)[dst : dst + nbytes], staging[pos : pos + nbytes])
                     up.nbytes += nbytes
         finally:
-            # Copies queued before a failure still read the slot: it waits for them too.
-            up.event.record(self.side)
-            self._pending.append(up)
+            if up is not None:
+                # Copies queued before a failure still read the slot: it waits for them too.
+                up.event.record(self.side)
+                self._pending.append(up)
         self.counters["uploads"] += 1
         self.counters["upload_bytes"] += up.nbytes
         return up
@@ -192,3 +211,12 @@ class ShardUploader:
         if up in self._pending:
             self._pending.remove(up)
         up.lease.release()
+
+
+def _unregister_after(side: Any, undo: Any) -> None:
+    """A registration's undo once `side` finished its copies (the finalizer
+    of a pool whose uploader was dropped without close())."""
+    try:
+        side.synchronize()
+    finally:
+        undo()

@@ -1,9 +1,12 @@
 """The parameter tier's GPU path, driven by real FSDP2 training on the
 CUDA simulator (tests/zero/cuda_sim.py). Run as a script:
 
-    python sim_worker.py OUTDIR SCHEDULER SEED
+    python sim_worker.py OUTDIR SCHEDULER SEED [GROUPS [SYNC_READS]]
 
-One gloo rank trains tests/fsdp/cuda_worker.py's model without the tier,
+One gloo rank trains tests/fsdp/cuda_worker.py's model (``GROUPS`` FSDP
+groups, default its 4; ``SYNC_READS`` 1: every drive read of the tier has
+landed when ``SwapSpace.read`` returns, so the order of reads, uploads and
+slot reuse does not depend on the drive's timing) without the tier,
 then with it under ``CudaSim``, its FSDP shards adopted as device storages
 (so the tier sees device-resident shards and moves them up through
 aio/fsdp/upload.py, its copies queued on the simulated side stream). Writes
@@ -27,6 +30,25 @@ import cuda_worker as w  # noqa: E402
 from zero.cuda_sim import CudaSim  # noqa: E402
 
 
+def _widths(groups: int) -> tuple[int, ...]:
+    """Layer widths giving `groups` FSDP groups (one per Linear, the last in the root)."""
+    return tuple(w.WIDTHS[i % (len(w.WIDTHS) - 1)] for i in range(groups)) + (w.WIDTHS[-1],)
+
+
+def _sync_reads() -> None:
+    """Each SwapSpace read waited for before it returns (a finished future)."""
+    from aio.swap.drives import SwapSpace
+
+    read = SwapSpace.read
+
+    def synchronous(space, buf, offset):
+        fut = read(space, buf, offset)
+        fut.result()
+        return fut
+
+    SwapSpace.read = synchronous
+
+
 def _tier_run(out: str, scheduler: str, seed: int) -> tuple[dict, dict, dict]:
     from aio.fsdp import offload_params
 
@@ -45,8 +67,12 @@ def _tier_run(out: str, scheduler: str, seed: int) -> tuple[dict, dict, dict]:
         return {"losses": losses, "full": full, "tier": stats}, stats, sim.stats()
 
 
-def main(out: str, scheduler: str, seed: int) -> None:
+def main(out: str, scheduler: str, seed: int, groups: int = 0, sync_reads: bool = False) -> None:
     """One gloo rank: the reference run, then the tier's run on the simulator."""
+    if groups:
+        w.WIDTHS = _widths(groups)  # read by cuda_worker's _model and _batch at each call
+    if sync_reads:
+        _sync_reads()
     os.makedirs(os.path.join(out, "drive"), exist_ok=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=0, world_size=1)
@@ -64,4 +90,5 @@ def main(out: str, scheduler: str, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    extra = [int(a) for a in sys.argv[4:6]]
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *extra[:1], *map(bool, extra[1:2]))
