@@ -34,69 +34,32 @@ and the writes of sub-group i-1 run on separate handles while sub-group i is
 stepped, so a step costs about max(I/O, compute), not their sum. Full overlap
 needs ``2 x (2 + states) + (1 + states)`` buffers; with fewer, the step reads
 ahead and writes behind only as far as free buffers allow (one warning).
+
+Its parts: a sub-group and its extent's layout (:mod:`aio.swap.subgroup`),
+the step's buffers and I/O -- reads ahead, write-backs, the sub-groups kept
+in buffers between steps (:mod:`aio.swap.step_io`) -- and checkpoints
+(:mod:`aio.swap.optimizer_checkpoint`); this module orchestrates them.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
-import json
-import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from .._args import mismatched
-from .._buffers import MAX_OFFSET
 from ..config import discover_state_spec
 from ..pinned import Lease, Register
 from .copy import Chunk, copy_chunks, free_buffers
 from .drives import IOFuture, SwapSpace
+from .optimizer_checkpoint import CHECKPOINT_VERSION as CHECKPOINT_VERSION
+from .optimizer_checkpoint import OptimizerCheckpointer
 from .param import SwapStateError
 from .param_groups import TorchGroups
 from .pieces import Pieces, check_pieces, is_pieces, segments
 from .pool import BufferPool
-from .storage import (
-    align_up,
-    checkpoint_dir,
-    load_plain,
-    require_complete,
-    save_plain,
-    write_manifest,
-)
-
-# Elements of one sub-group, at most: all its tensors' bytes stay a valid file offset.
-MAX_NUMEL = MAX_OFFSET // 64
-
-CHECKPOINT_VERSION = 1
-
-# ``source(out)`` starts reading a sub-group's fp32 master weights into `out`
-# and returns the reads in flight (see OptimizerSwapper.initialize_from).
-MasterSource = Callable[[Any], list[IOFuture]]
-
-
-@dataclass
-class _SubGroup:
-    index: int
-    numel: int
-    offset: int  # of its extent in the swap file
-    parts: dict[str, tuple[int, Any]]  # name -> (byte offset in the extent, dtype)
-    nbytes: int  # of its extent
-    scalars: dict[str, Any] | None = None  # None until its first step
-    valid: bool = False  # drive copy holds a complete state
-    grad_future: IOFuture | None = None
-    # fp32 CPU tensor holding the gradient instead of the drive, or its pieces (a tuple: pieces.py)
-    grad_mem: Any = None
-    proxy: Any = None
-    history: list[str] = field(default_factory=list)
-    # Until its master weights are first written: reads them from elsewhere (initialize_from).
-    master_source: MasterSource | None = None
-    # Master weights stepped where they live (initialize_in_place): their pieces, asked at each use.
-    master_pieces: Callable[[], Sequence[Any]] | None = None
-
-
-BUFFER_COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
+from .step_io import BUFFER_COUNT_KEY, StepIO, land_all
+from .subgroup import MAX_NUMEL, MasterSource, SubGroup, layout, slot_bytes
 
 
 class OptimizerSwapper:
@@ -146,7 +109,7 @@ class OptimizerSwapper:
         self.pin_memory = pin_memory
         self.sub_group_size = sub_group_size
         self.space = SwapSpace(nvme_path, "optimizer", "optimizer.swp", aio, job_id, rank)
-        self.groups: dict[int, _SubGroup] = {}
+        self.groups: dict[int, SubGroup] = {}
         self.pool: BufferPool | None = None
         self.optimizer: Any = None
         self.broken: str | None = None
@@ -166,10 +129,10 @@ class OptimizerSwapper:
             "written": collections.Counter(),
         }
         self.closed = False
-        self._zeros: Any = None  # _zero_bytes()'s zeros (a checkpoint before a sub-group's first step)
+        self._checkpointer = OptimizerCheckpointer(self)
         # Buffers carried from one step to the next: sub-groups whose state is
         # still in a buffer after its write landed, and reads started ahead.
-        self._carry: _StepIO | None = None
+        self._carry: StepIO | None = None
 
     @classmethod
     def from_config(
@@ -202,16 +165,10 @@ class OptimizerSwapper:
     def _layout(self, numel: int) -> tuple[dict[str, tuple[int, Any]], int]:
         import torch
 
-        parts: dict[str, tuple[int, Any]] = {}
-        off = 0
         grad = [("grad", torch.float32)] if self.gradient_slot() else []
         master = [("param", torch.float32)] if self.master_slot() else []
-        for name, dtype in [*grad, *master, *self.spec]:
-            if name in self.narrowed:
-                dtype = torch.bfloat16
-            parts[name] = (off, dtype)
-            off += _part_bytes(numel, dtype)
-        return parts, off
+        tensors = [*grad, *master, *self.spec]
+        return layout(numel, [(n, torch.bfloat16 if n in self.narrowed else dt) for n, dt in tensors])
 
     def gradient_slot(self) -> bool:
         """Whether each sub-group's extent has room for its fp32 gradient
@@ -255,12 +212,6 @@ class OptimizerSwapper:
             "memory (aio_zero.gradients: cpu); hold_gradient() them"
         )
 
-    def _slot_bytes(self, numel: int) -> int:
-        """Bytes one buffer needs for any single tensor of a `numel`-element sub-group."""
-        import torch
-
-        return max(_part_bytes(numel, dt) for dt in [torch.float32, *(d for _, d in self.spec)])
-
     def register_subgroup(self, index: int, numel: int, group: int = 0) -> None:
         """Reserve the drive extent for sub-group `index` of `numel` elements,
         stepped with torch param group `group`'s hyper-parameters (``group_hyper``)."""
@@ -279,7 +230,7 @@ class OptimizerSwapper:
                 f"to at least {numel} or split the group"
             )
         parts, nbytes = self._layout(numel)
-        if self.pool is not None and self._slot_bytes(numel) > self.pool.slot_bytes:
+        if self.pool is not None and slot_bytes(numel, self.spec) > self.pool.slot_bytes:
             if self.optimizer is not None or self.pool.available() != self.pool.count:
                 raise ValueError(
                     f"sub-group {index} ({numel} elements) is larger than the swap buffers, which "
@@ -287,7 +238,7 @@ class OptimizerSwapper:
                 )
             self.pool = None  # still setting up and idle: re-size on next use
         off = self.space.allocate(nbytes)
-        g = _SubGroup(index, numel, off, parts, nbytes)
+        g = SubGroup(index, numel, off, parts, nbytes)
         g.proxy = torch.nn.Parameter(torch.empty(0))
         self.groups[index] = g
 
@@ -295,10 +246,10 @@ class OptimizerSwapper:
         if self.pool is None:
             if not self.groups:
                 raise ValueError("no sub-groups registered")
-            slot_bytes = max(self._slot_bytes(g.numel) for g in self.groups.values())
+            largest = max(slot_bytes(g.numel, self.spec) for g in self.groups.values())
             self.pool = BufferPool(
                 self.buffer_count,
-                slot_bytes,
+                largest,
                 self.pin_memory,
                 BUFFER_COUNT_KEY,
                 "zero_optimization.sub_group_size",
@@ -326,7 +277,7 @@ class OptimizerSwapper:
         self.drop_cached()
         return self._pool().try_acquire()
 
-    def _views(self, g: _SubGroup, leases: dict[str, Lease], widened: bool = True) -> dict[str, Any]:
+    def _views(self, g: SubGroup, leases: dict[str, Lease], widened: bool = True) -> dict[str, Any]:
         import torch
 
         def dtype(name: str) -> Any:  # a narrowed state is float32 in its buffer once widened
@@ -335,11 +286,6 @@ class OptimizerSwapper:
             return torch.float32 if widened and name in self.narrowed else g.parts[name][1]
 
         return {name: BufferPool.view(leases[name], dtype(name), g.numel) for name in leases}
-
-    def _part_io(self, g: _SubGroup, name: str) -> tuple[int, int]:
-        """(offset in the swap file, bytes) of one tensor of `g`, whole aligned blocks."""
-        off, dt = g.parts[name]
-        return g.offset + off, _part_bytes(g.numel, dt)
 
     def pinned_bytes(self) -> int:
         """Bytes of buffers this swapper has page-locked right now (0 before the
@@ -358,7 +304,8 @@ class OptimizerSwapper:
         The zeros are never written: until the sub-group's first step
         (``scalars`` None) its first step zeroes the states in its buffers
         instead of reading them, a window's first gradient starts zeroed in
-        memory, and a checkpoint takes the states from zeros (:meth:`_chunks`).
+        memory, and a checkpoint takes the states from zeros
+        (:class:`~aio.swap.optimizer_checkpoint.OptimizerCheckpointer`).
         Writing them was three quarters of set-up's optimizer bytes with AdamW."""
         src = master.detach().reshape(-1)
         g = self.groups.get(index)
@@ -384,7 +331,7 @@ class OptimizerSwapper:
             )
         self.drop_cached()
         pool = self._pool()
-        pending: collections.deque[tuple[_SubGroup, Lease, IOFuture]] = collections.deque()
+        pending: collections.deque[tuple[SubGroup, Lease, IOFuture]] = collections.deque()
         try:
             for index, fill in fills:
                 g = self.groups[index]
@@ -394,7 +341,7 @@ class OptimizerSwapper:
                 try:
                     fill(lease.tensor(torch.float32, g.numel))
                     g.scalars, g.valid = None, False
-                    pending.append((g, lease, self._start_part_write(g, "param", lease)))
+                    pending.append((g, lease, self.start_part_write(g, "param", lease)))
                 except BaseException:
                     lease.release()
                     raise
@@ -454,15 +401,16 @@ class OptimizerSwapper:
 
         g.scalars, g.valid, g.master_source, g.master_pieces = None, True, source, pieces
 
-    def _master_pieces(self, g: _SubGroup) -> Pieces:
+    def _master_pieces(self, g: SubGroup) -> Pieces:
         """Sub-group `g`'s in-place master weights, checked (see initialize_in_place)."""
         if g.master_pieces is None:
             raise SwapStateError(f"sub-group {g.index}'s master weights are not in place")
         return check_pieces(g.master_pieces(), g.numel, f"sub-group {g.index}'s master weights")
 
-    def _start_part_read(self, g: _SubGroup, name: str, lease: Lease) -> list[IOFuture]:
-        """Start reading one of sub-group `g`'s tensors into `lease`'s buffer:
-        its master weights from their source while initialize_from() left one."""
+    def start_part_read(self, g: SubGroup, name: str, lease: Lease) -> list[IOFuture]:
+        """Start reading one of sub-group `g`'s tensors into `lease`'s buffer
+        (counted in the swap counters); returns the reads in flight: its
+        master weights from their source while initialize_from() left one."""
         import torch
 
         if name == "param" and (g.master_source is not None or name not in g.parts):
@@ -471,7 +419,7 @@ class OptimizerSwapper:
             futs = list(g.master_source(lease.tensor(torch.float32, g.numel)))
             self.count_io("read", name, sum(int(f.nbytes) for f in futs))  # what it copied was no I/O
             return futs
-        off, n = self._part_io(g, name)
+        off, n = g.part_io(name)
         self.count_io("read", name, n)
         return [self.space.read(lease.buffer()[:n], off)]
 
@@ -481,8 +429,11 @@ class OptimizerSwapper:
         self.counters["bytes_" + direction] += nbytes
         self.bytes_by_part[direction][part] += nbytes
 
-    def _start_part_write(self, g: _SubGroup, name: str, lease: Lease) -> IOFuture:
-        off, n = self._part_io(g, name)
+    def start_part_write(self, g: SubGroup, name: str, lease: Lease) -> IOFuture:
+        """Start writing one of sub-group `g`'s tensors from `lease`'s buffer
+        to its place in its extent (counted in the swap counters); once its
+        master weights are written, the drive copy is theirs."""
+        off, n = g.part_io(name)
         if name == "param":
             g.master_source = None  # the drive copy is the master weights from here on
         self.count_io("written", name, n)
@@ -510,7 +461,7 @@ class OptimizerSwapper:
         self.count_io("written", "grad", g.numel * 4)
         g.grad_future = fut
         if not async_op:
-            self._settle_grad(g)
+            g.settle_grad()
         return fut
 
     def read_gradient(self, index: int, out: Any) -> None:
@@ -527,7 +478,7 @@ class OptimizerSwapper:
             )
         if "grad" not in g.parts:
             raise self._no_gradient_slot(index)
-        self._settle_grad(g)
+        g.settle_grad()
         self.space.sync_read(out, g.offset + g.parts["grad"][0])
         self.count_io("read", "grad", g.numel * 4)
 
@@ -557,7 +508,7 @@ class OptimizerSwapper:
         g = self.groups[index]
         if not isinstance(grad, torch.Tensor):
             held = check_pieces(grad, g.numel, f"sub-group {index}'s held gradient")
-            self._settle_grad(g)
+            g.settle_grad()
             g.grad_mem = held
             return
         if grad.numel() != g.numel or grad.dtype != torch.float32 or grad.device.type != "cpu":
@@ -567,7 +518,7 @@ class OptimizerSwapper:
             )
         if not grad.is_contiguous():
             raise ValueError(f"sub-group {index}: a held gradient must be contiguous")
-        self._settle_grad(g)
+        g.settle_grad()
         g.grad_mem = grad.view(-1)
 
     def drop_cached(self, write_back: bool = True) -> None:
@@ -626,13 +577,8 @@ class OptimizerSwapper:
             self._drain_carry()
             raise
 
-    def _settle_grad(self, g: _SubGroup) -> None:
-        fut, g.grad_future = g.grad_future, None
-        if fut is not None:
-            fut.result()
-
     # -- the step ----------------------------------------------------------------------
-    def _ensure_optimizer(self) -> None:
+    def ensure_optimizer(self) -> None:
         """The torch optimizer over the sub-groups' proxies (made at first
         need), none of them holding a gradient: a step cut short in _apply
         (Ctrl-C) left its proxy one, and the optimizer would step it again,
@@ -643,7 +589,7 @@ class OptimizerSwapper:
         for g in self.groups.values():
             g.proxy.grad = None
 
-    def _apply(self, g: _SubGroup, views: dict[str, Any], grad_scale: Any = None, lowp: Any = None) -> None:
+    def _apply(self, g: SubGroup, views: dict[str, Any], grad_scale: Any = None, lowp: Any = None) -> None:
         """Step sub-group `g` on `views` (name -> its tensor; the master
         weights and the gradient may be pieces: then stepped as segments,
         each a proxy of one optimizer step, :mod:`aio.swap.pieces`)."""
@@ -668,7 +614,7 @@ class OptimizerSwapper:
         scalars = [self._end_state(opt, g, proxy, seg) for proxy, seg in zip(proxies, segs, strict=True)]
         g.scalars = scalars[0]  # every segment counted from the same values, once
 
-    def _segment_optimizer(self, g: _SubGroup, proxies: list[Any]) -> Any:
+    def _segment_optimizer(self, g: SubGroup, proxies: list[Any]) -> Any:
         """A torch optimizer over `proxies` (sub-group `g`'s segments) with
         the hyper-parameters of `g`'s param group now: one step() for all."""
         pg = self.optimizer.param_groups[self.torch_groups.torch_index[self.torch_groups.of.get(g.index, 0)]]
@@ -676,7 +622,7 @@ class OptimizerSwapper:
             [{**{k: v for k, v in pg.items() if k != "params"}, "params": proxies}], **self.hyper
         )
 
-    def _start_state(self, opt: Any, g: _SubGroup, proxy: Any, views: dict[str, Any]) -> None:
+    def _start_state(self, opt: Any, g: SubGroup, proxy: Any, views: dict[str, Any]) -> None:
         """`proxy`'s state in `opt` before its update: `g`'s scalars and its
         state tensors' `views`, or the optimizer's first state."""
         import torch
@@ -692,7 +638,7 @@ class OptimizerSwapper:
                 st[name] = views[name]
         elif isinstance(opt, CPUAdam):
             # Its first state is a zero step and zero moments, which the buffers
-            # hold already (_read_parts zeroes them): stepped in place, not
+            # hold already (StepIO zeroes them instead of reading them): stepped in place, not
             # made in fresh memory and copied over (16 GB at 2B in step 1:
             # seconds of page faults on the dev box's VM).
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -706,7 +652,7 @@ class OptimizerSwapper:
             # in step(). Either way it is copied into the buffer below.
             st.update(self.optimizer_cls([proxy], **self.hyper).state.get(proxy, {}))
 
-    def _end_state(self, opt: Any, g: _SubGroup, proxy: Any, views: dict[str, Any]) -> dict[str, Any]:
+    def _end_state(self, opt: Any, g: SubGroup, proxy: Any, views: dict[str, Any]) -> dict[str, Any]:
         """After the update: `proxy`'s state tensors in their `views`, its
         state forgotten by `opt`; returns its scalars (copies)."""
         import torch
@@ -770,9 +716,9 @@ class OptimizerSwapper:
         if not write_back or (self._carry is not None and self._carry.writes):
             self.drop_cached()
         in_place = self._check_ready(order)
-        self._ensure_optimizer()
+        self.ensure_optimizer()
         io, self._carry = self._carry, None
-        io = io or _StepIO(self, self._pool())
+        io = io or StepIO(self, self._pool())
         # With every gradient in memory, buffers left free read ahead whatever
         # pipeline_read says, part of a sub-group if need be (measured: the
         # drive idled while each sub-group was computed; 2B bf16 at 4 buffers
@@ -815,7 +761,7 @@ class OptimizerSwapper:
                 raise SwapStateError(f"sub-group {i} has no gradient: hold_gradient() one before step()")
         return {i: self._master_pieces(g) for i, g in self.groups.items() if g.master_pieces is not None}
 
-    def _abandon_step(self, io: _StepIO, e: BaseException) -> None:
+    def _abandon_step(self, io: StepIO, e: BaseException) -> None:
         """After step() failed with `e`: refuse use, then drain `io`. Refusing
         first: a second Ctrl-C during the drain must not leave a half-updated
         state usable; the drain is then finished by drop_cached() or close()."""
@@ -847,7 +793,7 @@ class OptimizerSwapper:
 
     def _step_subgroup(
         self,
-        g: _SubGroup,
+        g: SubGroup,
         leases: dict[str, Lease],
         after: Callable[[int, Any], None] | None,
         grad_scale: Any,
@@ -874,7 +820,7 @@ class OptimizerSwapper:
             # Master weights kept off the drive (master_slot): taken from their
             # source now, not when read ahead or kept from the last step, so a
             # change made to them since (a model load) is what gets stepped.
-            _wait_all(self._start_part_read(g, "param", leases["param"]))
+            land_all(self.start_part_read(g, "param", leases["param"]))
         views = self._views(g, leases, widened=widen)
         if in_place is not None:
             views["param"] = in_place
@@ -891,7 +837,7 @@ class OptimizerSwapper:
         for name in self.narrowed if widen else []:  # as the drive holds them
             raw = leases[name].tensor(torch.uint8)
             narrow_bf16(raw, g.numel)
-            raw[2 * g.numel : self._part_io(g, name)[1]].zero_()  # padding: no float32 leftovers
+            raw[2 * g.numel : g.part_io(name)[1]].zero_()  # padding: no float32 leftovers
         # The drive copy is stale from here until the write lands (and the
         # master weights' source is past: they are in the buffers now),
         # unless the source is where the master weights live (master_slot).
@@ -933,10 +879,10 @@ class OptimizerSwapper:
                 f"taken with acquire_buffer()) first, or raise {BUFFER_COUNT_KEY}"
             )
         with lease:
-            _wait_all(self._start_part_read(g, "param", lease))
+            land_all(self.start_part_read(g, "param", lease))
             edit(lease.tensor(torch.float32, g.numel))
             g.valid = False
-            _wait_all([self._start_part_write(g, "param", lease)])
+            land_all([self.start_part_write(g, "param", lease)])
             g.valid = True
 
     def read_master(self, index: int) -> Any:
@@ -947,7 +893,7 @@ class OptimizerSwapper:
         self.drop_cached()  # the drive copy must be current
         out = torch.empty(g.numel, dtype=torch.float32)
         if g.master_source is not None:
-            _wait_all(g.master_source(out))
+            land_all(g.master_source(out))
         elif "param" not in g.parts:
             raise SwapStateError(f"sub-group {index} has no master weights: initialize_from() it first")
         else:
@@ -961,7 +907,7 @@ class OptimizerSwapper:
         master slot, where read_state() reads them from their source and
         write_state() refuses them), then each optimizer state (``exp_avg``,
         ``exp_avg_sq`` for Adam)."""
-        return [n for n in self._saved_parts() if n != "param" or self.master_slot()]
+        return [n for n in self.saved_parts() if n != "param" or self.master_slot()]
 
     def scalars(self, index: int) -> dict[str, Any] | None:
         """Sub-group `index`'s scalar state (Adam's ``step``) as a new dict
@@ -976,12 +922,17 @@ class OptimizerSwapper:
             return None
         return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.scalars.items()}
 
-    def _state_part(self, index: int, name: str) -> _SubGroup:
+    def saved_parts(self) -> list[str]:
+        """The tensors a step writes back and a checkpoint holds: all but the
+        gradient (``"param"``, then each optimizer state)."""
+        return ["param", *(n for n, _ in self.spec)]
+
+    def _state_part(self, index: int, name: str) -> SubGroup:
         g = self.groups.get(index)
         if g is None:
             raise ValueError(f"no sub-group {index} is registered")
-        if name not in self._saved_parts():
-            raise ValueError(f"sub-group {index} has no tensor {name!r}; it has {self._saved_parts()}")
+        if name not in self.saved_parts():
+            raise ValueError(f"sub-group {index} has no tensor {name!r}; it has {self.saved_parts()}")
         return g
 
     def read_state(self, index: int, name: str, out: Any = None) -> Any:
@@ -999,7 +950,7 @@ class OptimizerSwapper:
         _check_state_tensor(out, g, f"read_state(out) for {name!r}")
         self.drop_cached()  # the drive copy must be current
         if name == "param" and g.master_source is not None:
-            _wait_all(g.master_source(out))
+            land_all(g.master_source(out))
         elif name not in g.parts:
             raise SwapStateError(f"sub-group {index} has no master weights: initialize_from() it first")
         elif name != "param" and g.scalars is None:
@@ -1057,77 +1008,13 @@ class OptimizerSwapper:
             g.scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
         g.valid = True
 
-    # -- checkpoint ----------------------------------------------------------------------
+    # -- checkpoint (aio.swap.optimizer_checkpoint) ------------------------------------
     def export_checkpoint(self, directory: str) -> None:
         """Write every sub-group's master weights and optimizer state, plus a
         manifest with checksums, to `directory` (created atomically: a crash
         leaves no half-written checkpoint under that name)."""
-
         self._check_usable()
-        self._check_checkpointable()
-        self.drop_cached()  # the drive copy must be current
-        for i, g in sorted(self.groups.items()):
-            if g.master_source is not None and g.valid:  # never stepped: store them first
-                self.update_master(i, lambda master: None)
-        torn = [i for i in sorted(self.groups) if not self.groups[i].valid]
-        if torn:
-            raise SwapStateError(
-                f"sub-groups {torn} have no complete state on the drive (never initialized, or a "
-                "write failed): refusing to save a checkpoint of them; load one first"
-            )
-        with checkpoint_dir(directory) as tmp:
-            manifest: dict[str, Any] = {
-                "version": CHECKPOINT_VERSION,
-                "optimizer": f"{self.optimizer_cls.__module__}.{self.optimizer_cls.__qualname__}",
-                "spec": [[n, str(d)] for n, d in self.spec],
-                "state_dtype": self.state_dtype,
-                "steps": self.steps,
-                "groups": {},
-            }
-            scalars = {}
-            chunks = []
-            for i in sorted(self.groups):
-                self._settle_grad(self.groups[i])
-                path = os.path.join(tmp, f"subgroup_{i}.bin")
-                chunks += self._chunks(self.groups[i], path, to_checkpoint=True)
-            crcs = self._copy(chunks)
-            for i in sorted(self.groups):
-                g = self.groups[i]
-                manifest["groups"][str(i)] = {
-                    "numel": g.numel,
-                    "bytes": g.nbytes - g.parts["param"][0],
-                    "crc32": crcs[i],
-                }
-                scalars[i] = g.scalars
-            save_plain(
-                {"scalars": scalars, "param_groups": self._param_groups()},
-                os.path.join(tmp, "scalars.pt"),
-                "the optimizer's scalar state",
-            )
-            write_manifest(tmp, manifest)
-
-    def _check_checkpointable(self) -> None:
-        if not self.master_slot():
-            raise ValueError(
-                "this swapper keeps no master weights on the drive (master_slot() is False), so its "
-                "checkpoint would not hold them: save the optimizer's state with the model's weights "
-                "(NVMeAdamW: state_dict())"
-            )
-
-    def _saved_parts(self) -> list[str]:
-        """The tensors a step writes back and a checkpoint holds: all but the gradient."""
-        return ["param", *(n for n, _ in self.spec)]
-
-    def _kept_parts(self, g: _SubGroup) -> list[str]:
-        """The tensors a stepped sub-group keeps a buffer for: _saved_parts()
-        but the master weights where they are stepped in place."""
-        parts = self._saved_parts()
-        return parts[1:] if g.master_pieces is not None else parts
-
-    def _param_groups(self) -> list[dict[str, Any]]:
-        if self.optimizer is None:
-            return []
-        return [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        self._checkpointer.export(directory)
 
     def verify_checkpoint(self, directory: str) -> dict[str, Any]:
         """Check a checkpoint from export_checkpoint() completely -- completeness
@@ -1135,129 +1022,26 @@ class OptimizerSwapper:
         without changing anything. Returns what apply_checkpoint() needs. A
         malformed manifest or scalar state is a ValueError naming the folder."""
         self._check_open()
-        self._check_checkpointable()
-        require_complete(directory)
-        try:
-            with open(os.path.join(directory, "manifest.json")) as f:
-                manifest = json.load(f)
-            self._check_manifest(manifest)
-            extra = load_plain(os.path.join(directory, "scalars.pt"))
-            self._check_extra(extra)
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise ValueError(f"{directory}: not a checkpoint of this optimizer: {e}") from None
-        chunks = []
-        for i in sorted(self.groups):
-            chunks += self._chunks(
-                self.groups[i], os.path.join(directory, f"subgroup_{i}.bin"), to_checkpoint=None
-            )
-        self._check_crcs(directory, manifest, self._copy(chunks))
-        return {"manifest": manifest, "extra": extra}
+        return self._checkpointer.verify(directory)
 
-    def _check_manifest(self, manifest: Any) -> None:
-        """ValueError (or KeyError/TypeError on a malformed one) unless the
-        manifest describes this swapper's state layout and sub-groups."""
-        if not isinstance(manifest, dict):
-            raise ValueError("manifest.json does not hold an object")
-        if manifest.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"unsupported checkpoint version {manifest.get('version')!r}")
-        spec = [[n, str(d)] for n, d in self.spec]
-        if manifest["spec"] != spec:
-            raise ValueError(
-                f"checkpoint optimizer state {manifest['spec']} does not match this optimizer's {spec}"
-            )
-        if manifest.get("state_dtype", "fp32") != self.state_dtype:
-            raise ValueError(
-                f"checkpoint holds {manifest.get('state_dtype', 'fp32')} optimizer states, this swapper "
-                f"stores {self.state_dtype} (aio_zero.optimizer_states); load it with the same setting"
-            )
-        groups = manifest["groups"]
-        if sorted(int(i) for i in groups) != sorted(self.groups):
-            raise ValueError("checkpoint sub-groups do not match the registered sub-groups")
-        if not isinstance(manifest.get("steps"), int) or isinstance(manifest["steps"], bool):
-            raise ValueError("the manifest's step count is not an integer")
-        for i, g in self.groups.items():
-            meta = groups[str(i)]
-            if meta["numel"] != g.numel or meta["bytes"] != g.nbytes - g.parts["param"][0]:
-                raise ValueError(f"checkpoint sub-group {i} has a different size")
-            if not isinstance(meta["crc32"], int):
-                raise ValueError(f"checkpoint sub-group {i} has no integer checksum")
+    def apply_checkpoint(self, directory: str, verified: dict[str, Any]) -> None:
+        """Load a checkpoint that verify_checkpoint() accepted into the swap
+        files. Only an I/O error can still fail here; then the swapper refuses
+        further use (and export) until a checkpoint is imported again."""
+        self._check_open()
+        self._checkpointer.apply(directory, verified)
 
-    def _check_extra(self, extra: Any) -> None:
-        """ValueError unless scalars.pt holds, for every sub-group, None (never
-        stepped) or its optimizer's scalar entries (tensors or numbers, no state
-        tensor's name), and one dict of hyper-parameters per param group, each
-        of the kind the optimizer's own has (a number where it has a number)."""
-        import torch
+    def import_checkpoint(self, directory: str) -> None:
+        """Load a checkpoint from export_checkpoint() into the swap files.
+        Everything is verified (marker, sizes, every checksum) before anything
+        changes: a bad checkpoint leaves the current state intact."""
+        self.apply_checkpoint(directory, self.verify_checkpoint(directory))
 
-        if (
-            not isinstance(extra, dict)
-            or not isinstance(extra.get("scalars"), dict)
-            or set(extra["scalars"]) != set(self.groups)
-        ):
-            raise ValueError("scalars.pt does not describe these sub-groups")
-        states = {n for n, _ in self.spec} | {"param"}
-        for i, sc in extra["scalars"].items():
-            ok = sc is None or (
-                isinstance(sc, dict)
-                and all(isinstance(k, str) and k not in states for k in sc)
-                and all(torch.is_tensor(v) or isinstance(v, (int, float)) for v in sc.values())
-            )
-            if not ok:
-                raise ValueError(
-                    f"scalars.pt: sub-group {i}'s scalar state is not tensors or numbers by name"
-                )
-        saved = extra.get("param_groups")
-        if not isinstance(saved, list) or not all(isinstance(g, dict) and "params" not in g for g in saved):
-            raise ValueError("scalars.pt: the param groups' hyper-parameters are not dicts of values")
-        # The optimizer's groups, or (not made yet) the hyper-parameters it will be made with.
-        current = self.optimizer.param_groups if self.optimizer is not None else [self.hyper] * len(saved)
-        if saved and len(saved) != len(current):
-            raise ValueError(
-                f"scalars.pt has hyper-parameters for {len(saved)} param groups, not {len(current)}"
-            )
-        for k, (now, got) in enumerate(zip(current, saved, strict=False)):
-            if bad := mismatched(now, got):
-                key = bad[0]
-                raise ValueError(
-                    f"scalars.pt: param group {k}'s {key!r} is {got[key]!r}, not like {now[key]!r}"
-                )
-
-    def _chunks(self, g: _SubGroup, path: str, to_checkpoint: bool | None) -> list[Chunk]:
-        """The copy of sub-group `g`'s saved tensors (master weights, then the
-        states: the checkpoint file is its extent after the gradient) from
-        the swap space to the checkpoint file `path` (to_checkpoint True),
-        back (False), or only read from the file (None: a verify pass)."""
-        base = g.offset + g.parts["param"][0]
-        handle = self.space.handle
-        out = []
-        for name in self._saved_parts():
-            off, n = self._part_io(g, name)
-            at = off - base
-            if to_checkpoint:
-                if name != "param" and g.scalars is None:  # never stepped: zeros set-up did not write
-                    c = Chunk(n, g.index, data=self._zero_bytes(n))
-                else:
-                    c = Chunk(n, g.index, read=functools.partial(self.space.read, offset=off))
-                c.write = functools.partial(handle.async_pwrite, path=path, file_offset=at)
-            else:
-                c = Chunk(n, g.index, read=functools.partial(handle.async_pread, path=path, file_offset=at))
-                if to_checkpoint is False:
-                    c.write = functools.partial(self.space.write, offset=off)
-            out.append(c)
-        return out
-
-    def _zero_bytes(self, n: int) -> Any:
-        """A view of `n` zero bytes, shared by every chunk of a checkpoint."""
-        import torch
-
-        if self._zeros is None or self._zeros.numel() < n:
-            self._zeros = torch.zeros(n, dtype=torch.uint8)
-        return self._zeros[:n]
-
-    def _copy(self, chunks: list[Chunk]) -> dict[Any, int]:
-        """copy_chunks() through two of the swapper's free buffers (cached
-        sub-groups are written back first; one buffer: no overlap). Not
-        counted in the swap counters, which are the training's I/O."""
+    def copy_through_buffers(self, chunks: list[Chunk]) -> dict[Any, int]:
+        """copy_chunks() through two of the swapper's free buffers (kept
+        sub-groups are written back first; one buffer: no overlap); returns
+        each key's CRC32. ValueError when every buffer is in use. Not counted
+        in the swap counters, which are the training's I/O."""
         self.drop_cached()
         pool = self._pool()
         with free_buffers(pool) as buffers:
@@ -1267,48 +1051,6 @@ class OptimizerSwapper:
                     "release the buffers taken with acquire_buffer() before a checkpoint"
                 )
             return copy_chunks(chunks, buffers)
-
-    def _check_crcs(self, directory: str, manifest: dict[str, Any], crcs: dict[Any, int]) -> None:
-        for i in sorted(self.groups):
-            if crcs[i] != manifest["groups"][str(i)]["crc32"]:
-                raise OSError(5, f"checkpoint sub-group {i} fails its checksum", directory)
-
-    def apply_checkpoint(self, directory: str, verified: dict[str, Any]) -> None:
-        """Load a checkpoint that verify_checkpoint() accepted into the swap
-        files. Only an I/O error can still fail here; then the swapper refuses
-        further use (and export) until a checkpoint is imported again."""
-        self._check_open()
-        self._check_checkpointable()
-        manifest, extra = verified["manifest"], verified["extra"]
-        try:
-            chunks = []
-            for i in sorted(self.groups):
-                self.groups[i].valid, self.groups[i].master_source = False, None
-                path = os.path.join(directory, f"subgroup_{i}.bin")
-                chunks += self._chunks(self.groups[i], path, to_checkpoint=False)
-            # The file was verified; a checksum failing now means it changed since.
-            self._check_crcs(directory, manifest, self._copy(chunks))
-            for g in self.groups.values():
-                g.valid = True
-        except BaseException as e:
-            self.broken = (
-                f"importing checkpoint {directory} failed part-way ({type(e).__name__}: {e}); the "
-                "swapped optimizer state is a mix. Import a checkpoint again"
-            )
-            raise
-        for i, g in self.groups.items():
-            g.scalars = extra["scalars"][i]
-        self._ensure_optimizer()
-        for pg, saved in zip(self.optimizer.param_groups, extra["param_groups"], strict=False):
-            pg.update(saved)
-        self.steps = manifest["steps"]
-        self.broken = None
-
-    def import_checkpoint(self, directory: str) -> None:
-        """Load a checkpoint from export_checkpoint() into the swap files.
-        Everything is verified (marker, sizes, every checksum) before anything
-        changes: a bad checkpoint leaves the current state intact."""
-        self.apply_checkpoint(directory, self.verify_checkpoint(directory))
 
     # -- lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -1358,7 +1100,7 @@ class OptimizerSwapper:
         self.close()
 
 
-def _check_state_tensor(t: Any, g: _SubGroup, what: str) -> None:
+def _check_state_tensor(t: Any, g: SubGroup, what: str) -> None:
     """TypeError/ValueError unless `t` is a contiguous float32 CPU tensor of
     sub-group `g`'s size."""
     import torch
@@ -1370,13 +1112,6 @@ def _check_state_tensor(t: Any, g: _SubGroup, what: str) -> None:
         raise ValueError(
             f"sub-group {g.index}: {what} must be contiguous with {g.numel} elements, got {t.numel()}"
         )
-
-
-def _part_bytes(numel: int, dtype: Any) -> int:
-    """Bytes of one tensor of a sub-group in the swap file and its I/O: whole aligned blocks."""
-    import torch
-
-    return align_up(numel * torch.empty(0, dtype=dtype).element_size())
 
 
 def _check_buffer_count(
@@ -1412,383 +1147,7 @@ def _check_buffer_count(
         )
 
 
-# How often a wait for a sub-group's reads looks whether a write-back landed
-# (its buffers then read ahead): ~4 MiB takes several ms on the drives measured.
-_AHEAD_POLL_S = 0.0005
-
-_Read = tuple[dict[str, Lease], list[IOFuture], bool]  # buffers, reads in flight, dirty
-_Write = tuple[int, list[Lease], list[IOFuture]]
-
-
-class _StepIO:
-    """The buffers and I/Os of one OptimizerSwapper.step(): reads ahead,
-    write-backs behind, and every lease held, so a failure can drain them all.
-    A sub-group being read holds one buffer per tensor (gradient first).
-
-    A stepped sub-group keeps its buffers (`kept`, oldest first) until a read
-    needs them: clean once its write landed, or dirty (write-back: written
-    only when its buffers are needed). Whatever is kept when the step ends
-    becomes the next step's first reads, done already. A read that must
-    wait for a write-back takes each buffer back as its own write lands
-    (`split`: that sub-group is then not kept), not once all of them did.
-
-    With every gradient held in memory, a read ahead with too few buffers
-    free reads what they hold (`partial`: the tensors still to read): with 4
-    buffers and 3 tensors a sub-group, the drive otherwise idles while each
-    sub-group is computed. At most one
-    read is partial, and none starts after it, so finish_read() can always
-    complete it from the buffers of the sub-groups stepped before it."""
-
-    def __init__(self, sw: OptimizerSwapper, pool: BufferPool) -> None:
-        self.sw = sw
-        self.pool = pool
-        self.reads: dict[int, _Read] = {}
-        self.writes: collections.deque[_Write] = collections.deque()
-        self.kept: collections.OrderedDict[int, tuple[list[Lease], bool]] = collections.OrderedDict()
-        self.held: list[Lease] = []
-        self.partial: dict[int, list[str]] = {}  # sub-group -> tensors not yet being read
-        self.carried: set[int] = set()  # reads done by carry_over(): the buffers kept by a step
-        # id of a buffer's lease -> (the lease, the write-back from it in flight)
-        self.written_from: dict[int, tuple[Lease, IOFuture]] = {}
-        self.split: set[int] = set()  # write-backs that gave buffers back as their writes landed
-
-    def _release(self, lease: Lease) -> None:
-        lease.release()
-        self.held.remove(lease)
-
-    def _start_write(self, i: int, leases: list[Lease]) -> _Write:
-        sw, g = self.sw, self.sw.groups[i]
-        futs: list[IOFuture] = []
-        try:
-            for name, lease in zip(sw._kept_parts(g), leases, strict=True):
-                if name not in g.parts:  # master weights kept off the drive (master_slot)
-                    continue
-                off, n = sw._part_io(g, name)
-                futs.append(sw.space.write(lease.buffer()[:n], off))
-                self.written_from[id(lease)] = (lease, futs[-1])
-                sw.count_io("written", name, n)
-        except BaseException:
-            _settle_started(futs)  # no buffer goes back with a write still in it
-            raise
-        return (i, leases, futs)
-
-    def _finish_write(self, entry: _Write) -> None:
-        """Wait for a write-back; keep its buffers, clean (on failure they stay in
-        `held`, which abort() gives back); those of one that gave some back
-        early (_release_landed) go back too."""
-        i, leases, futs = entry
-        _wait_all(futs)
-        self._forget_writes(leases)
-        self.sw.groups[i].valid = True
-        if i in self.split:
-            self.split.discard(i)
-            for lease in leases:
-                self._release(lease)
-            return
-        self.kept[i] = (leases, False)
-
-    def _release_landed(self) -> bool:
-        """Give back the buffers of the oldest write-back whose own write landed,
-        waiting for the first still in flight if none did: a read then reuses
-        each buffer as its write lands, not once the whole sub-group's did
-        (its sub-group is then not kept). False when none can come back so."""
-        i, leases, futs = self.writes[0]
-        mine = [self._write_from(lease) for lease in leases]
-        if not any(f is not None and f.done() for f in mine):
-            first = next((f for f in mine if f is not None), None)
-            if first is None:
-                return False
-            first.wait()
-        landed = [f is not None and f.done() for f in mine]
-        _wait_all(
-            [f for f, done in zip(mine, landed, strict=True) if done and f is not None]
-        )  # a failure raises
-        back = [lease for lease, done in zip(leases, landed, strict=True) if done]
-        self._forget_writes(back)
-        for lease in back:
-            self._release(lease)
-        self.writes[0] = (i, [lease for lease, done in zip(leases, landed, strict=True) if not done], futs)
-        self.split.add(i)
-        return True
-
-    def _write_from(self, lease: Lease) -> IOFuture | None:
-        """The write-back in flight from `lease`'s buffer, if any."""
-        got = self.written_from.get(id(lease))
-        return got[1] if got is not None and got[0] is lease else None
-
-    def _forget_writes(self, leases: list[Lease]) -> None:
-        for lease in leases:
-            if self._write_from(lease) is not None:
-                del self.written_from[id(lease)]
-
-    def _free_one(self, wait: bool) -> bool:
-        """One move towards free buffers: drop the oldest clean kept sub-group,
-        else take a landed write-back (waiting for it if `wait`), else start
-        writing the oldest dirty one; False when nothing can be done now."""
-        for i, (leases, dirty) in self.kept.items():
-            if not dirty:
-                del self.kept[i]
-                for lease in leases:
-                    self._release(lease)
-                return True
-        if self.writes and all(f.done() for f in self.writes[0][2]):
-            self._finish_write(self.writes.popleft())
-            return True
-        if self.writes and wait:
-            if not self._release_landed():
-                self._finish_write(self.writes.popleft())
-            return True
-        if self.kept and not self.writes:
-            i, (leases, _) = self.kept.popitem(last=False)
-            self.writes.append(self._start_write(i, leases))
-            return True
-        return False
-
-    def _lease(self, count: int, must: bool) -> list[Lease] | None:
-        """`count` free buffers, dropping kept sub-groups and finishing write-backs
-        to free them (waiting only if `must`); None when they cannot be had and
-        not `must`."""
-        while self.pool.available() < count and self._free_one(wait=must):
-            pass
-        if self.pool.available() < count and not must:
-            return None
-        leases: list[Lease] = []
-        for _ in range(count):
-            lease = self.pool.try_acquire()
-            if lease is None:
-                for got in leases:
-                    self._release(got)
-                raise SwapStateError(
-                    f"stepping a sub-group needs {count} free optimizer swap buffers; give back "
-                    f"every buffer leased with acquire_buffer() before step(), or raise {BUFFER_COUNT_KEY}"
-                )
-            self.held.append(lease)
-            leases.append(lease)
-        return leases
-
-    def _read_names(self, i: int) -> list[str]:
-        """The tensors of sub-group i a read leases a buffer for, in order."""
-        g = self.sw.groups[i]
-        names = [n for n in g.parts if n != "grad" or g.grad_mem is None]
-        if "param" not in g.parts and g.master_pieces is None:
-            # Master weights kept off the drive take a buffer but no read:
-            # leased last, so a partial read ahead spends its buffers on reads.
-            # (Stepped in place, they take none.)
-            names.append("param")
-        return names
-
-    def make_room(self, nxt: int) -> None:
-        """Start now the write-back that reading sub-group `nxt` (or what a
-        partial read left of it) will wait for: the oldest dirty kept
-        sub-group's, when the free buffers fall short, no write-back is in
-        flight and no clean kept sub-group could be dropped instead (what
-        _lease() would do first). Never drops or reuses a buffer."""
-        if nxt in self.reads and nxt not in self.partial:
-            return
-        need = len(self.partial[nxt]) if nxt in self.partial else len(self._read_names(nxt))
-        if self.writes or not self.kept or self.pool.available() >= need:
-            return
-        if any(not dirty for _, dirty in self.kept.values()):
-            return
-        i, (leases, _) = self.kept.popitem(last=False)
-        self.writes.append(self._start_write(i, leases))
-
-    def start_read(self, i: int, must: bool, partly: bool = False) -> bool:
-        """Lease a buffer per tensor of sub-group i (but a gradient held in
-        memory) and start reading them all. Not `must`, with too few buffers
-        free: with `partly`, start reading as many tensors as there are (none
-        while another read is partial); False when nothing was started."""
-        sw, g = self.sw, self.sw.groups[i]
-        names = self._read_names(i)
-        if self.partial and not must:
-            return False
-        leases = self._lease(len(names), must)
-        if leases is None:
-            if not partly:
-                return False
-            leases = self._lease(min(self.pool.available(), len(names)), must=True)
-            if not leases:
-                return False
-            self.partial[i] = names[len(leases) :]
-            sw.counters["partial_reads"] += 1
-        self.reads[i] = ({}, [], False)
-        self.carried.discard(i)
-        sw._settle_grad(g)
-        self._read_parts(i, names[: len(leases)], leases)
-        return True
-
-    def finish_read(self, i: int) -> None:
-        """Start reading whatever a partial read of sub-group i left (waiting for
-        buffers: the sub-groups stepped before it free theirs)."""
-        # One buffer at a time: each read starts as a write-back's buffer comes back.
-        for name in self.partial.pop(i, None) or []:
-            self._read_parts(i, [name], self._lease(1, must=True) or [])
-
-    def _read_parts(self, i: int, names: list[str], leases: list[Lease]) -> None:
-        import torch
-
-        sw, g = self.sw, self.sw.groups[i]
-        have, futs, _ = self.reads[i]
-        # Before its first step a sub-group's states are zeros set-up never wrote:
-        # zeroed here instead of read (a fifth of step 1's reads with AdamW).
-        fresh = {n for n, _ in sw.spec} if g.scalars is None else set()
-        for name, lease in zip(names, leases, strict=True):
-            have[name] = lease
-            if name not in g.parts:
-                continue  # master weights kept off the drive: taken from their source when stepped
-            if name in fresh:
-                lease.tensor(torch.uint8)[: sw._part_io(g, name)[1]].zero_()
-                continue
-            futs.extend(sw._start_part_read(g, name, lease))
-
-    def fetch(self, i: int, nxt: int | None, partly: bool) -> dict[str, Lease]:
-        """Sub-group i's buffers, its tensors read (started now if not ahead),
-        while reading ahead sub-group `nxt` (None: none) into buffers that
-        are free or come free meanwhile (`partly`: as start_read)."""
-        if i not in self.reads:
-            self.start_read(i, must=True)
-        self.finish_read(i)  # before any read ahead takes the buffers it needs
-        if nxt is not None and nxt not in self.reads:
-            self.start_read(nxt, must=False, partly=partly)
-        # While i's reads land, the write-back started beside them may land
-        # first: its buffers then read ahead at once, not after i's reads and
-        # update (measured: the drive ran one read at a time for ~6 ms of
-        # each ~14 ms sub-group; counters["ahead_in_wait"] counts them).
-        leases = self.take_read(i, nxt, partly=partly)
-        if nxt is not None and nxt not in self.reads:
-            # Again: the write-back started beside i's read may have landed
-            # since, freeing buffers to read ahead into during i's update
-            # (the drive idled through each update).
-            self.start_read(nxt, must=False, partly=partly)
-        return leases
-
-    def take_read(self, i: int, ahead: int | None = None, partly: bool = False) -> dict[str, Lease]:
-        """Wait for sub-group i's reads; return the buffers holding its tensors.
-        With `ahead` (a sub-group not being read), start reading it (`partly`:
-        as start_read) as soon as a write-back landing meanwhile frees buffers."""
-        self.finish_read(i)
-        if ahead is not None:
-            self._read_ahead_while(self.reads[i][1], ahead, partly)
-        leases, futs, _ = self.reads.pop(i)
-        if i in self.carried:  # kept in its buffers by the step before: nothing read
-            self.carried.discard(i)
-            self.sw.counters["cached_subgroups"] += 1
-        _wait_all(futs)
-        return leases
-
-    def _read_ahead_while(self, futs: list[IOFuture], ahead: int, partly: bool) -> None:
-        """Until `futs` (reads) land: whenever the oldest write-back has landed,
-        try to start reading sub-group `ahead`; stop once it started, or when no
-        write-back is in flight (then nothing frees a buffer meanwhile)."""
-        pending = [f for f in futs if not f.done()]
-        while pending and ahead not in self.reads and self.writes:
-            landed = self.writes[0]
-            if all(f.done() for f in landed[2]):
-                if self.start_read(ahead, must=False, partly=partly):
-                    self.sw.counters["ahead_in_wait"] += 1
-                    return
-                if self.writes and self.writes[0] is landed:
-                    return  # refused without taking it (a partial read is on): no use waiting
-                continue  # taken, too few buffers still: wait for the next write-back, if any
-            pending[0].wait(_AHEAD_POLL_S)
-            pending = [f for f in pending if not f.done()]
-
-    def done_stepping(self, i: int, leases: dict[str, Lease], write_back: bool) -> None:
-        """Sub-group i is stepped: its gradient's buffer goes back; the rest are
-        kept dirty (`write_back`), or written now, pipelined or waited for."""
-        if "grad" in leases:
-            self._release(leases["grad"])
-        kept = [leases[name] for name in self.sw._kept_parts(self.sw.groups[i])]
-        if write_back:
-            self.kept[i] = (kept, True)
-            return
-        self.writes.append(self._start_write(i, kept))
-        if not self.sw.pipeline_write:
-            self._finish_write(self.writes.pop())
-        while self.writes and all(f.done() for f in self.writes[0][2]):
-            self._finish_write(self.writes.popleft())
-
-    def carry_over(self, next_order: list[int], read_ahead: bool) -> None:
-        """End of a step: wait for the write-backs in flight; every sub-group still
-        in its buffers becomes one of the next step's reads, done already (the
-        next step goes in `next_order`, the reverse of this one, so they come
-        first). With `read_ahead` (only when every gradient is held in memory:
-        a read started now must not fetch a gradient the next step will not
-        use), start reading the sub-groups after them into the buffers still free."""
-        while self.writes:
-            self._finish_write(self.writes.popleft())
-        for i, (leases, dirty) in self.kept.items():
-            self.reads[i] = (
-                dict(zip(self.sw._kept_parts(self.sw.groups[i]), leases, strict=True)),
-                [],
-                dirty,
-            )
-            self.carried.add(i)
-        self.kept.clear()
-        if read_ahead:
-            for i in next_order:
-                if i not in self.reads and not self.start_read(i, must=False, partly=True):
-                    break
-
-    def write_masters(self) -> None:
-        """Write the master weights of every carried sub-group not yet on the
-        drive, and wait; the sub-groups stay dirty (their states are not written)."""
-        sw = self.sw
-        futs: list[IOFuture] = []
-        try:
-            for i, (leases, _futs, dirty) in self.reads.items():
-                if dirty and "param" in sw.groups[i].parts:
-                    futs.append(sw._start_part_write(sw.groups[i], "param", leases["param"]))
-        except BaseException:
-            _settle_started(futs)
-            raise
-        _wait_all(futs)
-
-    def write_back(self) -> None:
-        """Write every carried sub-group not yet on the drive, and wait (the
-        writes are tracked in `writes`, so abort() drains them after a failure;
-        after a Ctrl-C, a second call waits for those already started)."""
-        started = {entry[0] for entry in self.writes}
-        for i, (leases, _futs, dirty) in list(self.reads.items()):
-            if dirty and i not in started:
-                parts = self.sw._kept_parts(self.sw.groups[i])
-                self.writes.append(self._start_write(i, [leases[n] for n in parts]))
-        while self.writes:
-            i, written, futs = self.writes[0]
-            _wait_all(futs)
-            self._forget_writes(written)
-            self.writes.popleft()
-            self.sw.groups[i].valid = True
-            leases, futs, _ = self.reads[i]
-            self.reads[i] = (leases, futs, False)
-
-    def abort(self) -> None:
-        """After a failure (or to give everything back): drain so nothing still
-        reads into or writes from a buffer, keep the sub-groups whose writes
-        landed valid, release every lease. Dirty sub-groups are lost. Each
-        entry is dropped only once settled: run again after a Ctrl-C, it
-        goes on where it stopped."""
-        for _leases, futs, _ in self.reads.values():
-            for fut in futs:
-                fut.exception()
-        while self.writes:
-            i, _kept, futs = self.writes[0]
-            errors = [fut.exception() for fut in futs]  # every one waited for
-            if all(e is None for e in errors):
-                self.sw.groups[i].valid = True
-            self.writes.popleft()
-        while self.held:
-            self.held[-1].release()  # waits for any I/O still on its buffer
-            self.held.pop()
-        self.reads.clear()
-        self.carried.clear()
-        self.kept.clear()
-        self.partial.clear()
-        self.written_from.clear()
-        self.split.clear()
-
-
-def _land_initial(entry: tuple[_SubGroup, Lease, IOFuture]) -> None:
+def _land_initial(entry: tuple[SubGroup, Lease, IOFuture]) -> None:
     """Wait for one of initialize_many()'s writes; its sub-group is valid once it landed."""
     g, lease, fut = entry
     try:
@@ -1796,18 +1155,3 @@ def _land_initial(entry: tuple[_SubGroup, Lease, IOFuture]) -> None:
         g.valid = True
     finally:
         lease.release()
-
-
-def _settle_started(futs: list[IOFuture]) -> None:
-    """Starting a batch of I/O failed part-way: wait for those started (their
-    outcome is not the error to report), so their buffers can go back."""
-    for fut in futs:
-        fut.exception()
-
-
-def _wait_all(futs: list[IOFuture]) -> None:
-    """Wait for every future, then raise the first failure (none left in flight)."""
-    errors = [fut.exception() for fut in futs]
-    for e in errors:
-        if e is not None:
-            raise e

@@ -174,20 +174,20 @@ def _interrupt_at(monkeypatch, owner, name: str, call: int, after: bool = False)
 @pytest.mark.parametrize(
     ("where", "call", "after"),
     [
-        ("_StepIO.take_read", 1, False),  # waiting for the first sub-group's reads: nothing updated
-        ("_StepIO.take_read", 3, False),  # after two sub-groups were updated and written back
+        ("StepIO.take_read", 1, False),  # waiting for the first sub-group's reads: nothing updated
+        ("StepIO.take_read", 3, False),  # after two sub-groups were updated and written back
         ("NVMeAdamW._write_back", 2, False),  # new weights, before they reach the parameters
         # Right after a sub-group's update, its proxy parameter still holding
         # the gradient: the next step stepped it again, into another's buffer.
         ("optim.step_scaled", 2, True),
-        ("_StepIO.done_stepping", 4, False),  # the last sub-group's write-back starting
+        ("StepIO.done_stepping", 4, False),  # the last sub-group's write-back starting
     ],
 )
 def test_ctrl_c_inside_the_pipeline_is_refused_until_what_it_names_is_loaded(
     tmp_path, monkeypatch, master, where, call, after
 ) -> None:
     import aio.optim
-    import aio.swap.optimizer as swap_optimizer
+    from aio.swap.step_io import StepIO
 
     kw = {"master": master}
     ref = _Reference(tmp_path, 2, 4, **kw)
@@ -196,7 +196,7 @@ def test_ctrl_c_inside_the_pipeline_is_refused_until_what_it_names_is_loaded(
     _run(m, opt, range(2))
     saved, weights = opt.state_dict(), {k: v.clone() for k, v in m.state_dict().items()}
     owner, name = where.split(".")
-    owners = {"_StepIO": swap_optimizer._StepIO, "NVMeAdamW": NVMeAdamW, "optim": aio.optim}
+    owners = {"StepIO": StepIO, "NVMeAdamW": NVMeAdamW, "optim": aio.optim}
     _interrupt_at(monkeypatch, owners[owner], name, call, after)
     _grads(m, 2)
     with pytest.raises(KeyboardInterrupt):
@@ -218,7 +218,7 @@ def test_a_second_ctrl_c_while_a_failed_step_drains_still_leaves_it_refusing(
     The optimizer must still refuse (it stepped on in silence from a
     half-updated state), and the buffers come back once a load finishes the
     drain (they were leaked: every later step failed for want of buffers)."""
-    import aio.swap.optimizer as swap_optimizer
+    from aio.swap.step_io import StepIO
 
     kw = {"master": master}
     ref = _Reference(tmp_path, 2, 4, **kw)
@@ -226,8 +226,8 @@ def test_a_second_ctrl_c_while_a_failed_step_drains_still_leaves_it_refusing(
     opt = _opt(m, tmp_path, **kw)
     _run(m, opt, range(2))
     saved, weights = opt.state_dict(), {k: v.clone() for k, v in m.state_dict().items()}
-    _interrupt_at(monkeypatch, swap_optimizer._StepIO, "take_read", 3)
-    _interrupt_at(monkeypatch, swap_optimizer._StepIO, "abort", 1)
+    _interrupt_at(monkeypatch, StepIO, "take_read", 3)
+    _interrupt_at(monkeypatch, StepIO, "abort", 1)
     _grads(m, 2)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
@@ -251,13 +251,13 @@ def test_ctrl_c_during_state_dict_loses_nothing_and_it_can_be_taken_again(
     load (a Ctrl-C while saving a checkpoint lost the training state). The
     state_dict() taken again, or the next step (which must not step
     buffers with their write-back still in flight), goes on exactly."""
-    import aio.swap.optimizer as swap_optimizer
+    from aio.swap import step_io
 
     ref = _Reference(tmp_path, 2, 4, master=master)
     m = _model()
     opt = _opt(m, tmp_path, master=master)
     _run(m, opt, range(3))
-    real, armed = swap_optimizer._wait_all, {"on": True}
+    real, armed = step_io.land_all, {"on": True}
 
     def interrupted(futs):
         if armed["on"] and futs:  # with the write-back's first writes in flight
@@ -265,7 +265,7 @@ def test_ctrl_c_during_state_dict_loses_nothing_and_it_can_be_taken_again(
             raise KeyboardInterrupt
         return real(futs)
 
-    monkeypatch.setattr(swap_optimizer, "_wait_all", interrupted)
+    monkeypatch.setattr(step_io, "land_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         opt.state_dict()
     assert not armed["on"] and opt.swap_stats()["broken"] is None

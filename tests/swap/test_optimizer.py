@@ -361,7 +361,7 @@ def test_held_gradients_carry_subgroups_across_steps(tmp_path):
     want = _reference(torch.optim.Adam, hyper, init, steps=6)
     sw, _ = _swapped(tmp_path, torch.optim.Adam, hyper, init, steps=0, pipe=(True, True), held=True)
     mem = [sw.groups[i].grad_mem for i in sorted(sw.groups)]
-    all_states = 3 * sum(sw._part_io(g, "param")[1] for g in sw.groups.values())
+    all_states = 3 * sum(g.part_io("param")[1] for g in sw.groups.values())
     _steps(sw, range(4), mem)
     count = sw.pool.count
     assert sw.counters["cached_subgroups"] >= 3  # steps 2-4 each start from kept buffers

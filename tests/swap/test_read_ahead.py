@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from aio.optim import CPUAdam  # noqa: E402
-from aio.swap import OptimizerSwapper  # noqa: E402
-from aio.swap import optimizer as swap_optimizer  # noqa: E402
+from aio.swap import OptimizerSwapper, SwapStateError  # noqa: E402
+from aio.swap.step_io import StepIO  # noqa: E402
 
 
 class _Gated:
@@ -56,8 +56,8 @@ def test_a_read_ahead_refused_for_want_of_buffers_is_retried_after_the_read(tmp_
         sw.register_subgroup(i, n)
         sw.initialize_in_place(i, lambda i=i: [masters[i]])
     gates = []
-    real_write, real_take = sw.space.write, swap_optimizer._StepIO.take_read
-    real_start = swap_optimizer._StepIO.start_read
+    real_write, real_take = sw.space.write, StepIO.take_read
+    real_start = StepIO.start_read
     started = []  # (sub-group, must) of every read started
 
     def write(buf, offset):
@@ -78,8 +78,8 @@ def test_a_read_ahead_refused_for_want_of_buffers_is_retried_after_the_read(tmp_
         return ok
 
     monkeypatch.setattr(sw.space, "write", write)
-    monkeypatch.setattr(swap_optimizer._StepIO, "take_read", take_read)
-    monkeypatch.setattr(swap_optimizer._StepIO, "start_read", start_read)
+    monkeypatch.setattr(StepIO, "take_read", take_read)
+    monkeypatch.setattr(StepIO, "start_read", start_read)
     for _ in range(3):
         for i in range(count):
             sw.hold_gradient(i, [torch.randn(n)])  # pieces: held for one step
@@ -145,7 +145,7 @@ def test_a_write_back_landing_during_a_read_starts_the_read_ahead_in_the_wait(tm
     for i in range(count):
         sw.register_subgroup(i, n)
         sw.initialize_in_place(i, lambda i=i: [masters[i]])
-    real_read, real_take = sw.space.read, swap_optimizer._StepIO.take_read
+    real_read, real_take = sw.space.read, StepIO.take_read
     started: list[int] = []  # the sub-group of every read started
     order: list[tuple[str, int]] = []  # ("read", i) at a read's start, ("took", i) when i's reads landed
 
@@ -158,7 +158,7 @@ def test_a_write_back_landing_during_a_read_starts_the_read_ahead_in_the_wait(tm
         order.append(("took", i))
         return out
 
-    real_start = swap_optimizer._StepIO.start_read
+    real_start = StepIO.start_read
 
     def start_read(io, i, must, partly=False):
         ok = real_start(io, i, must, partly)
@@ -167,8 +167,8 @@ def test_a_write_back_landing_during_a_read_starts_the_read_ahead_in_the_wait(tm
         return ok
 
     monkeypatch.setattr(sw.space, "read", read)
-    monkeypatch.setattr(swap_optimizer._StepIO, "take_read", take_read)
-    monkeypatch.setattr(swap_optimizer._StepIO, "start_read", start_read)
+    monkeypatch.setattr(StepIO, "take_read", take_read)
+    monkeypatch.setattr(StepIO, "start_read", start_read)
     t0 = time.monotonic()
     for s in range(steps):
         grads = [torch.randn(n) for _ in range(count)]
@@ -348,6 +348,6 @@ def test_a_write_back_failing_while_its_buffers_are_reused_poisons_and_leaks_not
     assert sw.broken and "partly updated" in sw.broken
     assert not all(g.valid for g in sw.groups.values())
     assert sw.pool.available() == 4
-    with pytest.raises(swap_optimizer.SwapStateError, match="partly updated"):
+    with pytest.raises(SwapStateError, match="partly updated"):
         sw.step(after=lambda i, master: None)
     sw.close()
