@@ -6,14 +6,15 @@ a CRC32 taken of every chunk as it passes (zlib releases the GIL for it).
 A copy is a list of :class:`Chunk`: where to read it from (a future-returning
 call into a buffer, or bytes already in memory) and where to write it (or
 nowhere: a verify pass). :func:`copy_chunks` runs them through the buffers it
-is given, two or more for overlap.
+is given, two or more for overlap. :func:`land_all` waits for a batch of
+I/O before its buffers are reused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,9 +99,9 @@ def copy_chunks(chunks: Sequence[Chunk], buffers: Sequence[memoryview]) -> dict[
         in_flight: list[IOFuture | None] = [f for _, f in reads.values()]
         in_flight.extend(writes)
         in_flight.extend(direct)
-        _settle(in_flight, quiet=True)
+        land_all(in_flight, quiet=True)
         raise
-    _settle(writes)
+    land_all(writes)
     return crcs
 
 
@@ -118,13 +119,13 @@ def _start_read(c: Chunk, buffers: Sequence[memoryview], writes: list[IOFuture |
     return view, c.read(view)
 
 
-def _settle(futures: Sequence[IOFuture | None], quiet: bool = False) -> None:
-    """Wait for every future; raise the first error after all are done
-    (unless `quiet`: an error is already on its way up)."""
-    first = None
-    for f in futures:
-        if f is not None:
-            e = f.exception()
-            first = first or e
-    if first is not None and not quiet:
-        raise first
+def land_all(futures: Iterable[IOFuture | None], quiet: bool = False) -> None:
+    """Wait for every future (None: no I/O there), then raise the first
+    failure, unless `quiet` (an error is already on its way up): none is
+    left in flight, so the buffers they read into or wrote from are free to
+    reuse. The copies here and the optimizer's step (:mod:`aio.swap.step_io`)
+    both land their I/O with it."""
+    errors = [f.exception() for f in futures if f is not None]
+    for e in errors:
+        if e is not None and not quiet:
+            raise e

@@ -37,8 +37,10 @@ ahead and writes behind only as far as free buffers allow (one warning).
 
 Its parts: a sub-group and its extent's layout (:mod:`aio.swap.subgroup`),
 the step's buffers and I/O -- reads ahead, write-backs, the sub-groups kept
-in buffers between steps (:mod:`aio.swap.step_io`) -- and checkpoints
-(:mod:`aio.swap.optimizer_checkpoint`); this module orchestrates them.
+in buffers between steps (:mod:`aio.swap.step_io`) -- the update of one
+sub-group in its buffers by the torch optimizer (:mod:`aio.swap.update`)
+and checkpoints (:mod:`aio.swap.optimizer_checkpoint`); this module
+orchestrates them.
 """
 
 from __future__ import annotations
@@ -50,16 +52,17 @@ from typing import Any
 
 from ..config import discover_state_spec
 from ..pinned import Lease, Register
-from .copy import Chunk, copy_chunks, free_buffers
+from .copy import Chunk, copy_chunks, free_buffers, land_all
 from .drives import IOFuture, SwapSpace
 from .optimizer_checkpoint import CHECKPOINT_VERSION as CHECKPOINT_VERSION
 from .optimizer_checkpoint import OptimizerCheckpointer
 from .param import SwapStateError
 from .param_groups import TorchGroups
-from .pieces import Pieces, check_pieces, is_pieces, segments
+from .pieces import Pieces, check_pieces, is_pieces
 from .pool import BufferPool
-from .step_io import BUFFER_COUNT_KEY, StepIO, land_all
+from .step_io import BUFFER_COUNT_KEY, StepIO
 from .subgroup import MAX_NUMEL, MasterSource, SubGroup, layout, slot_bytes
+from .update import SubGroupUpdater
 
 
 class OptimizerSwapper:
@@ -69,6 +72,8 @@ class OptimizerSwapper:
     (e.g. ``torch.optim.Adam, {"lr": 1e-3}``). ``buffer_count`` pinned buffers
     each hold one tensor (gradient, master weights or one state) of the
     largest sub-group; at least ``2 + states`` are needed (Adam: 4).
+    ``updater`` (:class:`~aio.swap.update.SubGroupUpdater`) applies the
+    optimizer to one sub-group in its buffers and holds :attr:`optimizer`.
     """
 
     def __init__(
@@ -111,7 +116,8 @@ class OptimizerSwapper:
         self.space = SwapSpace(nvme_path, "optimizer", "optimizer.swp", aio, job_id, rank)
         self.groups: dict[int, SubGroup] = {}
         self.pool: BufferPool | None = None
-        self.optimizer: Any = None
+        # The update of one sub-group in its buffers, and the torch optimizer it steps with.
+        self.updater = SubGroupUpdater(optimizer_cls, self.hyper, self.spec, self.narrowed, self.torch_groups)
         self.broken: str | None = None
         self.steps = 0
         self.counters = {
@@ -160,6 +166,14 @@ class OptimizerSwapper:
             aio=cfg.aio.handle_kwargs(),
             **kw,
         )
+
+    @property
+    def optimizer(self) -> Any:
+        """The torch optimizer over the sub-groups' proxies (None until the
+        first step or :meth:`ensure_optimizer`): its ``param_groups`` hold
+        the hyper-parameters the next step uses (an LR schedule changes
+        them there). Kept by :attr:`updater`."""
+        return self.updater.optimizer
 
     # -- layout --------------------------------------------------------------------
     def _layout(self, numel: int) -> tuple[dict[str, tuple[int, Any]], int]:
@@ -276,16 +290,6 @@ class OptimizerSwapper:
         self._check_usable()
         self.drop_cached()
         return self._pool().try_acquire()
-
-    def _views(self, g: SubGroup, leases: dict[str, Lease], widened: bool = True) -> dict[str, Any]:
-        import torch
-
-        def dtype(name: str) -> Any:  # a narrowed state is float32 in its buffer once widened
-            if name not in g.parts:  # master weights kept off the drive (master_slot): float32
-                return torch.float32
-            return torch.float32 if widened and name in self.narrowed else g.parts[name][1]
-
-        return {name: BufferPool.view(leases[name], dtype(name), g.numel) for name in leases}
 
     def pinned_bytes(self) -> int:
         """Bytes of buffers this swapper has page-locked right now (0 before the
@@ -579,97 +583,11 @@ class OptimizerSwapper:
 
     # -- the step ----------------------------------------------------------------------
     def ensure_optimizer(self) -> None:
-        """The torch optimizer over the sub-groups' proxies (made at first
-        need), none of them holding a gradient: a step cut short in _apply
-        (Ctrl-C) left its proxy one, and the optimizer would step it again,
-        into a buffer another sub-group holds by then."""
-        if self.optimizer is None:
-            proxies = {i: self.groups[i].proxy for i in self.groups}
-            self.optimizer = self.optimizer_cls(self.torch_groups.build(proxies), **self.hyper)
-        for g in self.groups.values():
-            g.proxy.grad = None
-
-    def _apply(self, g: SubGroup, views: dict[str, Any], grad_scale: Any = None, lowp: Any = None) -> None:
-        """Step sub-group `g` on `views` (name -> its tensor; the master
-        weights and the gradient may be pieces: then stepped as segments,
-        each a proxy of one optimizer step, :mod:`aio.swap.pieces`)."""
-        import torch
-
-        from ..optim import step_scaled
-
-        if is_pieces(views["param"]) or is_pieces(views["grad"]):
-            segs = segments(g.numel, {**views, "lowp": lowp})
-            proxies = [torch.nn.Parameter(torch.empty(0)) for _ in segs]
-            opt = self._segment_optimizer(g, proxies)
-        else:
-            segs, proxies, opt = [{**views, "lowp": lowp}], [g.proxy], self.optimizer
-        for proxy, seg in zip(proxies, segs, strict=True):
-            proxy.data = seg["param"]
-            proxy.grad = seg["grad"]
-            self._start_state(opt, g, proxy, seg)
-        lows: dict[Any, Any] | None = None
-        if lowp is not None:
-            lows = {p: seg["lowp"] for p, seg in zip(proxies, segs, strict=True)}
-        step_scaled(opt, [seg["grad"] for seg in segs], grad_scale, lows)
-        scalars = [self._end_state(opt, g, proxy, seg) for proxy, seg in zip(proxies, segs, strict=True)]
-        g.scalars = scalars[0]  # every segment counted from the same values, once
-
-    def _segment_optimizer(self, g: SubGroup, proxies: list[Any]) -> Any:
-        """A torch optimizer over `proxies` (sub-group `g`'s segments) with
-        the hyper-parameters of `g`'s param group now: one step() for all."""
-        pg = self.optimizer.param_groups[self.torch_groups.torch_index[self.torch_groups.of.get(g.index, 0)]]
-        return self.optimizer_cls(
-            [{**{k: v for k, v in pg.items() if k != "params"}, "params": proxies}], **self.hyper
-        )
-
-    def _start_state(self, opt: Any, g: SubGroup, proxy: Any, views: dict[str, Any]) -> None:
-        """`proxy`'s state in `opt` before its update: `g`'s scalars and its
-        state tensors' `views`, or the optimizer's first state."""
-        import torch
-
-        from ..optim import CPUAdam
-
-        st = opt.state[proxy]
-        st.clear()
-        if g.scalars is not None:
-            # A copy each: the update counts a proxy's step on in place.
-            st.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.scalars.items()})
-            for name, _ in self.spec:
-                st[name] = views[name]
-        elif isinstance(opt, CPUAdam):
-            # Its first state is a zero step and zero moments, which the buffers
-            # hold already (StepIO zeroes them instead of reading them): stepped in place, not
-            # made in fresh memory and copied over (16 GB at 2B in step 1:
-            # seconds of page faults on the dev box's VM).
-            st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for name, _ in self.spec:
-                st[name] = views[name]
-        else:
-            # First step of this sub-group: start from the state the optimizer
-            # makes in its constructor, as it would in memory. Some optimizers
-            # (Adagrad before torch 2.13) create state only there and fail on a
-            # parameter without it; lazy ones create nothing here and make it
-            # in step(). Either way it is copied into the buffer below.
-            st.update(self.optimizer_cls([proxy], **self.hyper).state.get(proxy, {}))
-
-    def _end_state(self, opt: Any, g: SubGroup, proxy: Any, views: dict[str, Any]) -> dict[str, Any]:
-        """After the update: `proxy`'s state tensors in their `views`, its
-        state forgotten by `opt`; returns its scalars (copies)."""
-        import torch
-
-        st = opt.state[proxy]
-        names = {n for n, _ in self.spec}
-        for name in names:
-            t = st.get(name)
-            if t is None:
-                raise SwapStateError(f"optimizer did not produce state '{name}' for sub-group {g.index}")
-            if t.data_ptr() != views[name].data_ptr():
-                views[name].copy_(t)
-        scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items() if k not in names}
-        st.clear()
-        proxy.grad = None
-        proxy.data = torch.empty(0)
-        return scalars
+        """Make the torch optimizer over the sub-groups' proxies at first
+        need (:attr:`optimizer`), and clear any gradient a step cut short
+        left on a proxy (:meth:`SubGroupUpdater.ensure_optimizer
+        <aio.swap.update.SubGroupUpdater.ensure_optimizer>`)."""
+        self.updater.ensure_optimizer(self.groups)
 
     def step(
         self,
@@ -800,44 +718,22 @@ class OptimizerSwapper:
         lowp: Any = None,
         in_place: Pieces | None = None,
     ) -> Any:
-        """Step sub-group `g` from its buffers (`leases`); `in_place`: its
-        master weights' pieces, stepped where they are (initialize_in_place),
-        `after` told before the update. Returns the new master weights (a
-        view of their buffer) for `after`, which the caller runs once the
-        write-back is under way; None when stepped in place."""
-        import torch
-
-        from ..optim import CPUAdam
-        from .lowp import narrow_bf16, widen_bf16
-
-        # aio's Adam kernel steps bfloat16 moments itself (widening and rounding
-        # each block in its one pass); any other optimizer gets them widened to
-        # float32 in their buffers, and rounded back after: the same bits.
-        widen = bool(self.narrowed) and not isinstance(self.optimizer, CPUAdam)
-        for name in self.narrowed if widen else []:
-            widen_bf16(leases[name].tensor(torch.uint8), g.numel)
+        """Step sub-group `g` from its buffers (`leases`) with the updater
+        (:meth:`SubGroupUpdater.step <aio.swap.update.SubGroupUpdater.step>`:
+        `in_place` and `after` as it takes them); around it, what the swapper
+        keeps: master weights kept off the drive taken from their source
+        first, a gradient held as pieces let go, the drive copy marked stale.
+        Returns the new master weights (a view of their buffer) for `after`,
+        which the caller runs once the write-back is under way; None when
+        stepped in place."""
         if "param" not in g.parts and in_place is None:
             # Master weights kept off the drive (master_slot): taken from their
             # source now, not when read ahead or kept from the last step, so a
             # change made to them since (a model load) is what gets stepped.
             land_all(self.start_part_read(g, "param", leases["param"]))
-        views = self._views(g, leases, widened=widen)
-        if in_place is not None:
-            views["param"] = in_place
-        if "grad" not in views:
-            views["grad"] = g.grad_mem
-        if in_place is not None and after is not None:
-            # Told before the update, which changes the parameters themselves: a
-            # Ctrl-C right after the kernel returns must not leave them counted
-            # unchanged (the owner's recovery advice depends on it).
-            after(g.index, None)
-        self._apply(g, views, grad_scale, lowp)
+        master = self.updater.step(g, leases, after, grad_scale, lowp, in_place)
         if is_pieces(g.grad_mem) and "grad" not in g.parts:
             g.grad_mem = None  # held for this step only (see hold_gradient)
-        for name in self.narrowed if widen else []:  # as the drive holds them
-            raw = leases[name].tensor(torch.uint8)
-            narrow_bf16(raw, g.numel)
-            raw[2 * g.numel : g.part_io(name)[1]].zero_()  # padding: no float32 leftovers
         # The drive copy is stale from here until the write lands (and the
         # master weights' source is past: they are in the buffers now),
         # unless the source is where the master weights live (master_slot).
@@ -845,7 +741,7 @@ class OptimizerSwapper:
         if "param" in g.parts:
             g.master_source = None
         self.counters["subgroup_steps"] += 1
-        return None if in_place is not None else views["param"]
+        return master
 
     def master_extent(self, index: int) -> tuple[SwapSpace, int] | None:
         """Where sub-group `index`'s fp32 master weights live on the drive: the

@@ -14,6 +14,7 @@ import collections
 from typing import TYPE_CHECKING
 
 from ..pinned import Lease
+from .copy import land_all
 from .drives import IOFuture
 from .param import SwapStateError
 from .pool import BufferPool
@@ -412,12 +413,3 @@ def _settle_started(futs: list[IOFuture]) -> None:
     outcome is not the error to report), so their buffers can go back."""
     for fut in futs:
         fut.exception()
-
-
-def land_all(futs: list[IOFuture]) -> None:
-    """Wait for every future, then raise the first failure (none left in
-    flight: the buffers they read into or wrote from are free to reuse)."""
-    errors = [fut.exception() for fut in futs]
-    for e in errors:
-        if e is not None:
-            raise e

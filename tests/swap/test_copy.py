@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from aio.swap import OptimizerSwapper, ParamSwapper, SwapStateError  # noqa: E402
-from aio.swap.copy import Chunk, copy_chunks  # noqa: E402
+from aio.swap.copy import Chunk, copy_chunks, land_all  # noqa: E402
 
 
 class FakeFuture:
@@ -87,6 +87,29 @@ def test_a_failed_read_raises_after_everything_settled():
     finished = {n for e, n in log if e == "done"}
     assert started == finished, "nothing is left in flight"
     assert sorted(sink) == [0, 1] and [sink[0], sink[1]] == sources[:2]
+
+
+def test_land_all_waits_for_every_future_before_raising_the_first_failure():
+    """One wait for a batch of I/O serves the copies and the optimizer's step
+    (aio.swap.step_io): every future lands (None skipped) before the first
+    failure is raised, or none with `quiet`."""
+    for quiet in (False, True):
+        log = []
+        futs = [
+            FakeFuture(log, "a"),
+            None,
+            FakeFuture(log, "b", exc=OSError(errno.EIO, "first")),
+            FakeFuture(log, "c", exc=OSError(errno.ENOSPC, "second")),
+            FakeFuture(log, "d"),
+        ]
+        if quiet:
+            land_all(futs, quiet=True)
+        else:
+            with pytest.raises(OSError) as ei:
+                land_all(futs)
+            assert ei.value.errno == errno.EIO
+        assert [n for e, n in log if e == "done"] == ["a", "b", "c", "d"]
+    land_all([])
 
 
 def test_chunk_larger_than_a_buffer_is_refused():
