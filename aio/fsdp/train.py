@@ -222,7 +222,8 @@ def free_comm_buffers(model: Any) -> None:
     collectives are synchronous: the buffers are done with when FSDP keeps
     them, one gathered group each. On every FSDP module, a forward pre-hook
     after FSDP's (its own is prepended) drops the first, and a gradient hook
-    on its outputs, as the module's backward begins, drops the second (a
+    on its outputs, as the module's backward begins and before FSDP gathers
+    the module's group for it, drops the second (a
     multi-grad hook, as FSDP2 uses itself: a full backward hook would wrap
     every input and output, warn when no input needs a gradient, and refuse
     in-place ops on them). These are FSDP2's internals (``comm_ctx``), as
@@ -252,7 +253,11 @@ def free_comm_buffers(model: Any) -> None:
         if isinstance(module, FSDPModule):
             hooks: Any = module  # an nn.Module too
             hooks.register_forward_pre_hook(drop_gather)
-            hooks.register_forward_hook(arm_reduce)
+            # Prepended: FSDP2's post-forward hook puts its pre-backward (the
+            # group's all-gather) on the same outputs, and a tensor's hooks run
+            # in the order registered; after it, the last reduce-scatter input
+            # (up to a gathered group) would still be held at that gather.
+            hooks.register_forward_hook(arm_reduce, prepend=True)
 
 
 def init_like_build(model: Any, seed: int) -> None:

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.timeout(180)
 
 
-def _kept(model: torch.nn.Module, free: bool) -> tuple[list[bool], list[int], float]:
+def _kept(model: torch.nn.Module, free: bool) -> tuple[list[bool], list[int], float, list[int]]:
     """One forward and backward of the sharded GPT: whether FSDP2 holds an
     all-gather result as each Linear's forward begins, the reduce-scatter
     inputs it holds as each Linear's backward begins, and the loss."""
@@ -49,6 +49,21 @@ def _kept(model: torch.nn.Module, free: bool) -> tuple[list[bool], list[int], fl
             [out], lambda _g: held.append(len(ctx().reduce_scatter_states)), mode="any"
         )
 
+    at_gather: list[int] = []  # reduce-scatter inputs held as each group's backward gathers it
+
+    def watch(pg: Any) -> None:
+        pre_backward = pg.pre_backward
+
+        def counted(*a: Any, **k: Any) -> Any:
+            at_gather.append(len(ctx().reduce_scatter_states))
+            return pre_backward(*a, **k)
+
+        pg.pre_backward = counted
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for pg in m._get_fsdp_state()._fsdp_param_groups:
+                watch(pg)
     for block in model.blocks:
         for layer in (block.attn.qkv, block.fc):  # registered after shard_gpt's: run after them
             layer.register_forward_pre_hook(lambda *_: gathered.append(ctx().all_gather_state is not None))
@@ -56,7 +71,7 @@ def _kept(model: torch.nn.Module, free: bool) -> tuple[list[bool], list[int], fl
     x = torch.arange(16).reshape(1, 16) % 32
     loss = model(x).float().pow(2).mean()
     loss.backward()
-    return gathered, held, float(loss.detach())
+    return gathered, held, float(loss.detach()), at_gather
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
@@ -89,3 +104,6 @@ def test_free_comm_buffers_drops_fsdp2s_kept_buffers() -> None:
         assert freed[1] and all(n == 0 for n in freed[1]), freed
         assert any(n > 0 for n in kept[1]), kept
         assert freed[2] == kept[2]  # the same loss, bit for bit
+        # dropped before FSDP2 gathers the next group for its backward, not after
+        assert freed[3] and all(n == 0 for n in freed[3]), freed[3]
+        assert any(n > 0 for n in kept[3]), kept[3]
