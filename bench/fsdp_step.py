@@ -7,6 +7,8 @@ tier, every variant in a process group of its own (gloo on CPU; NCCL where
         [--layers 4 --width 512 --heads 8 --vocab 8192 --seq 64 --batch 2]
         [--warmup 1] [--steps 3] [--dir /local_nvme [--dir /nvme1 ...]] [--drive-mib 256]
         [--rounds 1] [--json out.json]
+        [--sub-group-size 1000000] [--buffer-count 4]
+        [--aio-block-size B] [--aio-queue-depth N] [--aio-threads N]
 
 Variants:
 
@@ -54,6 +56,13 @@ Columns, per rank (the median over ranks; figures over the timed steps):
                   speed; all ranks of one drive stepping at once is what the
                   drive sees, so one rank's bytes alone would understate the
                   floor by the number of ranks sharing it
+
+--sub-group-size and --buffer-count are NVMeAdamW's (elements per sub-group;
+pinned buffers of one sub-group tensor each: pinned MiB is about their
+product times 4 bytes); --aio-block-size, --aio-queue-depth and
+--aio-threads its swap handle's block_size, queue_depth and thread_count
+(``aio=``; unset: aio's defaults, 1 MiB, 8 and 1, those the drive's rates
+are measured with).
 
 --rounds N runs the variant list N times and prints each variant's median
 over rounds of opt / floor, opt s and s/step, and the per-round ratio of
@@ -107,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--buffer-count", type=int, default=4, help="nvme: pinned sub-group buffers (few: the state pages)"
     )
+    for name, what in (("block-size", "bytes per request"), ("queue-depth", "requests in flight"),
+                       ("threads", "I/O threads")):  # fmt: skip
+        ap.add_argument(f"--aio-{name}", type=int, help=f"nvme: the swap handle's {what} (default: aio's)")
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--json", help="write every rank's figures here")
     a = ap.parse_args(argv)
@@ -152,9 +164,11 @@ def _optimizer(a: argparse.Namespace, variant: str, params: Any, folder: str) ->
         return CPUAdamW(params, lr=LR)
     from aio.optim import NVMeAdamW
 
+    handle = {k: v for k, v in (("block_size", a.aio_block_size), ("queue_depth", a.aio_queue_depth),
+                                ("thread_count", a.aio_threads)) if v is not None}  # fmt: skip
     return NVMeAdamW(
         params, lr=LR, nvme_path=folder, sub_group_size=a.sub_group_size, buffer_count=a.buffer_count,
-        master=MASTER[variant],
+        master=MASTER[variant], **({"aio": handle} if handle else {}),
     )  # fmt: skip
 
 

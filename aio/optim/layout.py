@@ -87,10 +87,17 @@ def local_flat(p: Any, name: str) -> torch.Tensor:
     write through it updates the parameter, e.g. FSDP's sharded storage).
     Resolved at every use: FSDP may replace a parameter's tensor between
     steps (a load_state_dict), never its size."""
-    local = local_of(p.detach())
+    return local_view(p, name)[0]
+
+
+def local_view(p: Any, name: str) -> tuple[torch.Tensor, torch.Size]:
+    """:func:`local_flat` of `p`, and the shape of its local tensor."""
+    # The local tensor detached, not the DTensor: a DTensor's detach() is a
+    # dispatched op (several times the cost), the same memory either way.
+    local = local_of(p).detach()
     if not local.is_contiguous():
         raise ValueError(f"{name}: its local tensor is not contiguous; NVMeAdamW writes it in place")
-    return local.view(-1)
+    return local.view(-1), local.shape
 
 
 def pack(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) -> list[SubGroup]:

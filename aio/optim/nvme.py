@@ -48,7 +48,7 @@ from . import CPUAdam, _check_hyper, _unsupported
 from .drive_moments import DriveMoments, DriveSource, drive_source, drive_tensor
 from .dtensor import check_pair, is_dtensor, like, local_of, shard_of
 from .grad_source import GradientSource
-from .layout import Layout, SubGroup, layout_of, local_flat, pack, pieces_of
+from .layout import Layout, SubGroup, layout_of, local_flat, local_view, pack, pieces_of
 from .nvme_master import (
     TIER_WARNING,
     check_live,
@@ -458,13 +458,32 @@ class NVMeAdam(torch.optim.Optimizer):
 
         return fill
 
+    # Inside step(): each parameter's (flat local tensor, local shape) once
+    # resolved, by index (None: not yet). A local tensor may be replaced
+    # between steps -- FSDP's load_state_dict, aio.fsdp's tier putting its
+    # stand-ins in and out, ``p.data = ...`` -- never inside one (after the
+    # closure and the step pre-hooks), so a step resolves each once, not once
+    # per use. None outside a step: every use resolves afresh.
+    _step_locals: list[tuple[torch.Tensor, torch.Size] | None] | None = None
+
     def _flat(self, index: int) -> torch.Tensor:
         """Parameter `index`'s flattened local tensor, checked against the
         layout (its size then, looked up: this runs for every piece of every
         step)."""
-        flat = local_flat(self._params[index], _name(index))
-        self._check_numel(index, flat.numel())
-        return flat
+        return self._local(index)[0]
+
+    def _local(self, index: int) -> tuple[torch.Tensor, torch.Size]:
+        """:meth:`_flat` of parameter `index` and its local tensor's shape
+        (resolved once per step)."""
+        cache = self._step_locals
+        found = cache[index] if cache is not None else None
+        if found is not None:
+            return found
+        found = local_view(self._params[index], _name(index))
+        self._check_numel(index, found[0].numel())
+        if cache is not None:
+            cache[index] = found
+        return found
 
     def _check_numel(self, index: int, numel: int) -> None:
         if numel != self._numels[index]:
@@ -491,11 +510,22 @@ class NVMeAdam(torch.optim.Optimizer):
         for k, g in enumerate(self.param_groups):
             _check_group(g, f"param group {k}")
         sw = self._ensure_layout()
+        self._step_locals = [None] * len(self._params)
+        try:
+            self._step_laid_out(sw)
+        finally:
+            self._step_locals = None
+        return loss
+
+    def _step_laid_out(self, sw: _Swapper) -> None:
+        """step() once laid out and its groups checked: the gradients taken
+        (nothing changed until every check passed), the swapped update,
+        the steps counted."""
         src = self._grad_source
         sourced = src.local_grads() if src is not None else None  # checks only, as _local_grads
         grads: Mapping[int, Any] | None = dict.fromkeys(sourced) if sourced else self._local_grads()
         if grads is None:
-            return loss
+            return
         if self._master_mode == "params":  # checked before anything changes
             for k in grads:
                 check_live(self._flat(k), _name(k))
@@ -511,7 +541,6 @@ class NVMeAdam(torch.optim.Optimizer):
             self._refuse_after(sw, e)
             raise
         self._count_steps(sw, grads)
-        return loss
 
     def _swapped_step(self, sw: _Swapper, src: GradientSource | None) -> None:
         """The swapped update; with a gradient source, its scale applied and
@@ -573,23 +602,24 @@ class NVMeAdam(torch.optim.Optimizer):
         for k, p in enumerate(self._params):
             # Every size and view checked before anything changes: the write-back
             # of a step would find a resized or non-contiguous one part-way.
-            n = self._flat(k).numel()
-            if p.grad is None:
+            flat, shape = self._local(k)
+            n = flat.numel()
+            grad = p.grad
+            if grad is None:
                 if n:  # none on this rank: FSDP1 leaves its gradient None
                     missing.append(k)
                 continue
-            check_pair(p, p.grad, _name(k))
-            g = local_of(p.grad)
+            check_pair(p, grad, _name(k))
+            g = local_of(grad)
             if g.is_sparse or g.dtype != torch.float32:
                 raise TypeError(f"{_name(k)}: its gradient must be dense float32, got {g.dtype} ({g.layout})")
             if g.numel() != n:
                 raise ValueError(
                     f"{_name(k)}: its gradient has {g.numel()} local elements, the parameter {n}"
                 )
-            if g.shape != local_of(p).shape:  # stepped flat, it would train on transposed values
+            if g.shape != shape:  # stepped flat, it would train on transposed values
                 raise ValueError(
-                    f"{_name(k)}: its gradient has shape {tuple(g.shape)}, the parameter "
-                    f"{tuple(local_of(p).shape)}"
+                    f"{_name(k)}: its gradient has shape {tuple(g.shape)}, the parameter {tuple(shape)}"
                 )
             out[k] = g.reshape(-1)
         if not out:
@@ -737,17 +767,20 @@ class NVMeAdam(torch.optim.Optimizer):
         """`p`'s entry in self.state: its step, and torch's keys for its
         moments with :data:`ON_DRIVE` for values (DCP's flattened load reads
         the keys; the values are on the drive)."""
-        self.state[p] = {"step": torch.tensor(step), "exp_avg": ON_DRIVE, "exp_avg_sq": ON_DRIVE}
+        # scalar_tensor: torch.tensor(step)'s 0-dim float32 at a third of the cost (each step, each parameter)
+        self.state[p] = {"step": torch.scalar_tensor(step), "exp_avg": ON_DRIVE, "exp_avg_sq": ON_DRIVE}
 
     def _sync_steps(self, sw: _Swapper) -> set[int]:
         """Each parameter's ``step`` in self.state from its sub-groups'
         count on the drive; returns the parameter indices set."""
-        counted = set()
-        for i, pc in pieces_of(self._subgroups):
-            scalars = sw.groups[i].scalars or {}
-            self._set_step(self._params[pc.param], float(scalars.get("step", 0.0)))
-            counted.add(pc.param)
-        return counted
+        steps: dict[int, float] = {}  # a parameter in several sub-groups: its last one's
+        for i, sg in enumerate(self._subgroups):
+            step = float((sw.groups[i].scalars or {}).get("step", 0.0))
+            for pc in sg.pieces:
+                steps[pc.param] = step
+        for k, step in steps.items():
+            self._set_step(self._params[k], step)
+        return set(steps)
 
     def _count_steps(self, sw: _Swapper, grads: Mapping[int, Any]) -> None:
         """Each parameter's ``step`` in self.state: its sub-groups' count

@@ -855,3 +855,91 @@ def test_gradients_on_the_drive_add_4_bytes_per_element(tmp_path) -> None:
         _sgd_like_steps(params, opt, 0, 1)
         assert opt.swap_stats()["drive_bytes"] == per_element * 4096, master
         opt.close()
+
+
+def _replace_locals(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Each parameter's tensor replaced by a copy (``p.data = ...``, as a
+    load or an offload tier may do between steps): the old tensors."""
+    old = [p.data for p in model.parameters()]
+    for p in model.parameters():
+        p.data = p.data.clone()
+    return old
+
+
+@bits
+@pytest.mark.parametrize("master", ["params", "drive"])
+def test_a_tensor_replaced_between_steps_is_the_one_stepped(tmp_path, master) -> None:
+    """A step resolves each parameter's local tensor once, not once per
+    use; what it resolved is forgotten after the step: a tensor replaced
+    before the next one (``p.data = ...``; inside a closure, which runs
+    first), or parameters swapped in param_groups, are the ones read
+    (master="params") and written. Bit-identical to torch."""
+    a, b = _model(), _model()
+    oa = torch.optim.AdamW(_groups(a), lr=1e-2, foreach=False)
+    ob = NVMeAdamW(
+        _groups(b), lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=500, master=master
+    )
+    _steps([(a, oa, None), (b, ob, None)], 0, 2)
+    old = _replace_locals(b)
+    kept = [t.clone() for t in old]
+    _steps([(a, oa, None), (b, ob, None)], 2, 1)
+    assert _same(a, b) and all(map(torch.equal, old, kept))
+
+    def closure() -> torch.Tensor:
+        old[:] = _replace_locals(b)
+        kept[:] = [t.clone() for t in old]
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(4, 12, generator=g), torch.randn(4, 5, generator=g)
+        ob.zero_grad()
+        loss = ((b(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    _steps([(a, oa, None)], 3, 1)
+    ob.step(closure)
+    assert _same(a, b) and all(map(torch.equal, old, kept))
+    c = _model()
+    c.load_state_dict(b.state_dict())
+    _swap(ob, c)  # a new layout, the state following by position
+    _steps([(a, oa, None), (c, ob, None)], 4, 2)
+    assert _same(a, c) and _same_state(oa.state_dict(), ob.state_dict())
+    ob.close()
+
+
+@bits
+def test_a_param_group_added_before_the_first_step_is_stepped(tmp_path) -> None:
+    """add_param_group before the layout: the new group's parameters are
+    laid out and stepped with its hyper-parameters, as torch's."""
+    a, b = _model(), _model()
+    ga, gb = _groups(a), _groups(b)
+    oa = torch.optim.AdamW(ga[:1], lr=1e-2, foreach=False)
+    ob = NVMeAdamW(gb[:1], lr=1e-2, nvme_path=str(tmp_path), match_torch=True, sub_group_size=500)
+    oa.add_param_group(ga[1])
+    ob.add_param_group(gb[1])
+    _steps([(a, oa, None), (b, ob, None)], 0, 3)
+    assert _same(a, b) and _same_state(oa.state_dict(), ob.state_dict())
+    ob.close()
+
+
+@pytest.mark.parametrize("master", ["params", "drive"])
+def test_a_step_resolves_each_local_tensor_once(tmp_path, monkeypatch, master) -> None:
+    """Each parameter's local tensor (a DTensor's to_local(), its flat view,
+    the size check) is resolved once a step, not at every use (the gradient
+    checks, the master weights' check and pieces, the write-back): the
+    drive idles while the step does it."""
+    import aio.optim.nvme as nvme
+
+    params = [torch.nn.Parameter(torch.randn(300)) for _ in range(5)]
+    opt = NVMeAdamW(params, nvme_path=str(tmp_path), master=master, sub_group_size=256)
+    _sgd_like_steps(params, opt, 0, 1)
+    calls = {"n": 0}
+    real = nvme.local_view
+
+    def counted(p, name):
+        calls["n"] += 1
+        return real(p, name)
+
+    monkeypatch.setattr(nvme, "local_view", counted)
+    _sgd_like_steps(params, opt, 1, 2)
+    assert calls["n"] == 2 * len(params), calls
+    opt.close()
