@@ -608,7 +608,9 @@ class OptimizerSwapper:
         sub-groups (overlapping the next forward and backward).
 
         `after(index, master_view)` runs right after each sub-group's update
-        (e.g. to copy the new weights into the model's low-precision params).
+        (e.g. to copy the new weights into the model's low-precision params);
+        `master_view` is to read only: its buffer may already be being
+        written to the drive (change master weights with update_master()).
         `grad_scale` (a number or 0-dim tensor) multiplies every gradient
         first: gradient clipping and loss-scale removal. For each sub-group
         index in `lowp`, its bfloat16/float16 tensor (the sub-group's size)

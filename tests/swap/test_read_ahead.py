@@ -276,6 +276,7 @@ def test_a_read_reuses_each_buffer_as_its_write_back_lands(tmp_path, monkeypatch
 
     def write(buf, offset):
         fut = real_write(buf, offset)
+        fut.wait()  # the gate below is the only lateness, not the drive's timing
         if any(offset == g.offset + g.parts["param"][0] for g in sw.groups.values()):
             return fut
         late.append(_Late(fut, reads, patience=0.3))  # what waits for all of them waits this long
@@ -324,6 +325,7 @@ def test_a_write_back_failing_while_its_buffers_are_reused_poisons_and_leaks_not
 
     def write(buf, offset):
         fut = real_write(buf, offset)
+        fut.wait()  # the gate below is the only lateness, not the drive's timing
         if any(offset == g.offset + g.parts["param"][0] for g in sw.groups.values()):
             return fut
         return _Late(fut, reads, patience=0.3)
