@@ -88,7 +88,7 @@ class StepIO:
                 self.written_from[id(lease)] = (lease, futs[-1])
                 sw.count_io("written", name, n)
         except BaseException:
-            _settle_started(futs)  # no buffer goes back with a write still in it
+            land_all(futs, quiet=True)  # no buffer goes back with a write still in it
             raise
         return (i, leases, futs)
 
@@ -360,7 +360,7 @@ class StepIO:
                 if dirty and "param" in sw.groups[i].parts:
                     futs.append(sw.start_part_write(sw.groups[i], "param", leases["param"]))
         except BaseException:
-            _settle_started(futs)
+            land_all(futs, quiet=True)  # a failed start: wait for those started, report its error
             raise
         land_all(futs)
 
@@ -406,10 +406,3 @@ class StepIO:
         self.partial.clear()
         self.written_from.clear()
         self.split.clear()
-
-
-def _settle_started(futs: list[IOFuture]) -> None:
-    """Starting a batch of I/O failed part-way: wait for those started (their
-    outcome is not the error to report), so their buffers can go back."""
-    for fut in futs:
-        fut.exception()

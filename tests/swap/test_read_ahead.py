@@ -199,6 +199,19 @@ class _MasterOnDrive(OptimizerSwapper):
         return False
 
 
+def _master_on_drive(tmp_path, n, count):
+    """A swapper of `count` sub-groups of `n` elements, master weights on the
+    drive, gradients held, four buffers (three tensors a sub-group); torch's
+    reference parameters and optimizer from the same start."""
+    sw = _MasterOnDrive(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
+    masters = [torch.randn(n) for _ in range(count)]
+    ref = [torch.nn.Parameter(m.clone()) for m in masters]
+    for i in range(count):
+        sw.register_subgroup(i, n)
+        sw.initialize(i, masters[i])
+    return sw, ref, CPUAdam(ref, lr=1e-2)
+
+
 @pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
 def test_the_write_back_the_next_read_waits_for_starts_before_after_runs(tmp_path, monkeypatch):
     """Master weights on the drive, three tensors a sub-group in four
@@ -208,13 +221,7 @@ def test_the_write_back_the_next_read_waits_for_starts_before_after_runs(tmp_pat
     nvme-drive); the last sub-group of a step, whose buffers nothing needs,
     stays kept. The results are torch's bits."""
     n, count = 4096, 5
-    sw = _MasterOnDrive(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
-    masters = [torch.randn(n) for _ in range(count)]
-    ref = [torch.nn.Parameter(m.clone()) for m in masters]
-    ref_opt = CPUAdam(ref, lr=1e-2)
-    for i in range(count):
-        sw.register_subgroup(i, n)
-        sw.initialize(i, masters[i])
+    sw, ref, ref_opt = _master_on_drive(tmp_path, n, count)
     real_write = sw.space.write
     written: list[int] = []  # the sub-group of every write started
 
@@ -262,13 +269,7 @@ def test_a_read_reuses_each_buffer_as_its_write_back_lands(tmp_path, monkeypatch
     read started: each step's reads then go on while moments are still
     being written. The results are torch's bits."""
     n, count = 4096, 5
-    sw = _MasterOnDrive(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
-    masters = [torch.randn(n) for _ in range(count)]
-    ref = [torch.nn.Parameter(m.clone()) for m in masters]
-    ref_opt = CPUAdam(ref, lr=1e-2)
-    for i in range(count):
-        sw.register_subgroup(i, n)
-        sw.initialize(i, masters[i])
+    sw, ref, ref_opt = _master_on_drive(tmp_path, n, count)
     real_write, real_read = sw.space.write, sw.space.read
     reads: list[int] = []  # every read started
     late: list[_Late] = []
@@ -316,10 +317,7 @@ def test_a_write_back_failing_while_its_buffers_are_reused_poisons_and_leaks_not
     before the moments landed): the step raises the I/O error, the swapper
     refuses use, that sub-group reads as invalid and every buffer is back."""
     n, count = 4096, 5
-    sw = _MasterOnDrive(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
-    for i in range(count):
-        sw.register_subgroup(i, n)
-        sw.initialize(i, torch.randn(n))
+    sw, _, _ = _master_on_drive(tmp_path, n, count)
     real_write, real_read = sw.space.write, sw.space.read
     reads: list[int] = []
 
