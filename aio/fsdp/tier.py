@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .._interrupt import interrupts_held
 from .._log import logger
 from ..pinned import Lease, PinnedPool
 from ..swap.drives import SwapSpace
@@ -254,7 +255,11 @@ class ParamTier:
         def step(*args: Any, **kwargs: Any) -> Any:
             depth = len(self._open)
             try:
-                return orig(*args, **kwargs)
+                # One Ctrl-C waits for the step's post-hook too (NVMeAdamW holds
+                # it only to the end of its own step()): delivered earlier, the
+                # bracket of a whole step would be closed as a failed one's.
+                with interrupts_held(f"{type(opt).__name__}.step()"):
+                    return orig(*args, **kwargs)
             except BaseException:
                 while len(self._open) > depth and not self.closed:
                     self._abort_step()

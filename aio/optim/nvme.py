@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .._interrupt import interrupts_held
 from ..swap import SwapStateError
 from ..swap.optimizer import OptimizerSwapper
 from . import CPUAdam, _check_hyper, _unsupported
@@ -497,10 +498,14 @@ class NVMeAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW/Adam step over every parameter (all with a gradient, or
         none: then nothing happens). Everything is checked before anything
-        changes; a failure during the swapped step (an I/O error, Ctrl-C)
-        leaves the optimizer refusing to step or save until load_state_dict(),
-        its message saying whether the model's weights need loading too
-        (some parameters took the step's new weights)."""
+        changes. Ctrl-C (SIGINT, and SIGTERM where Python handles it) during
+        the swapped step is held until the step is whole, then raised: the
+        step is never cut part-way by one Ctrl-C (a warning says so; a second
+        one stops at once). A failure during the swapped step (an I/O error,
+        that second Ctrl-C) leaves the optimizer refusing to step or save
+        until load_state_dict(), its message saying whether the model's
+        weights need loading too (some parameters took the step's new
+        weights)."""
         self._refuse_closed()
         self._settle_streamed()
         loss = None
@@ -512,7 +517,8 @@ class NVMeAdam(torch.optim.Optimizer):
         sw = self._ensure_layout()
         self._step_locals = [None] * len(self._params)
         try:
-            self._step_laid_out(sw)
+            with interrupts_held(f"{type(self).__name__}.step()"):
+                self._step_laid_out(sw)
         finally:
             self._step_locals = None
         return loss
@@ -937,14 +943,16 @@ class NVMeAdam(torch.optim.Optimizer):
         optimizer never stepped: Accelerate loads its own before swapping
         the parameters) loads only the hyper-parameters before the layout,
         which it does not make; once laid out, it starts every parameter
-        afresh, as torch's does."""
-        moments = _streamed_moments(state_dict)
-        if moments is not None:
-            self._load_streamed(moments, state_dict)
-            return
-        self._pending = None  # whatever this load writes, no earlier streamed state dict fits it
-        self._load_default(state_dict)
-        self._awaiting = False  # the whole state is loaded: no moments wait for their steps
+        afresh, as torch's does. Ctrl-C is held until the load is whole, as
+        in step()."""
+        with interrupts_held(f"{type(self).__name__}.load_state_dict()"):
+            moments = _streamed_moments(state_dict)
+            if moments is not None:
+                self._load_streamed(moments, state_dict)
+                return
+            self._pending = None  # whatever this load writes, no earlier streamed state dict fits it
+            self._load_default(state_dict)
+            self._awaiting = False  # the whole state is loaded: no moments wait for their steps
 
     def _load_default(self, state_dict: dict[str, Any]) -> None:
         """load_state_dict() of a state dict holding its moments."""

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from .._interrupt import interrupts_held
 from ..config import ConfigError, TrainConfig, load_train_config
 from ..config.gradients import warn_if_over_budget
 from ..optim import CPUAdam, OpenMPThrottle, fast_cpu_optimizer
@@ -524,7 +525,10 @@ class OffloadTrainer:
         else:
             stepped = self.global_steps
             try:
-                self._step_through_torch_optimizer(scale.grad_scale)
+                # One Ctrl-C waits for the whole step: cut part-way, it would
+                # refuse until a checkpoint is loaded.
+                with interrupts_held("aio.zero's optimizer step"):
+                    self._step_through_torch_optimizer(scale.grad_scale)
             except BaseException:
                 if self.global_steps != stepped:
                     # The update happened and what failed came after it (storing

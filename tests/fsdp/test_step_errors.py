@@ -114,3 +114,76 @@ def test_a_failed_step_and_reads_inside_a_step(tmp_path) -> None:
     )
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
     assert "after raise: 0 0" in r.stdout and "closure ok 0" in r.stdout and "done" in r.stdout
+
+
+CTRL_C = textwrap.dedent(
+    """
+    import os, signal, sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from aio.fsdp import offload_params
+    from aio.optim import NVMeAdamW
+    from aio.swap import OptimizerSwapper
+    tmp = sys.argv[1]
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+
+    def run(name, interrupt_at):
+        os.makedirs(f"{tmp}/{name}")
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        for b in m:
+            fully_shard(b)
+        fully_shard(m)
+        opt = NVMeAdamW(m.parameters(), lr=1e-2, nvme_path=f"{tmp}/{name}", match_torch=True,
+                        sub_group_size=40)
+        tier = offload_params(m, f"{tmp}/{name}", opt)
+        real, n = OptimizerSwapper._step_subgroup, [0]
+
+        def hooked(*a, **k):
+            n[0] += 1
+            if n[0] == 2:  # a real SIGINT between the step's sub-groups
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(*a, **k)
+
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            opt.zero_grad()
+            m(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            if step == interrupt_at:
+                OptimizerSwapper._step_subgroup = hooked
+                try:
+                    opt.step()
+                    raise SystemExit("no KeyboardInterrupt")
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    OptimizerSwapper._step_subgroup = real
+                assert n[0] > 2 and opt.swap_stats()["broken"] is None, (n, opt.swap_stats()["broken"])
+                assert tier.resident_bytes() == 0, tier.resident_bytes()
+            else:
+                opt.step()
+        with tier.resident(modified=False):
+            out = [p.full_tensor().clone() for p in m.parameters()]
+        assert tier.stats()["params_from_master"] == 3, tier.stats()
+        tier.close()
+        opt.close()
+        return out
+
+    want = run("plain", None)
+    got = run("ctrl_c", 2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), "not the uninterrupted run's"
+    print("ctrl-c ok", flush=True)
+    """
+)
+
+
+def test_one_ctrl_c_in_a_step_waits_for_the_tier_and_trains_on_exactly(tmp_path) -> None:
+    """A real SIGINT during NVMeAdamW's step under the parameter tier is held
+    until the step and the tier's post-step work (the master flushed, the
+    shards re-pointed at it, resident ones freed) are whole; training then
+    goes on bit-identically to an uninterrupted run. Delivered at the end of
+    NVMeAdamW.step() alone, the tier took the whole step for a failed one."""
+    r = subprocess.run(
+        [sys.executable, "-c", CTRL_C, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert "ctrl-c ok" in r.stdout and "finishes first" in r.stderr

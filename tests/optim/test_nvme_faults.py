@@ -295,14 +295,15 @@ _CHILD = textwrap.dedent(
     def run(master):
         ref = _Reference(tmp, 2, 4, master=master)
 
-        def ctrl_c_at(cls, name, call):
-            # A real SIGINT, sent from inside the call: Python raises it a few
-            # bytecodes later, wherever the step is by then.
+        def ctrl_c_at(cls, name, call, times=1):
+            # Real SIGINTs, sent from inside the call: Python runs the handler a
+            # few bytecodes later, wherever the step is by then.
             real, n = getattr(cls, name), [0]
             def hooked(*a, **k):
                 n[0] += 1
                 if n[0] == call:
-                    os.kill(os.getpid(), signal.SIGINT)
+                    for _ in range(times):
+                        os.kill(os.getpid(), signal.SIGINT)
                 return real(*a, **k)
             setattr(cls, name, hooked)
             return lambda: setattr(cls, name, real)
@@ -334,7 +335,8 @@ _CHILD = textwrap.dedent(
             assert _equal(_params(m), ref.final) and _same_state(opt.state_dict(), ref.state)
             opt.close()
 
-        # Ctrl-C in a step: from inside the pipeline, and from a timer at times across it.
+        # One Ctrl-C in a step, from inside the pipeline: held until the step
+        # is whole, then raised; the optimizer goes on (or saves) as after any step.
         for hook in [(NVMeAdamW, "_write_back", 2), (OptimizerSwapper, "_step_subgroup", 3)]:
             m, opt, saved, weights = fresh()
             undo = ctrl_c_at(*hook)
@@ -345,8 +347,24 @@ _CHILD = textwrap.dedent(
             except KeyboardInterrupt:
                 pass
             undo()
-            recover(m, opt, weights, saved)
+            assert opt.swap_stats()["broken"] is None and _equal(_params(m), ref.new), hook
+            assert {{float(s["step"]) for s in opt.state_dict()["state"].values()}} == {{3.0}}
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
             check(m, opt)
+        # Twice: the second stops it at once, part-way; refused until what it names is loaded.
+        m, opt, saved, weights = fresh()
+        undo = ctrl_c_at(OptimizerSwapper, "_step_subgroup", 3, times=2)
+        _grads(m, 2)
+        try:
+            opt.step()
+            raise SystemExit("no KeyboardInterrupt")
+        except KeyboardInterrupt:
+            pass
+        undo()
+        assert opt.swap_stats()["broken"] is not None
+        recover(m, opt, weights, saved)
+        check(m, opt)
+        # From a timer at times across a step: whole or refused, never a silent mix.
         hit = 0
         for delay in [0.0005 * k for k in range(12)]:
             m, opt, saved, weights = fresh()
@@ -373,20 +391,24 @@ _CHILD = textwrap.dedent(
         undo()
         assert opt.swap_stats()["broken"] is None
         check(m, opt)
-        m, opt, saved, weights = fresh()
-        _run(m, opt, range(2, 3))
-        undo = ctrl_c_at(OptimizerSwapper, "write_state", 2)
-        try:
-            opt.load_state_dict(saved)
-            raise SystemExit("no KeyboardInterrupt")
-        except KeyboardInterrupt:
-            pass
-        undo()
-        assert "load_state_dict" in opt.swap_stats()["broken"]
-        m.load_state_dict(weights)
-        opt.load_state_dict(saved)
-        _run(m, opt, range(2, 3))
-        check(m, opt)
+        # In load_state_dict(): once, held until the load is whole; twice, refused until loaded again.
+        for times in (1, 2):
+            m, opt, saved, weights = fresh()
+            _run(m, opt, range(2, 3))
+            undo = ctrl_c_at(OptimizerSwapper, "write_state", 2, times=times)
+            m.load_state_dict(weights)
+            try:
+                opt.load_state_dict(saved)
+                raise SystemExit("no KeyboardInterrupt")
+            except KeyboardInterrupt:
+                pass
+            undo()
+            if times == 2:
+                assert "load_state_dict" in opt.swap_stats()["broken"]
+                opt.load_state_dict(saved)
+            assert opt.swap_stats()["broken"] is None
+            _run(m, opt, range(2, 3))
+            check(m, opt)
         print("OK", master, hit, flush=True)
 
 
@@ -398,11 +420,13 @@ _CHILD = textwrap.dedent(
 
 def test_real_sigints_in_step_state_dict_and_load_exit_cleanly(tmp_path) -> None:
     """SIGINT delivered by the kernel (from inside the swapper's pipeline,
-    and from a timer at times across a whole step): KeyboardInterrupt comes
-    out promptly, nothing hangs, and whatever state it leaves is refused or
-    whole; recovering as the optimizer says goes on exactly; every
-    optimizer closes and the process exits 0 (no I/O left aiming at freed
-    memory)."""
+    and from a timer at times across a whole step): one SIGINT is held until
+    the step is whole, then raised (the optimizer not refusing, its state
+    and parameters exactly the uninterrupted step's, Python's handler back
+    in place); a second one stops the step at once, refused until what it
+    names is loaded; nothing hangs; recovering as the optimizer says goes on
+    exactly; every optimizer closes and the process exits 0 (no I/O left
+    aiming at freed memory)."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(tests=tests))

@@ -771,3 +771,65 @@ def test_a_plain_loss_backward_the_caller_scales_trains_as_engine_backward(tmp_p
                 engine.step()
             got.append(loss.item())
     assert got == want
+
+
+_CTRL_C_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import aio.zero
+from aio.swap import OptimizerSwapper
+from zero.common import cfg_for, gpt, train_engine, train_in_memory
+
+want = train_in_memory(4)
+times = int(sys.argv[2])
+with aio.zero.initialize(gpt(), cfg_for(sys.argv[1])) as engine:
+    got = train_engine(engine, 2)
+    real, n = OptimizerSwapper._step_subgroup, [0]
+
+    def hooked(*a, **k):
+        n[0] += 1
+        if n[0] == 2:  # a real SIGINT (or two) in the middle of the step's sub-groups
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    OptimizerSwapper._step_subgroup = hooked
+    try:
+        got += train_engine(engine, 1, start=2)
+        raise SystemExit("no KeyboardInterrupt")
+    except KeyboardInterrupt:
+        pass
+    OptimizerSwapper._step_subgroup = real
+    if times == 1:
+        assert engine.stats()["global_steps"] == 3 and n[0] > 2, (engine.stats()["global_steps"], n)
+        got += train_engine(engine, 1, start=3)  # the interrupted step's loss never came back
+        assert got == want[:2] + want[3:], (got, want)
+    else:
+        try:
+            train_engine(engine, 1, start=3)
+            raise SystemExit("a step cut part-way was not refused")
+        except Exception as e:
+            assert "checkpoint" in str(e), e
+print("OK", times, flush=True)
+"""
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_one_ctrl_c_waits_for_the_step_and_two_stop_it(tmp_path, times):
+    """A real SIGINT in the middle of the optimizer step's sub-groups is held
+    until the step and its parameter stores are whole, then raised: the
+    engine goes on bit-identically to memory. A second SIGINT stops the step
+    at once and the engine refuses to step until a checkpoint is loaded."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "child.py"
+    script.write_text(_CTRL_C_CHILD.format(tests=tests))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "drive"), str(times)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0 and f"OK {times}" in r.stdout, r.stdout + r.stderr
+    assert "finishes first" in r.stderr, r.stderr
