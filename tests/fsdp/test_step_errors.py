@@ -123,10 +123,11 @@ CTRL_C = textwrap.dedent(
     from aio.fsdp import offload_params
     from aio.optim import NVMeAdamW
     from aio.swap import OptimizerSwapper
+    from torch.optim.optimizer import register_optimizer_step_post_hook
     tmp = sys.argv[1]
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
 
-    def run(name, interrupt_at):
+    def run(name, interrupt_at, raised=KeyboardInterrupt):
         os.makedirs(f"{tmp}/{name}")
         torch.manual_seed(0)
         m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
@@ -160,7 +161,10 @@ CTRL_C = textwrap.dedent(
                 assert n[0] > 2 and opt.swap_stats()["broken"] is None, (n, opt.swap_stats()["broken"])
                 assert tier.resident_bytes() == 0, tier.resident_bytes()
             else:
-                opt.step()
+                try:
+                    opt.step()
+                except raised:
+                    assert raised is not KeyboardInterrupt and step == 2 and tier.resident_bytes() == 0
         with tier.resident(modified=False):
             out = [p.full_tensor().clone() for p in m.parameters()]
         assert tier.stats()["params_from_master"] == 3, tier.stats()
@@ -172,6 +176,21 @@ CTRL_C = textwrap.dedent(
     got = run("ctrl_c", 2)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), "not the uninterrupted run's"
     print("ctrl-c ok", flush=True)
+
+    # A step post-hook that raises after a whole step (the tier's own runs after
+    # the global ones): the tier closes the bracket as after a step.
+    calls = [0]
+    def raising(o, *_):
+        if not isinstance(o, NVMeAdamW):
+            return  # the swapper's own optimizer, inside the step
+        calls[0] += 1
+        if calls[0] == 3:  # after step 2, whole
+            raise RuntimeError("a post-hook failed")
+    handle = register_optimizer_step_post_hook(raising)
+    got = run("hook", None, RuntimeError)
+    handle.remove()
+    assert calls[0] == 4 and all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), "stale"
+    print("hook ok", flush=True)
     """
 )
 
@@ -181,9 +200,11 @@ def test_one_ctrl_c_in_a_step_waits_for_the_tier_and_trains_on_exactly(tmp_path)
     until the step and the tier's post-step work (the master flushed, the
     shards re-pointed at it, resident ones freed) are whole; training then
     goes on bit-identically to an uninterrupted run. Delivered at the end of
-    NVMeAdamW.step() alone, the tier took the whole step for a failed one."""
+    NVMeAdamW.step() alone, the tier took the whole step for a failed one and
+    read stale master weights. A step post-hook that raises after a whole
+    step leaves it training on exactly too."""
     r = subprocess.run(
         [sys.executable, "-c", CTRL_C, str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
-    assert "ctrl-c ok" in r.stdout and "finishes first" in r.stderr
+    assert "ctrl-c ok" in r.stdout and "finishes first" in r.stderr and "hook ok" in r.stdout
