@@ -98,3 +98,19 @@ def pytest_report_header(config):
         f"torch {torch.__version__} ({os.path.dirname(torch.__file__)})",
         f"pid {os.getpid()}",
     ]
+
+
+@pytest.fixture
+def gloo_world_one(tmp_path):
+    """An in-process gloo process group of world 1 (rank 0), torn down after
+    the test; skipped when one is up already. Costs well under a second (no
+    spawn): for the one-rank cases of FSDP2, DTensor and DDP."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -643,7 +643,8 @@ class CPUAdam(torch.optim.Optimizer):
         # Every check of every group before any change: the step goes through
         # whole (parameters and step counts) or, refused, changes nothing.
         keep: list[Any] = []  # what the kernel reads lives until it is done
-        planned = [(self._tasks_of(g, lowp_out, keep), _group_hyper(g), g) for g in self.param_groups]
+        groups = enumerate(self.param_groups)
+        planned = [(self._tasks_of(g, lowp_out, keep, k), _group_hyper(g), g) for k, g in groups]
         if len(planned) > 1:  # the kernel's own checks (the counts) of every group too
             _C.adam_check_counts([x for tasks, _, _ in planned for x in tasks])
         for tasks, hyper, group in planned:
@@ -651,7 +652,7 @@ class CPUAdam(torch.optim.Optimizer):
                 self._step_group(tasks, hyper, bool(group["decoupled_weight_decay"]), scale)
         return loss
 
-    def _tasks_of(self, group: dict[str, Any], lowp_out: Any, keep: list[Any]) -> list[int]:
+    def _tasks_of(self, group: dict[str, Any], lowp_out: Any, keep: list[Any], index: int = 0) -> list[int]:
         """The task list of every parameter of `group` with a gradient,
         after every check (the state of a first step is made here). Every
         tensor it points into but the parameters is appended to `keep`: the
@@ -661,12 +662,13 @@ class CPUAdam(torch.optim.Optimizer):
         another thread during step())."""
         self._check_options(group)  # a group may have been edited or loaded
         tasks: list[int] = []
-        for p in group["params"]:
+        for j, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
                 continue
             low = None if lowp_out is None else lowp_out.get(p)
             if is_dtensor(p) or is_dtensor(grad):  # FSDP2's shards: their local tensors
+                check_pair(p, grad, f"parameter {j} of param group {index}")
                 tasks += self._dtensor_task(p, grad, low, keep)
                 continue
             state: Any = self.state.get(p)
@@ -685,8 +687,8 @@ class CPUAdam(torch.optim.Optimizer):
         """The task of a DTensor parameter (FSDP2's shards): its local tensor
         stepped with its gradient's local tensor and the local tensors of its
         state, which are DTensors laid out as the parameter (as torch's AdamW
-        makes them, so state_dict() and DCP see torch's format)."""
-        check_pair(p, grad)
+        makes them, so state_dict() and DCP see torch's format); `p` and
+        `grad` already passed :func:`check_pair`."""
         state = self._state_of(p, grad)
         m, v = state["exp_avg"], state["exp_avg_sq"]
         for name, t in (("exp_avg", m), ("exp_avg_sq", v)):

@@ -61,16 +61,8 @@ def test_bad_window(window, tmp_path) -> None:
 
 
 @pytest.fixture
-def one_rank(tmp_path):
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def one_rank(gloo_world_one):
+    """One gloo rank in this process (tests/conftest.py)."""
 
 
 def _one_rank_model() -> torch.nn.Module:

@@ -16,7 +16,11 @@ in the same process group (no extra group: the CI time is in starting them).
 
 Two process groups (2 and 3 ranks) run all the cases (dist_worker.py); each
 case's verdict is written per rank before the next starts, so a gloo abort
-at teardown cannot hide or fake a result."""
+at teardown cannot hide or fake a result. World 1 (a gloo group of one
+rank in the test's own process, no spawn): FSDP2 +- CPUOffloadPolicy and
+DDP + ZeroRedundancyOptimizer with two param groups, LambdaLR and
+clip_grad_norm_, and get_optimizer_state_dict without a hidden step, on
+dist_worker's helpers."""
 
 from __future__ import annotations
 
@@ -26,8 +30,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from aio.optim import is_bit_exact
+
+from . import dist_worker as w
 
 pytestmark = [
     pytest.mark.skipif(not is_bit_exact(), reason="aio's kernel does not reproduce torch's sqrt here"),
@@ -125,3 +132,79 @@ def test_the_parameter_tier_and_the_master(results: dict) -> None:
 def test_get_optimizer_state_dict_takes_no_step(results: dict) -> None:
     for res in results[(2, "no_hidden_step")]:
         assert res["steps"] == [2.0] and res["params_same"] and res["state_match"], res
+
+
+# World 1: a gloo group of one rank, started in this process (no spawn: it
+# costs well under a second), running dist_worker's helpers as they are.
+@pytest.fixture
+def one_rank(gloo_world_one, tmp_path):
+    """An in-process gloo group of world 1 (tests/conftest.py); the folder
+    dist_worker's cases write to (its drive/ made)."""
+    (tmp_path / "drive").mkdir()
+    return str(tmp_path)
+
+
+def _world_one_groups(build, make_torch, make_aio) -> dict:
+    """dist_worker._compare on rank 0 of 1: two param groups, LambdaLR and clip_grad_norm_."""
+    return w._compare(build, make_torch, make_aio, 0, sched=True, clip=True)
+
+
+def _zero_groups(model, kind: str, tmp: str):
+    """ZeroRedundancyOptimizer over dist_worker's two param groups, with
+    torch's AdamW (kind "torch") or NVMeAdamW (kind: its master)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from aio.optim import NVMeAdamW
+
+    if kind == "torch":
+        return ZeroRedundancyOptimizer(
+            w._groups(model), optimizer_class=torch.optim.AdamW, lr=w.LR, foreach=False
+        )
+    return ZeroRedundancyOptimizer(
+        w._groups(model), optimizer_class=NVMeAdamW, lr=w.LR, nvme_path=os.path.join(tmp, "drive"),
+        match_torch=True, master=kind,
+    )  # fmt: skip
+
+
+def _fsdp2_case(offload: bool):
+    def case(tmp: str) -> dict:
+        return _world_one_groups(
+            lambda: w._fsdp2(w._model(), offload=offload),
+            lambda m: w._torch(w._groups(m)),
+            lambda m, master: w._nvme(w._groups(m), tmp, 0, sub_group_size=700, master=master),
+        )
+
+    return case
+
+
+def _zero1_case(tmp: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _world_one_groups(
+        lambda: DDP(w._model()),
+        lambda m: _zero_groups(m, "torch", tmp),
+        lambda m, master: _zero_groups(m, master, tmp),
+    )
+
+
+def _no_hidden_step_case(tmp: str) -> dict:
+    res = w.case_no_hidden_step(0, tmp)
+    assert res["steps"] == [2.0] and res["params_same"] and res["state_match"], res
+    return res
+
+
+WORLD_ONE = {
+    "fsdp2": _fsdp2_case(offload=False),
+    "fsdp2_offload": _fsdp2_case(offload=True),
+    "ddp_zero1": _zero1_case,
+    "no_hidden_step": _no_hidden_step_case,
+}
+
+
+@pytest.mark.parametrize("case", list(WORLD_ONE))
+def test_world_one_bit_identical_to_torch_adamw(one_rank: str, case: str) -> None:
+    # Under both masters (auto picks the parameters: fp32 on the CPU), each
+    # run's losses and full parameters torch.equal to torch's AdamW(foreach=False).
+    res = WORLD_ONE[case](one_rank)
+    assert res["modes"] == {"auto": "params", "drive": "drive"}, res
+    assert res["equal"] is True, res
