@@ -42,9 +42,12 @@ class StepIO:
     A stepped sub-group keeps its buffers (`kept`, oldest first) until a read
     needs them: clean once its write landed, or dirty (write-back: written
     only when its buffers are needed). Whatever is kept when the step ends
-    becomes the next step's first reads, done already. A read that must
-    wait for a write-back takes each buffer back as its own write lands
-    (`split`: that sub-group is then not kept), not once all of them did.
+    becomes the next step's first reads, done already. A read that waits
+    for a write-back takes each buffer back as its own write lands
+    (`split`: that sub-group is then not kept), not once all of them did;
+    with every gradient held in memory and the master weights stepped in
+    place (`by_buffer`) it starts reading a tensor into each buffer then,
+    and a read ahead takes buffers so too.
 
     With every gradient held in memory, a read ahead with too few buffers
     free reads what they hold (`partial`: the tensors still to read): with 4
@@ -65,6 +68,8 @@ class StepIO:
         # id of a buffer's lease -> (the lease, the write-back from it in flight)
         self.written_from: dict[int, tuple[Lease, IOFuture]] = {}
         self.split: set[int] = set()  # write-backs that gave buffers back as their writes landed
+        # Reads take a write-back's buffers one by one, ahead of need (fetch() sets it).
+        self.by_buffer = False
 
     def _release(self, lease: Lease) -> None:
         lease.release()
@@ -131,6 +136,10 @@ class StepIO:
         self.split.add(i)
         return True
 
+    def _some_landed(self, entry: _Write) -> bool:
+        """Whether a write of write-back `entry` whose buffer it still holds landed."""
+        return any(f is not None and f.done() for f in map(self._write_from, entry[1]))
+
     def _write_from(self, lease: Lease) -> IOFuture | None:
         """The write-back in flight from `lease`'s buffer, if any."""
         got = self.written_from.get(id(lease))
@@ -143,8 +152,9 @@ class StepIO:
 
     def _free_one(self, wait: bool) -> bool:
         """One move towards free buffers: drop the oldest clean kept sub-group,
-        else take a landed write-back (waiting for it if `wait`), else start
-        writing the oldest dirty one; False when nothing can be done now."""
+        else take a landed write-back, or the buffers of the oldest one whose
+        own writes landed (waiting for one if `wait`), else start writing the
+        oldest dirty one; False when nothing can be done now."""
         for i, (leases, dirty) in self.kept.items():
             if not dirty:
                 del self.kept[i]
@@ -154,6 +164,10 @@ class StepIO:
         if self.writes and all(f.done() for f in self.writes[0][2]):
             self._finish_write(self.writes.popleft())
             return True
+        if self.writes and not wait and self.by_buffer and self._some_landed(self.writes[0]):
+            # Not waiting either: a read ahead takes each buffer as its write
+            # lands (the drive otherwise ran the other write alone meanwhile).
+            return self._release_landed()
         if self.writes and wait:
             if not self._release_landed():
                 self._finish_write(self.writes.popleft())
@@ -164,10 +178,11 @@ class StepIO:
             return True
         return False
 
-    def _lease(self, count: int, must: bool) -> list[Lease] | None:
+    def _lease(self, count: int, must: bool, need: int = 0) -> list[Lease] | None:
         """`count` free buffers, dropping kept sub-groups and finishing write-backs
         to free them (waiting only if `must`); None when they cannot be had and
-        not `must`."""
+        not `must`. `need`: the buffers the sub-group takes in all, for the
+        error when the pool cannot give them (default `count`)."""
         while self.pool.available() < count and self._free_one(wait=must):
             pass
         if self.pool.available() < count and not must:
@@ -179,7 +194,7 @@ class StepIO:
                 for got in leases:
                     self._release(got)
                 raise SwapStateError(
-                    f"stepping a sub-group needs {count} free optimizer swap buffers; give back "
+                    f"stepping a sub-group needs {max(need, count)} free optimizer swap buffers; give back "
                     f"every buffer leased with acquire_buffer() before step(), or raise {BUFFER_COUNT_KEY}"
                 )
             self.held.append(lease)
@@ -217,11 +232,15 @@ class StepIO:
         """Lease a buffer per tensor of sub-group i (but a gradient held in
         memory) and start reading them all. Not `must`, with too few buffers
         free: with `partly`, start reading as many tensors as there are (none
-        while another read is partial); False when nothing was started."""
+        while another read is partial); False when nothing was started.
+        `must` and `partly`: wait for one buffer only, and read into it and
+        those free now (finish_read() reads the rest)."""
         sw, g = self.sw, self.sw.groups[i]
         names = self._read_names(i)
         if self.partial and not must:
             return False
+        if must and partly and self.by_buffer and not self.partial:  # at most one read is partial
+            return self._start_read_eager(i, names)
         leases = self._lease(len(names), must)
         if leases is None:
             if not partly:
@@ -237,12 +256,27 @@ class StepIO:
         self._read_parts(i, names[: len(leases)], leases)
         return True
 
+    def _start_read_eager(self, i: int, names: list[str]) -> bool:
+        """start_read() that waits for one buffer only: the first tensor is
+        read as soon as a write-back's buffer comes back, not once all of
+        the sub-group's did (the drive otherwise ran the other writes alone,
+        ~5 of each ~10 ms sub-group in bench/fsdp_step.py's nvme-params)."""
+        leases = self._lease(1, must=True, need=len(names)) or []
+        leases += self._lease(min(self.pool.available(), len(names) - 1), must=False) or []
+        if len(leases) < len(names):
+            self.partial[i] = names[len(leases) :]
+        self.reads[i] = ({}, [], False)
+        self.carried.discard(i)
+        self.sw.groups[i].settle_grad()
+        self._read_parts(i, names[: len(leases)], leases)
+        return True
+
     def finish_read(self, i: int) -> None:
         """Start reading whatever a partial read of sub-group i left (waiting for
         buffers: the sub-groups stepped before it free theirs)."""
         # One buffer at a time: each read starts as a write-back's buffer comes back.
         for name in self.partial.pop(i, None) or []:
-            self._read_parts(i, [name], self._lease(1, must=True) or [])
+            self._read_parts(i, [name], self._lease(1, must=True, need=len(self._read_names(i))) or [])
 
     def _read_parts(self, i: int, names: list[str], leases: list[Lease]) -> None:
         import torch
@@ -262,11 +296,16 @@ class StepIO:
             futs.extend(sw.start_part_read(g, name, lease))
 
     def fetch(self, i: int, nxt: int | None, partly: bool) -> dict[str, Lease]:
-        """Sub-group i's buffers, its tensors read (started now if not ahead),
-        while reading ahead sub-group `nxt` (None: none) into buffers that
-        are free or come free meanwhile (`partly`: as start_read)."""
+        """Sub-group i's buffers, its tensors read (started now if not ahead;
+        `by_buffer`, each as a buffer comes back), while reading ahead
+        sub-group `nxt` (None: none) into buffers that are free or come free
+        meanwhile (`partly`: as start_read)."""
+        # Only for sub-groups stepped in place (two moments a read): measured 3-5 %
+        # faster there (bench/fsdp_step.py nvme-params), 2-5 % slower with the
+        # master weights on the drive too (nvme-drive: three tensors in four buffers).
+        self.by_buffer = partly and self.sw.groups[i].master_pieces is not None
         if i not in self.reads:
-            self.start_read(i, must=True)
+            self.start_read(i, must=True, partly=partly)
         self.finish_read(i)  # before any read ahead takes the buffers it needs
         if nxt is not None and nxt not in self.reads:
             self.start_read(nxt, must=False, partly=partly)
@@ -297,13 +336,14 @@ class StepIO:
         return leases
 
     def _read_ahead_while(self, futs: list[IOFuture], ahead: int, partly: bool) -> None:
-        """Until `futs` (reads) land: whenever the oldest write-back has landed,
-        try to start reading sub-group `ahead`; stop once it started, or when no
-        write-back is in flight (then nothing frees a buffer meanwhile)."""
+        """Until `futs` (reads) land: whenever the oldest write-back has landed
+        (`by_buffer`: one of its writes), try to start reading sub-group
+        `ahead`; stop once it started, or when no write-back is in flight
+        (then nothing frees a buffer meanwhile)."""
         pending = [f for f in futs if not f.done()]
         while pending and ahead not in self.reads and self.writes:
             landed = self.writes[0]
-            if all(f.done() for f in landed[2]):
+            if all(f.done() for f in landed[2]) or (self.by_buffer and self._some_landed(landed)):
                 if self.start_read(ahead, must=False, partly=partly):
                     self.sw.counters["ahead_in_wait"] += 1
                     return
