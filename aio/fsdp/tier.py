@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -252,7 +253,7 @@ class ParamTier:
             return
         orig = opt.step
 
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
             depth = len(self._open)
             try:
                 # One Ctrl-C waits for the step's post-hook too (NVMeAdamW holds
@@ -266,9 +267,12 @@ class ParamTier:
                 raise
 
         step._aio_tier = self  # type: ignore[attr-defined]
-        opt.__dict__["step"] = step
+        # A bound method, as torch's own: an LR scheduler built later wraps
+        # `opt.step.__func__` (a plain function has none: AttributeError).
+        bound = types.MethodType(step, opt)
+        opt.__dict__["step"] = bound
         # Undone only if still on top (an LR scheduler may have wrapped it since).
-        self._handles.append(lambda: opt.__dict__.get("step") is step and opt.__dict__.pop("step"))
+        self._handles.append(lambda: opt.__dict__.get("step") is bound and opt.__dict__.pop("step"))
 
     def _guard(self, what: str) -> Any:
         def hook(*_: Any, **__: Any) -> None:

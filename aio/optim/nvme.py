@@ -277,7 +277,8 @@ class NVMeAdam(torch.optim.Optimizer):
                 f"{type(self).__name__}: the state written into its .state (by a wrapper that does not "
                 f"call its load_state_dict, e.g. ZeroRedundancyOptimizer) cannot be loaded: {e}"
             ) from e
-        self._apply_load(sw, plan, state)
+        with interrupts_held(f"{type(self).__name__} loading the state written into its .state"):
+            self._apply_load(sw, plan, state)
 
     def _same_layout(self, params: list[Any]) -> bool:
         """Whether `params` (param_groups' now, in order) are the very

@@ -10,10 +10,11 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._args import mismatched
+from .._interrupt import interrupts_held
 from ..swap.storage import checkpoint_dir, load_plain, require_complete, save_plain, write_json_durably
 from .export import hf_files, state_dict_layout
 
@@ -310,8 +311,11 @@ def _part_ids(trainer: OffloadTrainer, meta: dict[str, Any], path: str) -> dict[
     return out
 
 
-def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, dict]:
-    """See :meth:`aio.zero.OffloadTrainer.load_checkpoint`."""
+def load(
+    trainer: OffloadTrainer, load_dir: str, tag: str | None, then: Callable[[], None] | None = None
+) -> tuple[str, dict]:
+    """See :meth:`aio.zero.OffloadTrainer.load_checkpoint`: the whole
+    checkpoint verified, then applied (and `then` run) under one Ctrl-C."""
     tag = _read_latest(load_dir) if tag is None else check_tag(tag)
     path = os.path.join(load_dir, tag)
     require_complete(path)
@@ -321,6 +325,18 @@ def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, 
     opt = trainer.zero_optimizer.verify_checkpoint(os.path.join(path, "optimizer"))
     schedule = _verify_schedule(trainer, path)
     buffers = _verify_buffers(trainer, path)
+    # Cut part-way, the parameters would be loaded beside the old optimizer
+    # state and counters, and trained on from that mix.
+    with interrupts_held("aio.zero's load_checkpoint()"):
+        _apply(trainer, path, meta, (params, opt, schedule, buffers))
+        if then is not None:
+            then()
+    return path, client
+
+
+def _apply(trainer: OffloadTrainer, path: str, meta: dict[str, Any], verified: tuple[Any, ...]) -> None:
+    """What load() verified, into `trainer`."""
+    params, opt, schedule, buffers = verified
     # Verified: only I/O errors can fail from here, and the swappers then
     # refuse to be used or exported until a checkpoint loads.
     trainer.reset_window()
@@ -338,7 +354,6 @@ def load(trainer: OffloadTrainer, load_dir: str, tag: str | None) -> tuple[str, 
     scaler = trainer.scaling.scaler
     if scaler is not None and meta["scaler"]:
         scaler.load_state_dict(meta["scaler"])
-    return path, client
 
 
 def verify_meta(trainer: OffloadTrainer, path: str) -> dict[str, Any]:

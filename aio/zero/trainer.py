@@ -663,11 +663,11 @@ class OffloadTrainer:
         """Restore a checkpoint from save_checkpoint() (``latest`` when no tag).
         Returns (path, client_state). The whole checkpoint is verified --
         completeness marker, model match, every checksum -- before anything
-        changes: a failed load leaves the trainer exactly as it was."""
+        changes: a failed load leaves the trainer exactly as it was. One
+        Ctrl-C waits for the load to be whole (as a step does)."""
         self._check_open()
-        out = checkpoint.load(self, load_dir, tag)
-        self._mirror()  # loading stored the parameters in their own copies
-        return out
+        # _mirror: loading stored the parameters in their own copies.
+        return checkpoint.load(self, load_dir, tag, then=self._mirror)
 
     def save_pretrained(
         self,

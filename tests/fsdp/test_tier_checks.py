@@ -131,3 +131,29 @@ def test_ops_on_stand_ins_leave_no_reference_cycles(one_rank, tmp_path) -> None:
         assert cyclic == []
     finally:
         tier.close()
+
+
+def test_an_lr_scheduler_built_after_offload_params(one_rank, tmp_path) -> None:
+    """offload_params wraps opt.step; a torch LR scheduler built afterwards
+    wraps it again through ``opt.step.__func__``, which a plain function
+    lacks (AttributeError): the tier's wrapper is a bound method, and the
+    scheduled training is torch's, bit for bit."""
+
+    def scheduled(model, opt) -> list[torch.Tensor]:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        losses = []
+        for _ in range(3):
+            losses += _train_one_rank(model, opt, steps=1)
+            sched.step()
+        return losses
+
+    ref = _one_rank_model()
+    want = scheduled(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False))
+    model = _one_rank_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    tier = offload_params(model, str(tmp_path), opt)
+    try:
+        got = scheduled(model, opt)
+    finally:
+        tier.close()
+    assert all(map(torch.equal, want, got))

@@ -339,6 +339,8 @@ _CHILD = textwrap.dedent(
         # is whole, then raised; the optimizer goes on (or saves) as after any step.
         for hook in [(NVMeAdamW, "_write_back", 2), (OptimizerSwapper, "_step_subgroup", 3)]:
             m, opt, saved, weights = fresh()
+            posts = []
+            opt.register_step_post_hook(lambda *_: posts.append(1))  # runs: the step is whole
             undo = ctrl_c_at(*hook)
             _grads(m, 2)
             try:
@@ -347,10 +349,28 @@ _CHILD = textwrap.dedent(
             except KeyboardInterrupt:
                 pass
             undo()
+            assert posts == [1], posts
             assert opt.swap_stats()["broken"] is None and _equal(_params(m), ref.new), hook
             assert {{float(s["step"]) for s in opt.state_dict()["state"].values()}} == {{3.0}}
             assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
             check(m, opt)
+        # A state written into .state (as ZeroRedundancyOptimizer's load does) is
+        # loaded by the next step: one Ctrl-C there waits for it too.
+        m, opt, saved, weights = fresh()
+        _run(m, opt, range(2, 3))
+        m.load_state_dict(weights)
+        for k, p in enumerate(m.parameters()):
+            opt.state[p] = {{n: v.clone() for n, v in saved["state"][k].items()}}
+        undo = ctrl_c_at(OptimizerSwapper, "write_state", 2)
+        _grads(m, 2)
+        try:
+            opt.step()
+            raise SystemExit("no KeyboardInterrupt")
+        except KeyboardInterrupt:
+            pass
+        undo()
+        assert opt.swap_stats()["broken"] is None and _equal(_params(m), ref.new)
+        check(m, opt)
         # Twice: the second stops it at once, part-way; refused until what it names is loaded.
         m, opt, saved, weights = fresh()
         undo = ctrl_c_at(OptimizerSwapper, "_step_subgroup", 3, times=2)

@@ -781,7 +781,31 @@ from aio.swap import OptimizerSwapper
 from zero.common import cfg_for, gpt, train_engine, train_in_memory
 
 want = train_in_memory(4)
-times = int(sys.argv[2])
+times = int(sys.argv[2]) if sys.argv[2] != "load" else 0
+if not times:  # one Ctrl-C as load_checkpoint's optimizer part starts: the load is whole
+    with aio.zero.initialize(gpt(), cfg_for(sys.argv[1])) as engine:
+        ZeroOptimizer = type(engine.zero_optimizer)
+        got = train_engine(engine, 2)
+        engine.save_checkpoint(sys.argv[1] + "/ck")
+        train_engine(engine, 1, start=2)
+        real = ZeroOptimizer.apply_checkpoint
+
+        def cut(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGINT)
+            return real(self, *a, **k)
+
+        ZeroOptimizer.apply_checkpoint = cut
+        try:
+            engine.load_checkpoint(sys.argv[1] + "/ck")
+            raise SystemExit("no KeyboardInterrupt")
+        except KeyboardInterrupt:
+            pass
+        ZeroOptimizer.apply_checkpoint = real
+        assert engine.stats()["global_steps"] == 2, engine.stats()["global_steps"]
+        got += train_engine(engine, 2, start=2)
+        assert got == want, (got, want)
+    print("OK load", flush=True)
+    sys.exit(0)
 with aio.zero.initialize(gpt(), cfg_for(sys.argv[1])) as engine:
     got = train_engine(engine, 2)
     real, n = OptimizerSwapper._step_subgroup, [0]
@@ -814,12 +838,14 @@ print("OK", times, flush=True)
 """
 
 
-@pytest.mark.parametrize("times", [1, 2])
+@pytest.mark.parametrize("times", ["1", "2", "load"])
 def test_one_ctrl_c_waits_for_the_step_and_two_stop_it(tmp_path, times):
     """A real SIGINT in the middle of the optimizer step's sub-groups is held
     until the step and its parameter stores are whole, then raised: the
     engine goes on bit-identically to memory. A second SIGINT stops the step
-    at once and the engine refuses to step until a checkpoint is loaded."""
+    at once and the engine refuses to step until a checkpoint is loaded.
+    One SIGINT in load_checkpoint() waits for the load to be whole (cut, the
+    loaded parameters trained on beside the old optimizer state)."""
     import subprocess
     import sys
 
