@@ -328,9 +328,17 @@ def load(
     # Cut part-way, the parameters would be loaded beside the old optimizer
     # state and counters, and trained on from that mix.
     with interrupts_held("aio.zero's load_checkpoint()"):
-        _apply(trainer, path, meta, (params, opt, schedule, buffers))
-        if then is not None:
-            then()
+        try:
+            _apply(trainer, path, meta, (params, opt, schedule, buffers))
+            if then is not None:
+                then()
+        except BaseException as e:
+            trainer.load_cut = (
+                f"load_checkpoint({path!r}) was cut part-way ({type(e).__name__}: {e}): the parameters, "
+                "optimizer state and counters may be a mix of two steps; load a checkpoint again"
+            )
+            raise
+        trainer.load_cut = None
     return path, client
 
 

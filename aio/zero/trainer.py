@@ -30,6 +30,7 @@ from .._interrupt import interrupts_held
 from ..config import ConfigError, TrainConfig, load_train_config
 from ..config.gradients import warn_if_over_budget
 from ..optim import CPUAdam, OpenMPThrottle, fast_cpu_optimizer
+from ..swap import SwapStateError
 from . import checkpoint, export
 from .grads import GradientAccumulator
 from .hooks import Fetcher
@@ -664,8 +665,11 @@ class OffloadTrainer:
         Returns (path, client_state). The whole checkpoint is verified --
         completeness marker, model match, every checksum -- before anything
         changes: a failed load leaves the trainer exactly as it was. One
-        Ctrl-C waits for the load to be whole (as a step does)."""
-        self._check_open()
+        Ctrl-C waits for the load to be whole (as a step does); a second
+        one, or an I/O error, while it is applied leaves the trainer
+        refusing use (SwapStateError) until a load runs to its end."""
+        if self.closed:  # not _check_open(): a load cut part-way is retried here
+            raise ValueError("this aio.zero trainer is closed")
         # _mirror: loading stored the parameters in their own copies.
         return checkpoint.load(self, load_dir, tag, then=self._mirror)
 
@@ -814,9 +818,14 @@ class OffloadTrainer:
         """The model's parameters (placeholders between uses)."""
         return self.module.parameters()
 
+    # Why the trainer refuses until a checkpoint loads whole (a load cut part-way), or None.
+    load_cut: str | None = None
+
     def _check_open(self) -> None:
         if self.closed:
             raise ValueError("this aio.zero trainer is closed")
+        if self.load_cut is not None:
+            raise SwapStateError(self.load_cut)
 
     def close(self) -> None:
         """Finish I/O, remove hooks and swap files. Parameters become unusable."""

@@ -777,12 +777,13 @@ _CTRL_C_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import aio.zero
-from aio.swap import OptimizerSwapper
+from aio.swap import OptimizerSwapper, SwapStateError
 from zero.common import cfg_for, gpt, train_engine, train_in_memory
 
 want = train_in_memory(4)
-times = int(sys.argv[2]) if sys.argv[2] != "load" else 0
-if not times:  # one Ctrl-C as load_checkpoint's optimizer part starts: the load is whole
+times = int(sys.argv[2]) if not sys.argv[2].startswith("load") else 0
+if not times:  # Ctrl-C as load_checkpoint's optimizer part starts: once, the load is whole
+    cuts = 2 if sys.argv[2] == "load2" else 1
     with aio.zero.initialize(gpt(), cfg_for(sys.argv[1])) as engine:
         ZeroOptimizer = type(engine.zero_optimizer)
         got = train_engine(engine, 2)
@@ -791,7 +792,8 @@ if not times:  # one Ctrl-C as load_checkpoint's optimizer part starts: the load
         real = ZeroOptimizer.apply_checkpoint
 
         def cut(self, *a, **k):
-            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(cuts):
+                os.kill(os.getpid(), signal.SIGINT)
             return real(self, *a, **k)
 
         ZeroOptimizer.apply_checkpoint = cut
@@ -801,10 +803,19 @@ if not times:  # one Ctrl-C as load_checkpoint's optimizer part starts: the load
         except KeyboardInterrupt:
             pass
         ZeroOptimizer.apply_checkpoint = real
+        if cuts == 2:  # cut part-way: refused until a load runs to its end
+            calls = (lambda: train_engine(engine, 1, start=2), lambda: engine.save_checkpoint(sys.argv[1]))
+            for call in calls:
+                try:
+                    call()
+                    raise SystemExit("a cut load was not refused")
+                except SwapStateError as e:
+                    assert "load a checkpoint again" in str(e), e
+            engine.load_checkpoint(sys.argv[1] + "/ck")
         assert engine.stats()["global_steps"] == 2, engine.stats()["global_steps"]
         got += train_engine(engine, 2, start=2)
         assert got == want, (got, want)
-    print("OK load", flush=True)
+    print("OK", sys.argv[2], flush=True)
     sys.exit(0)
 with aio.zero.initialize(gpt(), cfg_for(sys.argv[1])) as engine:
     got = train_engine(engine, 2)
@@ -838,14 +849,15 @@ print("OK", times, flush=True)
 """
 
 
-@pytest.mark.parametrize("times", ["1", "2", "load"])
+@pytest.mark.parametrize("times", ["1", "2", "load", "load2"])
 def test_one_ctrl_c_waits_for_the_step_and_two_stop_it(tmp_path, times):
     """A real SIGINT in the middle of the optimizer step's sub-groups is held
     until the step and its parameter stores are whole, then raised: the
     engine goes on bit-identically to memory. A second SIGINT stops the step
     at once and the engine refuses to step until a checkpoint is loaded.
     One SIGINT in load_checkpoint() waits for the load to be whole (cut, the
-    loaded parameters trained on beside the old optimizer state)."""
+    loaded parameters trained on beside the old optimizer state); two cut it,
+    and the engine refuses to step or save until a load runs to its end."""
     import subprocess
     import sys
 
