@@ -145,14 +145,14 @@ def write_shards(
     temps: list[str] = []
     try:
         for shard in shards:
-            temps.append(_write_one(out_dir, shard, meta, done))
+            _write_one(out_dir, shard, meta, done, temps)
         if len(shards) > 1:
             weight_map = {s.name: f for f, shard in zip(files, shards, strict=True) for s in shard}
             index = {"metadata": {"total_size": done.total}, "weight_map": dict(sorted(weight_map.items()))}
-            temps.append(_write_file(out_dir, json.dumps(index, indent=2).encode() + b"\n"))
+            _write_file(out_dir, json.dumps(index, indent=2).encode() + b"\n", temps)
             files.append(INDEX)
         for data in extra.values():
-            temps.append(_write_file(out_dir, data))
+            _write_file(out_dir, data, temps)
         _rename_all(out_dir, temps, [*files, *extra])
         temps = []
         _remove_stale(out_dir, set(files))
@@ -194,8 +194,10 @@ class _Progress:
             self.report(self.done, self.total)
 
 
-def _write_one(out_dir: str, shard: list[Source], meta: dict[str, str], done: _Progress) -> str:
-    """One shard under a temporary name (returned), whole and fsynced."""
+def _write_one(
+    out_dir: str, shard: list[Source], meta: dict[str, str], done: _Progress, temps: list[str]
+) -> None:
+    """One shard under a temporary name (appended to `temps`), whole and fsynced."""
 
     def write(fd: int, tmp: str) -> None:
         _write_all(fd, header_bytes(shard, meta), tmp)
@@ -203,23 +205,26 @@ def _write_one(out_dir: str, shard: list[Source], meta: dict[str, str], done: _P
             _write_all(fd, _raw(s), tmp)
             done.add(s.nbytes)
 
-    return _new_file(out_dir, write)
+    _new_file(out_dir, write, temps)
 
 
-def _new_file(out_dir: str, write: Callable[[int, str], None]) -> str:
-    """A file made by `write(fd, path)` under a temporary name (returned),
-    fsynced; removed if anything fails."""
-    fd, tmp = _create(out_dir)
+def _new_file(out_dir: str, write: Callable[[int, str], None], temps: list[str]) -> None:
+    """A file made by `write(fd, path)` under a temporary name, fsynced. The
+    name goes into `temps` as the file is made, under the CLI's deferred
+    Ctrl-C (aio-export): one landing between the two left the file behind
+    (the caller removes what `temps` names when anything fails)."""
+    from .._cli import signals_deferred
+
+    fd = -1
     try:
+        with signals_deferred():
+            fd, tmp = _create(out_dir)
+            temps.append(tmp)
         write(fd, tmp)
         os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
-    return tmp
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _raw(s: Source) -> memoryview:
@@ -243,8 +248,8 @@ def byte_view(t: Any) -> memoryview:
     return memoryview(arr)
 
 
-def _write_file(out_dir: str, data: bytes) -> str:
-    return _new_file(out_dir, lambda fd, tmp: _write_all(fd, data, tmp))
+def _write_file(out_dir: str, data: bytes, temps: list[str]) -> None:
+    _new_file(out_dir, lambda fd, tmp: _write_all(fd, data, tmp), temps)
 
 
 def _create(out_dir: str) -> tuple[int, str]:

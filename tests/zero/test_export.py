@@ -272,3 +272,33 @@ def test_exporting_into_the_checkpoint_itself_is_refused(tmp_path, capsys):
     target = tmp_path / "ckpt" / "global_step2" / "out"
     assert export_main([str(tmp_path / "ckpt"), str(target), "--quiet"]) == 2
     assert "inside the checkpoint" in capsys.readouterr().err and not target.exists()
+
+
+_CUT_AT_CREATE = """
+import os, signal, sys
+from aio.zero import safetensors_writer as w
+create = w._create
+def create_then_signal(out_dir):
+    made = create(out_dir)
+    os.kill(os.getpid(), signal.SIGTERM)  # the moment the temporary file exists
+    return made
+w._create = create_then_signal
+from aio.zero.export_cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_as_a_temporary_file_is_made_leaves_nothing(tmp_path):
+    """SIGTERM the moment a shard's temporary file exists (before its name
+    reached the list the export removes on failure): it is removed too (it
+    was left in OUT_DIR when the signal landed between the two)."""
+    _model, engine, _want = _trained(tmp_path)
+    engine.close()
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-c", _CUT_AT_CREATE, str(tmp_path / "ckpt"), str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 130, r.stderr
+    assert "interrupted" in r.stderr and "Traceback" not in r.stderr
+    assert list(out.iterdir()) == []
