@@ -74,7 +74,7 @@ def _one_rank_model() -> torch.nn.Module:
     return fully_shard(model)
 
 
-def _train_one_rank(model, opt, steps=3) -> list[torch.Tensor]:
+def _train_one_rank(model, opt, steps=3, sched=None) -> list[torch.Tensor]:
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
@@ -83,6 +83,8 @@ def _train_one_rank(model, opt, steps=3) -> list[torch.Tensor]:
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.detach())
     return losses
 
@@ -140,12 +142,8 @@ def test_an_lr_scheduler_built_after_offload_params(one_rank, tmp_path) -> None:
     scheduled training is torch's, bit for bit."""
 
     def scheduled(model, opt) -> list[torch.Tensor]:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-        losses = []
-        for _ in range(3):
-            losses += _train_one_rank(model, opt, steps=1)
-            sched.step()
-        return losses
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+        return _train_one_rank(model, opt, sched=sched)
 
     ref = _one_rank_model()
     want = scheduled(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False))

@@ -308,6 +308,13 @@ _CHILD = textwrap.dedent(
             setattr(cls, name, hooked)
             return lambda: setattr(cls, name, real)
 
+        def interrupted(call, *args):
+            try:
+                call(*args)
+                raise SystemExit("no KeyboardInterrupt")
+            except KeyboardInterrupt:
+                pass
+
         def fresh():
             m = _model()
             opt = _opt(m, tmp, master=master)
@@ -343,11 +350,7 @@ _CHILD = textwrap.dedent(
             opt.register_step_post_hook(lambda *_: posts.append(1))  # runs: the step is whole
             undo = ctrl_c_at(*hook)
             _grads(m, 2)
-            try:
-                opt.step()
-                raise SystemExit("no KeyboardInterrupt")
-            except KeyboardInterrupt:
-                pass
+            interrupted(opt.step)
             undo()
             assert posts == [1], posts
             assert opt.swap_stats()["broken"] is None and _equal(_params(m), ref.new), hook
@@ -363,11 +366,7 @@ _CHILD = textwrap.dedent(
             opt.state[p] = {{n: v.clone() for n, v in saved["state"][k].items()}}
         undo = ctrl_c_at(OptimizerSwapper, "write_state", 2)
         _grads(m, 2)
-        try:
-            opt.step()
-            raise SystemExit("no KeyboardInterrupt")
-        except KeyboardInterrupt:
-            pass
+        interrupted(opt.step)
         undo()
         assert opt.swap_stats()["broken"] is None and _equal(_params(m), ref.new)
         check(m, opt)
@@ -375,11 +374,7 @@ _CHILD = textwrap.dedent(
         m, opt, saved, weights = fresh()
         undo = ctrl_c_at(OptimizerSwapper, "_step_subgroup", 3, times=2)
         _grads(m, 2)
-        try:
-            opt.step()
-            raise SystemExit("no KeyboardInterrupt")
-        except KeyboardInterrupt:
-            pass
+        interrupted(opt.step)
         undo()
         assert opt.swap_stats()["broken"] is not None
         recover(m, opt, weights, saved)
@@ -403,11 +398,7 @@ _CHILD = textwrap.dedent(
         m, opt, saved, weights = fresh()
         _run(m, opt, range(2, 3))
         undo = ctrl_c_at(OptimizerSwapper, "read_state", 2)
-        try:
-            opt.state_dict()
-            raise SystemExit("no KeyboardInterrupt")
-        except KeyboardInterrupt:
-            pass
+        interrupted(opt.state_dict)
         undo()
         assert opt.swap_stats()["broken"] is None
         check(m, opt)
@@ -417,11 +408,7 @@ _CHILD = textwrap.dedent(
             _run(m, opt, range(2, 3))
             undo = ctrl_c_at(OptimizerSwapper, "write_state", 2, times=times)
             m.load_state_dict(weights)
-            try:
-                opt.load_state_dict(saved)
-                raise SystemExit("no KeyboardInterrupt")
-            except KeyboardInterrupt:
-                pass
+            interrupted(opt.load_state_dict, saved)
             undo()
             if times == 2:
                 assert "load_state_dict" in opt.swap_stats()["broken"]

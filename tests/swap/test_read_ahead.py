@@ -138,13 +138,7 @@ def test_a_write_back_landing_during_a_read_starts_the_read_ahead_in_the_wait(tm
     ~14 ms sub-group in bench/fsdp_step.py's nvme-params), and the results
     are torch's bits."""
     n, count, steps = 4096, 6, 3
-    sw = _NoMasterSlot(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
-    masters = [torch.randn(n) for _ in range(count)]
-    ref = [torch.nn.Parameter(m.clone()) for m in masters]
-    ref_opt = CPUAdam(ref, lr=1e-2)
-    for i in range(count):
-        sw.register_subgroup(i, n)
-        sw.initialize_in_place(i, lambda i=i: [masters[i]])
+    sw, masters, ref, ref_opt = _in_place(tmp_path, n, count)
     real_read, real_take = sw.space.read, StepIO.take_read
     started: list[int] = []  # the sub-group of every read started
     order: list[tuple[str, int]] = []  # ("read", i) at a read's start, ("took", i) when i's reads landed
@@ -170,14 +164,7 @@ def test_a_write_back_landing_during_a_read_starts_the_read_ahead_in_the_wait(tm
     monkeypatch.setattr(StepIO, "take_read", take_read)
     monkeypatch.setattr(StepIO, "start_read", start_read)
     t0 = time.monotonic()
-    for s in range(steps):
-        grads = [torch.randn(n) for _ in range(count)]
-        for i in range(count):
-            sw.hold_gradient(i, [grads[i]])
-            ref[i].grad = grads[i].clone()
-        order.append(("step", s))
-        sw.step()
-        ref_opt.step()
+    _step_both(sw, ref, ref_opt, order, steps, count, n)
     # Step 3 (odd steps go in reverse, even ones forward): sub-groups 0 and 1
     # kept from step 2; from sub-group 2 on, each one's successor starts
     # reading before its own reads are taken (before: right after).
@@ -259,6 +246,34 @@ class _Late(_SlowRead):
     (or `patience` seconds passed)."""
 
 
+class _WriteGate:
+    """The swap space's write and read for a test: a write whose offset
+    `lands_at_once` does not accept lands at once, the others (`_Late`)
+    only once a read started after them (or after 0.3 s: what waits for all
+    of them waits this long); `overlapped` counts the reads started while
+    such a write was still in flight."""
+
+    def __init__(self, sw, lands_at_once) -> None:
+        self.real_write, self.real_read = sw.space.write, sw.space.read
+        self.lands_at_once = lands_at_once
+        self.reads: list[int] = []  # every read started
+        self.late: list[_Late] = []
+        self.overlapped = 0
+
+    def write(self, buf, offset):
+        fut = self.real_write(buf, offset)
+        fut.wait()  # the gate is the only lateness, not the drive's timing
+        if self.lands_at_once(offset):
+            return fut
+        self.late.append(_Late(fut, self.reads, patience=0.3))
+        return self.late[-1]
+
+    def read(self, buf, offset):
+        self.overlapped += any(not w._open() for w in self.late)
+        self.reads.append(offset)
+        return self.real_read(buf, offset)
+
+
 @pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.buffer_count")
 def test_a_read_reuses_each_buffer_as_its_write_back_lands(tmp_path, monkeypatch):
     """Master weights on the drive, three tensors a sub-group in four
@@ -270,27 +285,11 @@ def test_a_read_reuses_each_buffer_as_its_write_back_lands(tmp_path, monkeypatch
     being written. The results are torch's bits."""
     n, count = 4096, 5
     sw, ref, ref_opt = _master_on_drive(tmp_path, n, count)
-    real_write, real_read = sw.space.write, sw.space.read
-    reads: list[int] = []  # every read started
-    late: list[_Late] = []
-    overlapped = 0  # reads started while a write was still in flight
-
-    def write(buf, offset):
-        fut = real_write(buf, offset)
-        fut.wait()  # the gate below is the only lateness, not the drive's timing
-        if any(offset == g.offset + g.parts["param"][0] for g in sw.groups.values()):
-            return fut
-        late.append(_Late(fut, reads, patience=0.3))  # what waits for all of them waits this long
-        return late[-1]
-
-    def read(buf, offset):
-        nonlocal overlapped
-        overlapped += any(not w._open() for w in late)
-        reads.append(offset)
-        return real_read(buf, offset)
-
-    monkeypatch.setattr(sw.space, "write", write)
-    monkeypatch.setattr(sw.space, "read", read)
+    gate = _WriteGate(
+        sw, lambda offset: any(offset == g.offset + g.parts["param"][0] for g in sw.groups.values())
+    )
+    monkeypatch.setattr(sw.space, "write", gate.write)
+    monkeypatch.setattr(sw.space, "read", gate.read)
     out = [None] * count
     for _ in range(3):
         grads = [torch.randn(n) for _ in range(count)]
@@ -299,7 +298,9 @@ def test_a_read_reuses_each_buffer_as_its_write_back_lands(tmp_path, monkeypatch
             ref[i].grad = grads[i].clone()
         sw.step(after=lambda i, master: out.__setitem__(i, master.clone()))
         ref_opt.step()
-    assert overlapped >= 2 * (count - 2), overlapped  # steps 2 and 3: every sub-group read after a write-back
+    assert gate.overlapped >= 2 * (count - 2), (
+        gate.overlapped
+    )  # steps 2 and 3: every sub-group read after a write-back
     for i in range(count):
         assert torch.equal(out[i], ref[i].detach()), i
     sw.close()
@@ -365,34 +366,10 @@ def test_a_read_starts_each_tensor_as_its_buffer_comes_back(tmp_path, monkeypatc
     is still in flight; before, each waited out the patience. The results
     are torch's bits."""
     n, count, steps = 4096, 5, 3
-    sw = _NoMasterSlot(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
-    masters = [torch.randn(n) for _ in range(count)]
-    ref = [torch.nn.Parameter(m.clone()) for m in masters]
-    ref_opt = CPUAdam(ref, lr=1e-2)
-    for i in range(count):
-        sw.register_subgroup(i, n)
-        sw.initialize_in_place(i, lambda i=i: [masters[i]])
-    real_write, real_read = sw.space.write, sw.space.read
-    reads: list[int] = []  # every read started
-    late: list[_Late] = []
-    overlapped = 0  # reads started while a write was still in flight
-
-    def write(buf, offset):
-        fut = real_write(buf, offset)
-        fut.wait()  # the gate below is the only lateness, not the drive's timing
-        if any(offset == g.part_io("exp_avg")[0] for g in sw.groups.values()):
-            return fut
-        late.append(_Late(fut, reads, patience=0.3))
-        return late[-1]
-
-    def read(buf, offset):
-        nonlocal overlapped
-        overlapped += any(not w._open() for w in late)
-        reads.append(offset)
-        return real_read(buf, offset)
-
-    monkeypatch.setattr(sw.space, "write", write)
-    monkeypatch.setattr(sw.space, "read", read)
+    sw, masters, ref, ref_opt = _in_place(tmp_path, n, count)
+    gate = _WriteGate(sw, lambda offset: any(offset == g.part_io("exp_avg")[0] for g in sw.groups.values()))
+    monkeypatch.setattr(sw.space, "write", gate.write)
+    monkeypatch.setattr(sw.space, "read", gate.read)
     t0 = time.monotonic()
     for _ in range(steps):
         grads = [torch.randn(n) for _ in range(count)]
@@ -402,7 +379,7 @@ def test_a_read_starts_each_tensor_as_its_buffer_comes_back(tmp_path, monkeypatc
         sw.step()
         ref_opt.step()
     # Steps 2 and 3 each read count - 2 sub-groups, every one after a write-back.
-    assert overlapped >= 2 * (count - 2), overlapped
+    assert gate.overlapped >= 2 * (count - 2), gate.overlapped
     assert time.monotonic() - t0 < 0.3 * 2 * (count - 2)  # before: each such read waited 0.3 s
     for i in range(count):
         assert torch.equal(masters[i], ref[i].detach()), i
@@ -417,13 +394,7 @@ def test_a_read_ahead_takes_a_write_backs_buffer_as_its_own_write_lands(tmp_path
     sub-group's update, not after it once the whole write-back landed. The
     results are torch's bits."""
     n, count, steps = 4096, 5, 3
-    sw = _NoMasterSlot(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
-    masters = [torch.randn(n) for _ in range(count)]
-    ref = [torch.nn.Parameter(m.clone()) for m in masters]
-    ref_opt = CPUAdam(ref, lr=1e-2)
-    for i in range(count):
-        sw.register_subgroup(i, n)
-        sw.initialize_in_place(i, lambda i=i: [masters[i]])
+    sw, masters, ref, ref_opt = _in_place(tmp_path, n, count)
     real_write, real_read = sw.space.write, sw.space.read
     real_start, real_step = StepIO.start_read, sw._step_subgroup
     reads: list[int] = []
@@ -454,14 +425,7 @@ def test_a_read_ahead_takes_a_write_backs_buffer_as_its_own_write_lands(tmp_path
     monkeypatch.setattr(sw.space, "read", read)
     monkeypatch.setattr(StepIO, "start_read", start_read)
     monkeypatch.setattr(sw, "_step_subgroup", step_subgroup)
-    for s in range(steps):
-        grads = [torch.randn(n) for _ in range(count)]
-        for i in range(count):
-            sw.hold_gradient(i, [grads[i]])
-            ref[i].grad = grads[i].clone()
-        order.append(("step", s))
-        sw.step()
-        ref_opt.step()
+    _step_both(sw, ref, ref_opt, order, steps, count, n)
     # Step 3 goes 0..4 with 0 and 1 kept from step 2: sub-groups 3 and 4 are
     # read ahead before 2's and 3's updates (2's own read waits for 0's
     # write-back, started only once 1 is updated).
@@ -471,3 +435,30 @@ def test_a_read_ahead_takes_a_write_backs_buffer_as_its_own_write_lands(tmp_path
     for i in range(count):
         assert torch.equal(masters[i], ref[i].detach()), i
     sw.close()
+
+
+def _step_both(sw, ref, ref_opt, order: list, steps: int, count: int, n: int) -> None:
+    """`steps` steps of the swapper and of torch's optimizer over the same
+    random gradients (held in memory), each step's start marked in `order`."""
+    for s in range(steps):
+        grads = [torch.randn(n) for _ in range(count)]
+        for i in range(count):
+            sw.hold_gradient(i, [grads[i]])
+            ref[i].grad = grads[i].clone()
+        order.append(("step", s))
+        sw.step()
+        ref_opt.step()
+
+
+def _in_place(tmp_path, n: int, count: int):
+    """A swapper without a master slot, `count` sub-groups of `n` elements
+    stepped in place in their masters (4 buffers), and torch's reference:
+    (swapper, masters, reference parameters, reference optimizer)."""
+    sw = _NoMasterSlot(str(tmp_path), CPUAdam, {"lr": 1e-2}, buffer_count=4)
+    masters = [torch.randn(n) for _ in range(count)]
+    ref = [torch.nn.Parameter(m.clone()) for m in masters]
+    ref_opt = CPUAdam(ref, lr=1e-2)
+    for i in range(count):
+        sw.register_subgroup(i, n)
+        sw.initialize_in_place(i, lambda i=i: [masters[i]])
+    return sw, masters, ref, ref_opt
