@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from .._interrupt import interrupts_held
 from .._log import logger
 from ..pinned import Lease, PinnedPool
 from ..swap.drives import SwapSpace
@@ -256,11 +255,10 @@ class ParamTier:
         def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
             depth = len(self._open)
             try:
-                # One Ctrl-C waits for the step's post-hook too (NVMeAdamW holds
-                # it only to the end of its own step()): delivered earlier, the
-                # bracket of a whole step would be closed as a failed one's.
-                with interrupts_held(f"{type(opt).__name__}.step()"):
-                    return orig(*args, **kwargs)
+                # NVMeAdamW's hold of a Ctrl-C lasts until torch's step wrapper
+                # returns (aio._interrupt): the post-hook closes the bracket of
+                # a whole step first, never this except.
+                return orig(*args, **kwargs)
             except BaseException:
                 while len(self._open) > depth and not self.closed:
                     self._abort_step()

@@ -240,36 +240,34 @@ class StepIO:
         if self.partial and not must:
             return False
         if must and partly and self.by_buffer and not self.partial:  # at most one read is partial
-            return self._start_read_eager(i, names)
-        leases = self._lease(len(names), must)
-        if leases is None:
-            if not partly:
-                return False
-            leases = self._lease(min(self.pool.available(), len(names)), must=True)
-            if not leases:
-                return False
-            self.partial[i] = names[len(leases) :]
-            sw.counters["partial_reads"] += 1
+            leases = self._eager_leases(len(names))
+            if len(leases) < len(names):
+                self.partial[i] = names[len(leases) :]
+        else:
+            got = self._lease(len(names), must)
+            if got is None:
+                if not partly:
+                    return False
+                got = self._lease(min(self.pool.available(), len(names)), must=True)
+                if not got:
+                    return False
+                self.partial[i] = names[len(got) :]
+                sw.counters["partial_reads"] += 1
+            leases = got
         self.reads[i] = ({}, [], False)
         self.carried.discard(i)
         g.settle_grad()
         self._read_parts(i, names[: len(leases)], leases)
         return True
 
-    def _start_read_eager(self, i: int, names: list[str]) -> bool:
-        """start_read() that waits for one buffer only: the first tensor is
-        read as soon as a write-back's buffer comes back, not once all of
-        the sub-group's did (the drive otherwise ran the other writes alone,
-        ~5 of each ~10 ms sub-group in bench/fsdp_step.py's nvme-params)."""
-        leases = self._lease(1, must=True, need=len(names)) or []
-        leases += self._lease(min(self.pool.available(), len(names) - 1), must=False) or []
-        if len(leases) < len(names):
-            self.partial[i] = names[len(leases) :]
-        self.reads[i] = ({}, [], False)
-        self.carried.discard(i)
-        self.sw.groups[i].settle_grad()
-        self._read_parts(i, names[: len(leases)], leases)
-        return True
+    def _eager_leases(self, count: int) -> list[Lease]:
+        """Buffers for a read of `count` tensors that waits for one only: the
+        first tensor is read as soon as a write-back's buffer comes back, not
+        once all of the sub-group's did (the drive otherwise ran the other
+        writes alone, ~5 of each ~10 ms sub-group in bench/fsdp_step.py's
+        nvme-params); the rest as many as are free now."""
+        leases = self._lease(1, must=True, need=count) or []
+        return leases + (self._lease(min(self.pool.available(), count - 1), must=False) or [])
 
     def finish_read(self, i: int) -> None:
         """Start reading whatever a partial read of sub-group i left (waiting for
