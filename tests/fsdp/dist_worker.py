@@ -552,4 +552,6 @@ def _worker(rank: int, world: int, out: str, cases: list[str]) -> None:
 
 if __name__ == "__main__":
     world, outdir, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    mp.spawn(_worker, args=(world, outdir, names), nprocs=world, join=True)
+    # Forked, not spawned: each rank would import torch, FSDP and DCP again (3-6 s of
+    # CPU a rank, the CUDA build the most); this process has done only that, no group yet.
+    mp.start_processes(_worker, args=(world, outdir, names), nprocs=world, join=True, start_method="fork")

@@ -334,4 +334,6 @@ if __name__ == "__main__":
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    mp.spawn(_worker, args=(outdir, names), nprocs=WORLD, join=True)
+    # Forked, not spawned: each rank would import torch, FSDP and DCP again (3-6 s of
+    # CPU a rank, the CUDA build the most); this process has done only that, no group yet.
+    mp.start_processes(_worker, args=(outdir, names), nprocs=WORLD, join=True, start_method="fork")
