@@ -111,10 +111,13 @@ def cpu_offload_losses(tmp_path_factory):
     return r[0]["losses"]
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
-def test_nvme_offload_on_aio_matches_cpu_offload(tmp_path, cpu_offload_losses, pipeline):
-    args = ["--io", "aio", "--offload", "nvme"] + (["--pipeline"] if pipeline else [])
-    (r,), nvme = train(tmp_path, "aio", *args)
+def _left_on_the_drive(nvme) -> list[str]:
+    return [os.path.join(dp, f) for dp, _, fs in os.walk(nvme) for f in fs]
+
+
+def test_nvme_offload_on_aio_matches_cpu_offload(tmp_path, cpu_offload_losses):
+    # Pipelined: aio_save_then_resume's first run (below), which saves too.
+    (r,), nvme = train(tmp_path, "aio", "--io", "aio", "--offload", "nvme")
     assert r["params"] > 2_000_000 and r["aio_served"]
     assert len(r["losses"]) == 10
     # Same math, same order: offloading to the drive changes nothing.
@@ -123,8 +126,7 @@ def test_nvme_offload_on_aio_matches_cpu_offload(tmp_path, cpu_offload_losses, p
     # The process left no swap files behind: DeepSpeed leaves its optimizer
     # swap files (fp32 weights, moments, gradients of every swapped
     # sub-group); aio removes them at engine.destroy().
-    leftovers = [os.path.join(dp, f) for dp, _, fs in os.walk(nvme) for f in fs]
-    assert leftovers == [], leftovers[:5]
+    assert _left_on_the_drive(nvme) == []
 
 
 def test_default_max_in_cpu_is_said_at_start(tmp_path):
@@ -137,31 +139,9 @@ def test_default_max_in_cpu_is_said_at_start(tmp_path):
     assert f"keeps all {r['params']} parameter elements" in lines[0] and "max_in_cpu=1000000000" in lines[0]
 
 
-@pytest.mark.timeout(ds_op.timeout_s())  # the op's build, if this test pays for it
-def test_matches_deepspeeds_own_op(tmp_path, ds_op_dir):
-    op_dir = ds_op_dir("cpu")
-    (mine,), _ = train(tmp_path, "aio", "--io", "aio", "--offload", "nvme", "--pipeline")
-    # DeepSpeed's own op sometimes aborts at interpreter exit after finishing
-    # ("terminate called without an active exception"); its results are
-    # written by then, so that known defect does not fail the comparison.
-    (theirs,), _ = train(
-        tmp_path,
-        "dsop",
-        "--io",
-        "dsop",
-        "--offload",
-        "nvme",
-        "--pipeline",
-        tolerate_exit_abort=True,
-        op_dir=op_dir,
-    )
-    assert mine["aio_served"] and not theirs["aio_served"]
-    assert mine["losses"] == theirs["losses"]
-
-
 def _save_then_resume(tmp_path, io, *extra, op_dir=None):
     ck = tmp_path / f"ckpt-{io}"
-    (full,), _ = train(
+    (full,), nvme = train(
         tmp_path,
         f"full-{io}",
         "--io",
@@ -190,13 +170,14 @@ def _save_then_resume(tmp_path, io, *extra, op_dir=None):
         op_dir=op_dir,
     )
     assert resumed["start"] == 5
-    return full, resumed
+    return full, resumed, nvme
 
 
 @pytest.fixture(scope="module")
 def aio_save_then_resume(tmp_path_factory):
-    """aio's pipelined save at step 5 and resume (two runs), shared by the
-    test below and DeepSpeed's own op's canary (CI time: ~20 s a pair)."""
+    """aio's pipelined save at step 5 and resume (two runs) and the first
+    run's drive folder, shared by the test below and DeepSpeed's own op's
+    comparison (CI time: ~20 s a pair)."""
     return _save_then_resume(tmp_path_factory.mktemp("aio-resume"), "aio", "--pipeline")
 
 
@@ -206,20 +187,29 @@ def test_nvme_checkpoint_save_load_continues_identically(aio_save_then_resume, c
     # resumed step starts Adam from scratch (aio.integrations.ds_checkpoint
     # restores it; see the test below for DeepSpeed's own op). Pipelined
     # only: the plain swapper trains identically (the test above) and both
-    # save and load through the same code (CI time).
-    full, resumed = aio_save_then_resume
+    # save and load through the same code (CI time). The first run is also
+    # the pipelined swapper's check against CPU offload: the same losses,
+    # no swap file left.
+    full, resumed, nvme = aio_save_then_resume
+    assert full["params"] > 2_000_000 and full["aio_served"]
     assert full["losses"] == cpu_offload_losses
     assert resumed["losses"] == full["losses"][5:]
+    assert _left_on_the_drive(nvme) == []
 
 
 @pytest.mark.timeout(ds_op.timeout_s())  # the op's build, if this test pays for it
 def test_deepspeeds_own_op_loses_optimizer_state_on_nvme_resume(tmp_path, ds_op_dir, aio_save_then_resume):
-    # The same run on DeepSpeed's op (no aio patch) trains identically but does
+    # The same run on DeepSpeed's op (no aio patch) trains identically (aio's
+    # handle gives DeepSpeed's swappers the same bytes as its own op) but does
     # not resume identically: this is the DeepSpeed defect aio repairs. If a
     # DeepSpeed release fixes it this test fails, and the repair can go.
+    # DeepSpeed's op sometimes aborts at interpreter exit after finishing
+    # ("terminate called without an active exception"); its results are
+    # written by then, so that known defect does not fail the comparison.
     op_dir = ds_op_dir("cpu")
-    mine_full, mine = aio_save_then_resume
-    theirs_full, theirs = _save_then_resume(tmp_path, "dsop", "--pipeline", op_dir=op_dir)
+    mine_full, mine, _ = aio_save_then_resume
+    theirs_full, theirs, _ = _save_then_resume(tmp_path, "dsop", "--pipeline", op_dir=op_dir)
+    assert mine_full["aio_served"] and not theirs_full["aio_served"]
     assert mine_full["losses"] == theirs_full["losses"]
     assert mine["losses"] == mine_full["losses"][5:]
     assert theirs["losses"] != theirs_full["losses"][5:]
@@ -250,23 +240,31 @@ def test_two_processes_share_nvme_path_and_resume_exactly(tmp_path):
 SMALL = ["--width", "512", "--layers", "1"]
 
 
+def _reload_run(tmp_path, name: str, offload: str, *extra: str) -> dict:
+    """SMALL for 4 steps, saved at step 2, then the checkpoint loaded into
+    the same engine and steps 3-4 replayed (ds_train.py --reload)."""
+    ck = str(tmp_path / f"ck-{name}")
+    args = ["--io", "aio", "--offload", offload, *SMALL, "--save", ck, "--save-at", "2", "--reload"]
+    (r,), _ = train(tmp_path, name, *args, *extra, steps=4)
+    return r
+
+
+@pytest.fixture(scope="module")
+def reload_on_cpu_offload(tmp_path_factory) -> dict:
+    """The reload run with CPU offload: the reference of both swappers."""
+    ref = _reload_run(tmp_path_factory.mktemp("reload-cpu"), "cpu", "cpu")
+    assert ref["replay_losses"] == ref["losses"][2:]
+    return ref
+
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
-def test_reload_into_an_engine_that_has_trained_replays_exactly(tmp_path, pipeline):
+def test_reload_into_an_engine_that_has_trained_replays_exactly(tmp_path, reload_on_cpu_offload, pipeline):
     """load_checkpoint() into an engine that has already stepped: every state
     entry, Adam's `step` included, comes from the checkpoint, as with CPU
     offload (where DeepSpeed loads the optimizer state itself)."""
-
-    def run(name, offload, *extra):
-        ck = str(tmp_path / f"ck-{name}")
-        args = ["--io", "aio", "--offload", offload, *SMALL, "--save", ck, "--save-at", "2", "--reload"]
-        (r,), _ = train(tmp_path, name, *args, *extra, steps=4)
-        return r
-
-    mine = run("nvme", "nvme", *(["--pipeline"] if pipeline else []))
-    ref = run("cpu", "cpu")
-    assert mine["losses"] == ref["losses"]
-    assert ref["replay_losses"] == ref["losses"][2:]
-    assert mine["replay_losses"] == ref["replay_losses"]
+    mine = _reload_run(tmp_path, "nvme", "nvme", *(["--pipeline"] if pipeline else []))
+    assert mine["losses"] == reload_on_cpu_offload["losses"]
+    assert mine["replay_losses"] == reload_on_cpu_offload["replay_losses"]
 
 
 def test_checkpoint_without_optimizer_state_file_is_refused(tmp_path):
