@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -465,16 +466,30 @@ def summary(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every variant (every round) and print the tables (exit 1 if one failed)."""
+    """Run every variant (every round) and print the tables (exit 1 if one
+    failed). Each variant's folders go once its figures are read, and the
+    default temporary folder at the end: nothing is left behind."""
     a = parse_args(argv)
-    dirs = a.dir or [tempfile.mkdtemp(prefix="fsdp-step-")]
+    own = None if a.dir else tempfile.mkdtemp(prefix="fsdp-step-")
+    try:
+        return _run(a, a.dir or [own])
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def _run(a: argparse.Namespace, dirs: list[str]) -> int:
     devs = devices(dirs, a.world)
     rounds, raw, all_rates = [], [], []
     for k in range(a.rounds):
         rows, rates = [], measure_rates(dirs, a.drive_mib)
         for i, variant in enumerate(a.variants):
             roots = [tempfile.mkdtemp(prefix=f"{variant}-", dir=d) for d in dirs]
-            ranks = run_variant(a, variant, roots, 29500 + (os.getpid() + 7 * k) % 1000 + i)
+            try:
+                ranks = run_variant(a, variant, roots, 29500 + (os.getpid() + 7 * k) % 1000 + i)
+            finally:
+                for root in roots:  # swap folders and each rank's figures (read by now)
+                    shutil.rmtree(root, ignore_errors=True)
             # The rates just before and just after the run, averaged: a shared disk drifts.
             after = measure_rates(dirs, a.drive_mib)
             both = {dev: {x: (r[x] + after[dev][x]) / 2 for x in r} for dev, r in rates.items()}

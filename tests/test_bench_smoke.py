@@ -39,7 +39,9 @@ class Case:
     ``pytest``: ``python -m pytest``); ``{dir}`` and ``{dir2}`` become two
     empty folders under tmp_path. The run passes when its exit status is in
     ``ok``, it printed no traceback and every string of ``expect`` is in its
-    stdout. ``skip``: why this script cannot run here at all.
+    stdout. ``skip``: why this script cannot run here at all. ``clean``:
+    ``{dir}`` must be empty again after the run (swap folders and
+    per-rank files removed).
     """
 
     args: str = ""
@@ -52,6 +54,7 @@ class Case:
     # tiny sizes, mostly interpreter and library start-up); their --help
     # still runs in test_every_bench_script_help.
     slow: bool = False
+    clean: bool = False
 
 
 CASES: dict[str, Case] = {
@@ -69,6 +72,7 @@ CASES: dict[str, Case] = {
         "--variants torch,cpu-adam,nvme --dir {dir} --sub-group-size 2000",
         expect=("| nvme |", "CPUAdamW step"),
         slow=True,
+        clean=True,
     ),
     "deepspeed_step.py": Case(
         # Its aio side alone (DeepSpeed's own async_io op is JIT-built, and only with
@@ -222,6 +226,8 @@ def test_bench_smoke(script: str, tmp_path: Path) -> None:
     assert "Traceback (most recent call last)" not in p.stderr, log
     for word in case.expect:
         assert word in p.stdout, f"{word!r} not in the output\n{log}"
+    if case.clean:
+        assert not any((tmp_path / "run" / "drive").iterdir()), log
 
 
 HELP = r"""
