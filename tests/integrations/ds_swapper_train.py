@@ -308,7 +308,10 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix=f"ds-swappers-{rank}-") as tmp:
+    # Beside the results (the test's own folder): a rank killed part-way
+    # leaves its swap files there, not in the shared /tmp.
+    beside = os.path.dirname(os.path.abspath(out_path))
+    with tempfile.TemporaryDirectory(prefix=f"ds-swappers-{rank}-", dir=beside) as tmp:
         for c in cases:
             results[c["name"]] = run_case(torch, deepspeed, c, rank, world, tmp)
             with open(out_path + ".tmp", "w") as f:
