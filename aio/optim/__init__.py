@@ -596,11 +596,21 @@ class CPUAdam(torch.optim.Optimizer):
         if not isinstance(match_torch, bool):
             raise TypeError(f"match_torch must be a bool, got {type(match_torch).__name__}")
         self.match_torch = match_torch
-        super().__init__(params, defaults)
-        for group in self.param_groups:
+        super().__init__(params, defaults)  # each group checked by add_param_group
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, the group refused whole (left out of
+        ``param_groups``) with a ValueError/TypeError when it cannot be
+        stepped, not at the next step."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
             self._check_options(group)
             for p in group["params"]:
                 _check_param(p)
+        except BaseException:
+            del self.param_groups[-1]
+            raise
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's keeps defaults, state and param_groups only: a copy or a

@@ -96,7 +96,11 @@ def local_view(p: Any, name: str) -> tuple[torch.Tensor, torch.Size]:
     # dispatched op (several times the cost), the same memory either way.
     local = local_of(p).detach()
     if not local.is_contiguous():
-        raise ValueError(f"{name}: its local tensor is not contiguous; NVMeAdamW writes it in place")
+        raise ValueError(
+            f"{name}: its local tensor is not contiguous (a channels_last or transposed parameter); "
+            "NVMeAdamW steps each parameter's memory as one flat run: make the parameters contiguous "
+            "before the first step (model.to(memory_format=torch.contiguous_format))"
+        )
     return local.view(-1), local.shape
 
 

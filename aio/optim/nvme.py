@@ -190,6 +190,16 @@ class NVMeAdam(torch.optim.Optimizer):
             raise ValueError(f"param group {len(self.param_groups)} lists a parameter twice")
         super().add_param_group(param_group)
         k = len(self.param_groups) - 1
+        try:
+            self._check_added(k)
+        except BaseException:
+            # Refused whole: a group left in param_groups would fail every later step.
+            del self.param_groups[k]
+            raise
+
+    def _check_added(self, k: int) -> None:
+        """TypeError/ValueError, naming it, when param group `k` (just
+        added, its defaults filled in by torch) cannot be stepped."""
         group = self.param_groups[k]
         _check_group(group, f"param group {k}")
         names = group.get("param_names")  # torch keeps them for named_parameters()
@@ -814,6 +824,12 @@ class NVMeAdam(torch.optim.Optimizer):
             # step beside the new moments (a wrong bias correction on resume).
             self._sync_steps(sw)
         sd = super().state_dict()
+        # In parameter order on every rank, as torch's own is after a first step
+        # that stepped all: a full state dict gathers each DTensor moment in this
+        # order, and a parameter with no elements on some rank was counted apart
+        # from the sub-groups there (in another place of self.state): ranks would
+        # pair different collectives (gloo aborts the job).
+        sd["state"] = dict(sorted(sd["state"].items()))
         if sw is None:
             return sd
         if self._streaming:

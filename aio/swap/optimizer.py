@@ -333,6 +333,9 @@ class OptimizerSwapper:
                 "this swapper keeps no master weights on the drive (master_slot() is False): "
                 "initialize_from() each sub-group with their source instead"
             )
+        fills = list(fills)
+        if not fills:  # e.g. a rank holding no element of any parameter: no sub-group, no pool
+            return
         self.drop_cached()
         pool = self._pool()
         pending: collections.deque[tuple[SubGroup, Lease, IOFuture]] = collections.deque()
@@ -628,6 +631,9 @@ class OptimizerSwapper:
         """
         self._check_usable()
         self._check_after(after)
+        if not self.groups:  # nothing on this rank (FSDP2 gave it no rows): a step all the same,
+            self.steps += 1  # as torch's, not an error here alone (the other ranks would hang)
+            return
         order = sorted(self.groups, reverse=self.steps % 2 == 1)
         # Gradients on the drive take buffers during backward: nothing is kept then.
         write_back = all(self.groups[i].grad_mem is not None for i in order)
@@ -639,12 +645,9 @@ class OptimizerSwapper:
         self.ensure_optimizer()
         io, self._carry = self._carry, None
         io = io or StepIO(self, self._pool())
-        # With every gradient in memory, buffers left free read ahead whatever
-        # pipeline_read says, part of a sub-group if need be (measured: the
-        # drive idled while each sub-group was computed; 2B bf16 at 4 buffers
-        # stepped 1.5 s faster). With gradients on the drive only a whole
-        # sub-group is read ahead, and only with pipeline_read (partly, it
-        # measured slower there).
+        # Gradients in memory: free buffers read ahead whatever pipeline_read says,
+        # partly if need be (2B bf16, 4 buffers: 1.5 s a step faster). On the drive:
+        # a whole sub-group, only with pipeline_read (partly measured slower there).
         ahead = self.pipeline_read or write_back
         try:
             for k, i in enumerate(order):

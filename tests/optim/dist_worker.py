@@ -55,7 +55,7 @@ def _fsdp2(model: torch.nn.Module, offload: bool = False, bf16: bool = False) ->
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model:
+    for layer in model.children():
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, **kw)
     return fully_shard(model, **kw)
@@ -600,6 +600,52 @@ def _same_optim_state(a: dict, b: dict) -> bool:
     return set(a["state"]) == set(b["state"]) and all(
         torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in names
     )
+
+
+class _SmallFirst(torch.nn.Module):
+    """A 1-element gate and 2-row layers, the gate first: on 2 ranks one
+    rank holds no element of a parameter that is not the last, on 3 one
+    holds no element of any."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = torch.nn.Parameter(torch.full((1,), 0.7))
+        self.inp = torch.nn.Linear(12, 2)
+        self.out = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x))) * self.gate
+
+
+def case_full_state(rank, tmp):
+    """_SmallFirst under FSDP2: trained bit-identically, and its full
+    optimizer state dict (full_state_dict=True: gathered DTensor by DTensor,
+    in the state dict's order, on every rank) equal to torch's, in torch's
+    order. Before: aio's state listed a parameter with no local elements
+    after the others, so ranks paired different gathers (gloo aborted), and
+    a rank holding nothing raised at step() while the others went on."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def run(make):
+        model = _fsdp2(_SmallFirst())
+        opt = make(model)
+        losses = _train(model, opt, STEPS, rank)
+        return losses, _full(model), get_optimizer_state_dict(model, opt, options=opts), opt
+
+    lt, pt, st, _ = run(lambda m: _torch(m.parameters()))
+    res: dict = {"modes": {}, "equal": True}
+    for master, expected in MASTERS:
+        la, pa, sa, opt = run(lambda m, master=master: _nvme(m.parameters(), tmp, rank, master=master))
+        same = la == lt and all(map(torch.equal, pt, pa))
+        if "state" in st:  # rank 0 (cpu_offload: the others get {})
+            same &= _same_optim_state(st, sa) and list(st["state"]) == list(sa["state"])
+        else:
+            same &= sa == {}
+        res["equal"] &= _verdict(res, master, expected, opt, same)
+    return res
 
 
 def case_fsdp1(rank, tmp):

@@ -47,12 +47,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
     "fsdp2", "fsdp2_offload", "fsdp2_bf16", "cpu_adamw_dtensor", "groups_lambda_clip",
     "accelerate_swap", "no_hidden_step", "dcp_save", "ddp", "zero1", "zero1_checkpoint", "fsdp1",
-    "rank_folders", "tier_master", "dcp_stream_save",
+    "rank_folders", "tier_master", "dcp_stream_save", "full_state",
 ]  # fmt: skip
-THREE = ["fsdp2", "dcp_load", "zero1", "fsdp1", "rank_folders", "dcp_stream_load"]
+THREE = ["fsdp2", "dcp_load", "zero1", "fsdp1", "rank_folders", "dcp_stream_load", "full_state"]
 # Cases that run aio's optimizer under both masters (dist_worker.MASTERS).
 BOTH = {"fsdp2", "fsdp2_offload", "fsdp2_bf16", "groups_lambda_clip", "accelerate_swap", "no_hidden_step",
-        "ddp", "zero1", "zero1_checkpoint", "fsdp1"}  # fmt: skip
+        "ddp", "zero1", "zero1_checkpoint", "fsdp1", "full_state"}  # fmt: skip
 
 
 def _run(world: int, out: str, cases: list[str]) -> None:

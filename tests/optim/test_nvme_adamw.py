@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from aio.optim import NVMeAdam, NVMeAdamW, is_bit_exact
+from aio.optim import CPUAdamW, NVMeAdam, NVMeAdamW, is_bit_exact
 
 bits = pytest.mark.skipif(not is_bit_exact(), reason="aio's kernel does not reproduce torch's sqrt here")
 
@@ -918,6 +918,53 @@ def test_a_param_group_added_before_the_first_step_is_stepped(tmp_path) -> None:
     ob.add_param_group(gb[1])
     _steps([(a, oa, None), (b, ob, None)], 0, 3)
     assert _same(a, b) and _same_state(oa.state_dict(), ob.state_dict())
+    ob.close()
+
+
+@bits
+@pytest.mark.parametrize("opt_cls", [NVMeAdamW, CPUAdamW])
+def test_a_refused_param_group_is_left_out_whole(tmp_path, opt_cls) -> None:
+    """add_param_group of a group that cannot be stepped raises, naming
+    what, and leaves param_groups as they were: the next steps are torch's.
+    Before: the group stayed in param_groups and every later step raised."""
+    a, b = _model(), _model()
+    ga, gb = _groups(a), _groups(b)
+    kw = {"nvme_path": str(tmp_path)} if opt_cls is NVMeAdamW else {}
+    oa = torch.optim.AdamW(ga, lr=1e-2, foreach=False)
+    ob = opt_cls(gb, lr=1e-2, match_torch=True, **kw)
+    extra = torch.nn.Parameter(torch.zeros(3))
+    bad = [
+        ({"params": [extra], "amsgrad": True}, ValueError, "amsgrad"),
+        ({"params": [extra], "lr": -1.0}, ValueError, "learning rate"),
+        ({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]}, TypeError, "float32"),
+    ]
+    for group, error, what in bad:
+        with pytest.raises(error, match=what):
+            ob.add_param_group(group)
+        assert len(ob.param_groups) == 2
+    _steps([(a, oa, None), (b, ob, None)], 0, 2)
+    assert _same(a, b) and _same_state(oa.state_dict(), ob.state_dict())
+    if opt_cls is NVMeAdamW:
+        ob.close()
+
+
+@pytest.mark.parametrize("master", ["params", "drive"])
+def test_a_rank_holding_no_element_steps_as_torch(tmp_path, master) -> None:
+    """Every parameter with no local element (a rank FSDP2 gave no rows of
+    any): step() counts the steps as torch's AdamW does, no sub-group, no
+    error (before: ValueError on that rank alone, the others then waiting in
+    their next collective); the state dict is torch's."""
+    pa = [torch.nn.Parameter(torch.zeros(0, 3)), torch.nn.Parameter(torch.zeros(0))]
+    pb = [torch.nn.Parameter(torch.zeros(0, 3)), torch.nn.Parameter(torch.zeros(0))]
+    oa = torch.optim.AdamW(pa, lr=1e-2, foreach=False)
+    ob = NVMeAdamW(pb, lr=1e-2, nvme_path=str(tmp_path), match_torch=True, master=master)
+    for _ in range(2):
+        for p in pa + pb:
+            p.grad = torch.zeros_like(p)
+        oa.step()
+        ob.step()
+    assert _same_state(oa.state_dict(), ob.state_dict())
+    assert [float(s["step"]) for s in ob.state_dict()["state"].values()] == [2.0, 2.0]
     ob.close()
 
 
