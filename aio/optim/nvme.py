@@ -814,6 +814,7 @@ class NVMeAdam(torch.optim.Optimizer):
         ``exp_avg_sq`` (DTensors laid out as DTensor parameters), read from
         the drive; this rank's moments are held in memory while it is used
         (8 bytes per local element in float32)."""
+        self._refuse_closed()
         sw = self._swapper
         if sw is not None:
             # Parameters swapped since the layout: their state follows them
@@ -962,6 +963,7 @@ class NVMeAdam(torch.optim.Optimizer):
         which it does not make; once laid out, it starts every parameter
         afresh, as torch's does. Ctrl-C is held until the load is whole, as
         in step()."""
+        self._refuse_closed()
         with interrupts_held(f"{type(self).__name__}.load_state_dict()"):
             moments = _streamed_moments(state_dict)
             if moments is not None:

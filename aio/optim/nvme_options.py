@@ -94,7 +94,14 @@ def _paths(nvme_path: Any, info: RankInfo) -> list[str]:
 
     if nvme_path is None:
         raise ValueError("nvme_path: required (a directory on a local drive, or a list of them)")
-    items = [nvme_path] if isinstance(nvme_path, (str, os.PathLike)) else list(nvme_path)
+    if isinstance(nvme_path, (str, os.PathLike)):
+        items = [nvme_path]
+    elif isinstance(nvme_path, (list, tuple)):
+        items = list(nvme_path)
+    else:  # bytes too: a str path (or a list of them) is what the templates fill in
+        raise TypeError(
+            f"nvme_path must be a directory path or a list of them, got {type(nvme_path).__name__}"
+        )
     out = []
     for p in items:
         if isinstance(p, (str, os.PathLike)):

@@ -527,6 +527,9 @@ def test_bad_launcher_values_paths_and_duplicates_are_refused_at_construction(tm
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(FileNotFoundError, match="nvme_path"):
         NVMeAdamW(m.parameters(), nvme_path=str(tmp_path / "missing"))
+    for bad in (5, str(tmp_path).encode(), {str(tmp_path)}):  # a set: no drive order
+        with pytest.raises(TypeError, match="nvme_path must be a directory path or a list"):
+            NVMeAdamW(m.parameters(), nvme_path=bad)
     w = m[0].weight
     with pytest.raises(ValueError, match="twice"):
         NVMeAdamW([w, w], nvme_path=str(tmp_path))

@@ -543,17 +543,20 @@ def test_hyper_parameters_out_of_range_mid_run_are_refused_naming_the_group(tmp_
 
 
 @pytest.mark.parametrize("stepped", [True, False])
-def test_stepping_after_close_is_refused_clearly(tmp_path, stepped) -> None:
+def test_stepping_saving_or_loading_after_close_is_refused_clearly(tmp_path, stepped) -> None:
     m = _model()
     opt = _opt(m, tmp_path)
     if stepped:
         _run(m, opt, range(1))
+    saved = opt.state_dict()
     opt.close()
     opt.close()  # idempotent
     _grads(m, 1)
     before = _params(m)
-    with pytest.raises(ValueError, match=r"NVMeAdamW is closed.*build a new one"):
-        opt.step()
+    # Said in this optimizer's terms (before: the swapper's, "OptimizerSwapper is closed").
+    for call in (opt.step, opt.state_dict, lambda: opt.load_state_dict(saved)):
+        with pytest.raises(ValueError, match=r"NVMeAdamW is closed.*build a new one"):
+            call()
     assert _equal(_params(m), before)
     root = tmp_path / f"aio-swap-{os.geteuid()}"
     assert not root.exists() or os.listdir(root) == []  # no swap folder made again
