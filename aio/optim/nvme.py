@@ -829,8 +829,10 @@ class NVMeAdam(torch.optim.Optimizer):
         # that stepped all: a full state dict gathers each DTensor moment in this
         # order, and a parameter with no elements on some rank was counted apart
         # from the sub-groups there (in another place of self.state): ranks would
-        # pair different collectives (gloo aborts the job).
-        sd["state"] = dict(sorted(sd["state"].items()))
+        # pair different collectives (gloo aborts the job). Only torch's own
+        # (int) keys: a post-hook's keys keep the order it gave them.
+        if all(type(k) is int for k in sd["state"]):
+            sd["state"] = dict(sorted(sd["state"].items()))
         if sw is None:
             return sd
         if self._streaming:
