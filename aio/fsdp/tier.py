@@ -617,6 +617,7 @@ class ParamTier:
     def _before_step(self, opt: Any) -> None:
         self._end_fill()
         self.prepare_optimizer()
+        self._drop_master_reads()
         self._resident_depth += 1
         try:
             # A shard read from the master weights is not needed by the step, which
@@ -634,6 +635,19 @@ class ParamTier:
                     self._stand_in(g)
             raise
         self._open.append(id(opt))
+
+    def _drop_master_reads(self) -> None:
+        """Reads from the master weights still in flight as a step begins
+        land now and are dropped, their group released: they hold the
+        step's input, not its output, and the step writes the master they
+        read. (A look-ahead at a forward that gathered nothing -- the root
+        still unsharded after a no_grad forward -- leaves one; filled after
+        the step, its stale values trained on in silence.)"""
+        for g in [g for g in self._inflight if g.master is not None and g.read is not None]:
+            self._finish(g)
+            self._free(g)
+            g.where = RELEASED
+            self._stand_in(g)
 
     def _abort_step(self) -> None:
         """Close the newest step bracket of a step that raised: what it may

@@ -110,13 +110,17 @@ class _Watch:
 
 
 def _train(
-    model, opt, rank, steps=STEPS, start=0, tier=None, clip=None, stream=None, micro=1, sync=None
+    model, opt, rank, steps=STEPS, start=0, tier=None, clip=None, stream=None, micro=1, sync=None, evals=0
 ) -> tuple[list[float], list[int]]:
     """`steps` steps of `micro` backwards each (gradient accumulation when
-    more than one; `sync`: FSDP2's set_requires_gradient_sync per backward);
-    the mean loss over ranks per step, resident shard bytes."""
+    more than one; `sync`: FSDP2's set_requires_gradient_sync per backward;
+    `evals`: no_grad forwards in eval mode before each step but the first,
+    FSDP2 leaving the root unsharded after them); the mean loss over ranks
+    per step, resident shard bytes."""
     losses, resident = [], []
     for step in range(start, start + steps):
+        if evals and step > start:
+            _evaluate(model, rank, step, evals)
         opt.zero_grad()
         loss = torch.zeros(())
         for j in range(micro):
@@ -139,14 +143,22 @@ def _train(
     return losses, resident
 
 
+def _evaluate(model, rank: int, step: int, n: int) -> None:
+    model.eval()
+    with torch.no_grad():
+        for k in range(n):
+            model(_batch(step + 1000 * (k + 1), rank)[0])
+    model.train()
+
+
 def _compare(
-    rank, tmp, opt_kind="torch", ac=False, window=2, from_master=True, late_opt=False, **shard_kw
+    rank, tmp, opt_kind="torch", ac=False, window=2, from_master=True, late_opt=False, evals=0, **shard_kw
 ) -> dict:
     from aio.fsdp import offload_params
 
     ref = _shard(_model(ac), **shard_kw)
     ref_opt = _optimizer(opt_kind, ref, tmp)
-    lt, _ = _train(ref, ref_opt, rank)
+    lt, _ = _train(ref, ref_opt, rank, evals=evals)
     pt = _full(ref)
     model = _shard(_model(ac), **shard_kw)
     if late_opt:  # the optimizer built after the tier, never given to it
@@ -158,7 +170,7 @@ def _compare(
             model, os.path.join(tmp, "drive"), opt, window=window, params_from_master=from_master
         )
     watch = _Watch(model, tier)
-    la, resident = _train(model, opt, rank, tier=tier)
+    la, resident = _train(model, opt, rank, tier=tier, evals=evals)
     with tier.resident(modified=False):
         pa = _full(model)
     st = tier.stats()
@@ -244,6 +256,14 @@ def case_miss(rank, tmp):
 
 def case_nvme(rank, tmp):
     return _compare(rank, tmp, opt_kind="nvme", prefetch=True)
+
+
+def case_nvme_evals(rank, tmp):
+    # A look-ahead read from the master at an eval forward that gathered nothing
+    # (the root unsharded: FSDP2's default for it, root_keep here) was left in
+    # flight into the step, then filled with the pre-step values after it:
+    # trained on in silence (from step 3 on).
+    return _compare(rank, tmp, opt_kind="nvme", evals=2, root_keep=True)
 
 
 def case_nvme_own(rank, tmp):
