@@ -35,8 +35,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -104,6 +105,7 @@ class ParamTier:
         check_torch()
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1 (groups read ahead), got {window!r}")
+        _check_types(nvme_path, optimizer, aio, pin_memory, params_from_master, empty_shards)
         pgs = fsdp_groups(model)
         if not pgs:
             raise TierError("offload_params: the model has no fully_shard-ed module; apply fully_shard first")
@@ -150,7 +152,16 @@ class ParamTier:
                 self._drain()
             self._attach(model, optimizer)
         except BaseException:
-            self._space.close()
+            # Nothing left half-done: what _attach installed comes off (the shards
+            # are still in memory: written, not freed), the uploader and folder go.
+            try:
+                if self._handles:
+                    self._unhook()
+                up = getattr(self, "_up", None)
+                if up is not None:
+                    up.close()
+            finally:
+                self._space.close()
             raise
 
     # -- set-up --------------------------------------------------------------------------
@@ -698,7 +709,13 @@ class ParamTier:
         """Every shard in memory inside the block (for state_dict, DCP
         save/load, ``load_state_dict``, ``full_tensor()``, ``model.to``);
         on exit they are written back (unless ``modified=False``: the block
-        only read them) and freed."""
+        only read them) and freed. TierError once the tier is closed (the
+        model is an ordinary FSDP2 model again: no block is needed)."""
+        if self.closed:
+            raise TierError(
+                "tier.resident() after close(): the tier is closed and the model's shards are back in "
+                "memory (unless close(restore=False)); use the model without it"
+            )
         self._resident_depth += 1
         loaded = False
         try:
@@ -880,6 +897,24 @@ class ParamTier:
                 "the parameter tier was closed with close(restore=False): the model's shards are gone; "
                 "it cannot be used again"
             )
+
+
+def _check_types(
+    nvme_path: Any, optimizer: Any, aio: Any, pin_memory: Any, params_from_master: Any, empty_shards: Any
+) -> None:
+    """TypeError naming the argument of offload_params that has the wrong
+    type, before anything changes."""
+    if not isinstance(nvme_path, (str, os.PathLike, list, tuple)):
+        raise TypeError(f"offload_params: nvme_path must be a directory or a list of them, got {nvme_path!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        got = type(optimizer).__name__
+        raise TypeError(f"offload_params: optimizer must be a torch.optim.Optimizer (or None), got {got}")
+    if aio is not None and not isinstance(aio, Mapping):
+        raise TypeError(f"offload_params: aio must be a dict of AsyncIOHandle settings, got {aio!r}")
+    flags = {"pin_memory": pin_memory, "params_from_master": params_from_master, "empty_shards": empty_shards}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"offload_params: {name} must be a bool, got {value!r}")
 
 
 def _rank() -> int | None:

@@ -60,6 +60,27 @@ def test_bad_window(window, tmp_path) -> None:
         offload_params(torch.nn.Linear(2, 2), str(tmp_path), window=window)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"nvme_path": 5},
+        {"optimizer": []},
+        {"aio": "fast"},
+        {"pin_memory": "yes"},
+        {"params_from_master": "no"},
+        {"empty_shards": 1},
+    ],
+    ids=lambda kw: next(iter(kw)),
+)
+def test_a_bad_argument_type_is_a_type_error_naming_it(kw, tmp_path) -> None:
+    # Before: pybind's or list()'s own errors, not naming the argument, some after changes.
+    name = next(iter(kw))
+    args = {"nvme_path": str(tmp_path), **kw}
+    with pytest.raises(TypeError, match=f"offload_params: {name} must be"):
+        offload_params(torch.nn.Linear(2, 2), **args)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.fixture
 def one_rank(gloo_world_one):
     """One gloo rank in this process (tests/conftest.py)."""
@@ -106,6 +127,35 @@ def test_one_rank_bit_identical_and_one_tier_per_model(one_rank, tmp_path) -> No
     assert all(map(torch.equal, want, got))
     pairs = zip(ref.parameters(), model.parameters(), strict=True)
     assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)
+
+
+def test_a_failed_offload_params_leaves_the_model_as_it_was(one_rank, tmp_path, monkeypatch) -> None:
+    """offload_params failing part-way through its hooks (here: the
+    optimizer's step wrapper) takes off what it put on: the model trains as
+    without it, takes a tier again, and resident() after close() is a
+    TierError. Before: a half-tiered model, unusable until rebuilt."""
+    from aio.fsdp.tier import ParamTier
+
+    ref = _one_rank_model()
+    want = _train_one_rank(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False))
+    model = _one_rank_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+    def refuse(self, _opt):
+        raise RuntimeError("injected: the step wrapper")
+
+    with monkeypatch.context() as m:
+        m.setattr(ParamTier, "_wrap_step", refuse)
+        with pytest.raises(RuntimeError, match="injected"):
+            offload_params(model, str(tmp_path), opt)
+    assert not list(tmp_path.glob("aio-swap-*/*"))
+    got = _train_one_rank(model, opt)
+    assert all(map(torch.equal, want, got))
+    tier = offload_params(model, str(tmp_path), opt)
+    tier.close()
+    with pytest.raises(TierError, match="after close"):
+        with tier.resident():
+            pass
 
 
 def test_ops_on_stand_ins_leave_no_reference_cycles(one_rank, tmp_path) -> None:
