@@ -734,11 +734,16 @@ def interrupt(*_):
 
 signal.signal(signal.SIGALRM, interrupt)
 
-def interrupted_read(buf):
+# When the timer fires matters: too soon, before the core is reached (a loaded
+# box stretches the Python before it); too late, after the submit returned.
+# Trials go on past their count, other delays in turn, until some were cut.
+DELAYS = (0.005, 0.002, 0.01, 0.001, 0.02)
+
+def interrupted_read(buf, trial):
     # A timer's handler raises while the core queues the pieces (the GIL is
     # released there, so it runs as the core returns): the future is lost.
     fut = None
-    signal.setitimer(signal.ITIMER_REAL, 0.005)
+    signal.setitimer(signal.ITIMER_REAL, DELAYS[trial % len(DELAYS)])
     try:
         fut = h.async_pread_pieces(buf, PIECES, OFFS)
         fut.wait()
@@ -750,9 +755,11 @@ def interrupted_read(buf):
     return fut is None and h.stats()["outstanding"] > 0
 
 valid = 0
-for trial in range(8):
+for trial in range(40):
+    if trial >= 8 and valid:
+        break
     lease = pool.acquire()
-    cut = interrupted_read(lease.buffer())
+    cut = interrupted_read(lease.buffer(), trial)
     lease.release()
     if cut:
         valid += 1
@@ -764,9 +771,11 @@ for trial in range(8):
     assert (mine == 0xA5).all(), f"a late read overwrote {int((mine != 0xA5).sum())} bytes of the next lease"
     nxt.release()
 tensor_valid = 0
-for trial in range(4):
+for trial in range(40):
+    if trial >= 4 and tensor_valid:
+        break
     t = aio.new_locked_tensor(SLOT, torch.uint8)
-    cut = interrupted_read(t)
+    cut = interrupted_read(t, trial)
     aio.free_locked_tensor(t)
     if cut:
         tensor_valid += 1
