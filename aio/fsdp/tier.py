@@ -906,7 +906,9 @@ def _check_types(
     type, before anything changes."""
     if not isinstance(nvme_path, (str, os.PathLike, list, tuple)):
         raise TypeError(f"offload_params: nvme_path must be a directory or a list of them, got {nvme_path!r}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+    # By what the bracket uses (a wrapper that forwards them, e.g. Lightning's, works too).
+    hooks = ("step", "register_step_pre_hook", "register_step_post_hook")
+    if optimizer is not None and not all(callable(getattr(optimizer, n, None)) for n in hooks):
         got = type(optimizer).__name__
         raise TypeError(f"offload_params: optimizer must be a torch.optim.Optimizer (or None), got {got}")
     if aio is not None and not isinstance(aio, Mapping):
