@@ -135,6 +135,33 @@ def test_pool_leases():
     assert pool.available() == 3
 
 
+def test_large_allocations_lock_whole_huge_pages_where_that_is_cheap():
+    # io_uring moves I/O on a registered buffer in large pieces only when all
+    # of it is huge pages: a 4 MB read from a 15.3 MiB pool (a 4 KiB-page
+    # tail) went to the disk as 6 requests instead of 1.
+    import gc
+
+    page, huge, ls = _C.page_size(), 2 << 20, aio.pinned.locked_size
+    assert ls(1) == page and ls(huge - page + 1) == huge
+    assert ls(4 * 4_000_000) == 16 << 20  # +4.8 %: whole huge pages
+    assert ls(17 << 20) == 18 << 20
+    assert ls(huge + page) == huge + page  # doubling it: whole pages only
+    assert ls(3 * huge - page) == 3 * huge  # a page more is fine
+    gc.collect()
+    base = aio.locked_bytes()
+    pool = aio.PinnedPool(4, 4_000_000)  # what locked_bytes() counts is what was locked
+    assert pool.total_bytes == 4 * 4_001_792 and pool.locked_bytes == 16 << 20
+    assert aio.locked_bytes() == base + (16 << 20)
+    if not torch.cuda.is_available():  # mlock'ed (CUDA-pinned memory counts its own size)
+        t = aio.new_locked_tensor(4_000_000, torch.float32)
+        assert aio.pinned.locked_nbytes(t) == 16 << 20
+        assert aio.locked_bytes() == base + (32 << 20)
+        assert aio.free_locked_tensor(t)
+    del pool
+    gc.collect()
+    assert aio.locked_bytes() == base
+
+
 def test_pool_slot_roundtrip(tmp_path):
     pool = aio.PinnedPool(2, 1 << 20)
     h = aio.AsyncIOHandle()

@@ -1,8 +1,9 @@
 """Pinned-memory and drive-space estimate for an offload config, before any
 allocation, checked against this machine (psutil) on request.
 
-What aio.zero page-locks (per process; see docs/memory.md), each buffer or
-CPU-resident partition rounded up to whole pages:
+What aio.zero page-locks (per process; see docs/memory.md), each buffer pool
+or CPU-resident partition rounded up as locking it rounds it
+(:func:`aio.pinned.locked_size`: whole pages, whole huge pages for large ones):
 
 - parameters on nvme: ``buffer_count`` buffers of ``buffer_size`` elements of
   the model dtype, plus the parameters kept in CPU memory -- those smaller
@@ -51,6 +52,13 @@ def _page() -> int:
 
 def _round(n: int, a: int) -> int:
     return -(-n // a) * a
+
+
+def _locked(nbytes: int) -> int:
+    """What locking one allocation of `nbytes` locks (aio.pinned.locked_size)."""
+    from ..pinned import locked_size  # the extension's rule; imported only to estimate
+
+    return locked_size(nbytes) if nbytes else 0
 
 
 _DTYPE_BYTES = {
@@ -302,15 +310,14 @@ def _largest_subgroup_runs(runs: NumelRuns, sub_group_size: int) -> int:
 def _param_residency(runs: NumelRuns, threshold: int, max_in_cpu: int, b: int) -> tuple[int, int, int]:
     """(bytes locked for CPU-resident parameters if pinned, elements resident,
     parameters on the drive) under ParamSwapper's rules."""
-    page = _page()
     locked = resident = on_drive = 0
     full = False
-    for n, k in runs:
+    for n, k in runs:  # each resident partition is an allocation of its own
         if n < threshold:  # small: always resident, and not counted against max_in_cpu
-            locked += k * _round(n * b, page)
+            locked += k * _locked(n * b)
             continue
         t = 0 if full else min(k, max(0, (max_in_cpu - resident) // n))
-        locked += t * _round(n * b, page)
+        locked += t * _locked(n * b)
         resident += t * n
         if t < k:  # the first that does not fit sends it and all later ones to the drive
             full = True
@@ -457,9 +464,9 @@ def _estimate_params(est: MemoryEstimate, z: Any, numels: NumelRuns | None) -> N
             locked, resident, on_drive = _param_residency(numels, _persistence_threshold(z), p.max_in_cpu, b)
         else:
             resident = min(p.max_in_cpu, n)
-            locked, on_drive = _round(resident * b, _page()), int(resident < n)
-        if on_drive:  # the buffers are allocated at the first read from the drive
-            bucket["offload_param buffers"] = p.buffer_count * _round(p.buffer_size * b, _page())
+            locked, on_drive = _locked(resident * b), int(resident < n)
+        if on_drive:  # the buffers (one pool) are allocated at the first read from the drive
+            bucket["offload_param buffers"] = _locked(p.buffer_count * _round(p.buffer_size * b, _page()))
         if locked:
             bucket["offload_param in CPU (max_in_cpu, small)"] = locked
         _spread(est, p.nvme_dirs(), (n - resident) * b)
@@ -472,7 +479,8 @@ def _estimate_optimizer(est: MemoryEstimate, z: Any, sub: int, states: int, stat
     o, n = z.offload_optimizer, est.num_params
     if o is not None and o.device == "nvme":
         slot = _round(_round(sub * 4, _ALIGN), _page())
-        (est.pinned if o.pin_memory else est.cpu)["offload_optimizer buffers"] = o.buffer_count * slot
+        bucket = est.pinned if o.pin_memory else est.cpu
+        bucket["offload_optimizer buffers"] = _locked(o.buffer_count * slot)
         # master, the states as stored, and the fp32 gradient slot (which
         # add_gradients() takes back when the gradients stay in memory)
         _spread(est, o.nvme_dirs(), n * (4 + state_bytes * states))

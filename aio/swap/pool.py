@@ -6,7 +6,7 @@ import threading
 import weakref
 from typing import Any
 
-from ..pinned import Lease, PinnedPool, Register, page_round
+from ..pinned import Lease, PinnedPool, Register, locked_size, page_round
 
 
 class PoolExhaustedError(RuntimeError):
@@ -58,8 +58,9 @@ class BufferPool:
 
     @property
     def planned_bytes(self) -> int:
-        """Bytes of the buffers, allocated or not (whole pages per buffer)."""
-        return self.count * page_round(self.slot_bytes)
+        """Bytes of the buffers, allocated or not: whole pages per buffer, the
+        whole pool as locking it locks (:func:`~aio.pinned.locked_size`)."""
+        return locked_size(self.count * page_round(self.slot_bytes))
 
     @property
     def pinned_bytes(self) -> int:

@@ -370,6 +370,9 @@ void bind_functions(py::module_& m) {
       [](py::object e) { aio::set_kaio_setup_fault(int_arg<int>(e, "errno", 0)); },
       py::arg("errno"));
   m.def("page_size", &aio::page_size);
+  m.def(
+      "mapped_size", [](py::object n) { return aio::mapped_size(int_arg<size_t>(n, "nbytes", 1)); },
+      py::arg("nbytes"));
 }
 
 }  // namespace

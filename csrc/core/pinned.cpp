@@ -62,6 +62,20 @@ static void* wipe_on_fork(void* p, size_t len) {
   return p;
 }
 
+size_t mapped_size(size_t nbytes) {
+  const size_t pages = page_round(nbytes, "pinned alloc");
+  if (pages < kHugePage) return pages;
+  // io_uring maps a registered buffer as huge pages only when every page of it
+  // is part of one: a tail of small pages makes each I/O on it a list of 4 KiB
+  // segments, which the block layer cuts further (a 4 MB read from a 15.3 MiB
+  // pool went to the virtio disk as 6 requests, not 1; 13 % slower swapper
+  // steps). Whole huge pages where that costs at most an eighth more memory.
+  size_t whole;
+  if (__builtin_add_overflow(pages, kHugePage - 1, &whole)) return pages;
+  whole = whole / kHugePage * kHugePage;
+  return whole - pages <= pages / 8 ? whole : pages;
+}
+
 // Maps `len` bytes (whole pages) starting on a kHugePage boundary when len is
 // at least that, trimming the slack of a larger mapping; MAP_FAILED on error.
 static void* map_aligned(size_t len) {
@@ -82,7 +96,7 @@ static void* map_aligned(size_t len) {
 
 PinnedBuffer::PinnedBuffer(size_t nbytes, bool lock) {
   if (nbytes == 0) throw Error(EINVAL, "pinned alloc", "", 0, 0, "size must be positive");
-  mapped_ = page_round(nbytes, "pinned alloc");
+  mapped_ = mapped_size(nbytes);
   void* p = map_aligned(mapped_);
   if (p == MAP_FAILED) throw Error(errno, "mmap", "", 0, nbytes, "allocating pinned memory");
   ptr_ = p;

@@ -12,6 +12,11 @@
 
 namespace aio {
 
+// Bytes a PinnedBuffer of `nbytes` maps (and locks, when locked): whole
+// pages, and from 2 MiB on whole huge pages where that adds at most an eighth
+// (io_uring then gives each I/O on it large physically contiguous segments).
+size_t mapped_size(size_t nbytes);
+
 class PinnedBuffer {
  public:
   // Throws aio::Error with the RLIMIT_MEMLOCK limit and the size asked if the

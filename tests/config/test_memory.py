@@ -34,13 +34,20 @@ def _pages(n):
     return -(-n // page) * page
 
 
+def _pool(count, n):
+    """A pool of `count` buffers of `n` bytes: one allocation, locked as one."""
+    from aio.pinned import locked_size
+
+    return locked_size(count * _pages(n))
+
+
 def test_estimate_components():
     est = estimate_memory(CFG, 1e9, "bf16")
-    assert est.pinned["offload_param buffers"] == 5 * _pages(10**7 * 2)
+    assert est.pinned["offload_param buffers"] == _pool(5, 10**7 * 2)
     assert est.pinned[RESIDENT] == _pages(10**6 * 2)
     # Each optimizer buffer holds ONE fp32 tensor of the largest sub-group
     # (DeepSpeed's meaning; it used to be a whole sub-group with its states).
-    assert est.pinned["offload_optimizer buffers"] == 4 * _pages(10**8 * 4)
+    assert est.pinned["offload_optimizer buffers"] == _pool(4, 10**8 * 4)
     assert est.pinned_bytes == sum(est.pinned.values())
     assert est.nvme == {"/p": (10**9 - 10**6) * 2, "/o": 10**9 * 16}
     assert "pinned CPU memory per process" in est.format()
@@ -100,8 +107,8 @@ def test_estimate_from_parameter_sizes_is_exact():
     assert est.num_params == sum(numels)
     # first layer in CPU (then max_in_cpu is passed: the rest go to the drive), biases too
     assert est.pinned[RESIDENT] == _pages(4 << 20) + 3 * 4096 + 4096
-    assert est.pinned["offload_param buffers"] == 3 * (4 << 20)
-    assert est.pinned["offload_optimizer buffers"] == 6 * _pages(big * 4)
+    assert est.pinned["offload_param buffers"] == _pool(3, 4 << 20)
+    assert est.pinned["offload_optimizer buffers"] == _pool(6, big * 4)
     same = estimate_memory(cfg, sum(numels), "fp32", largest_subgroup_numel=big)
     assert same.pinned["offload_optimizer buffers"] == est.pinned["offload_optimizer buffers"]
     with pytest.raises(ValueError, match="num_params or param_numels"):
@@ -177,7 +184,7 @@ def test_cli_estimate_and_validate(tmp_path, capsys):
     assert config_main(["estimate", str(p), *sizes]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["num_params"] == 3 * 10**6 + 1000 and out["dtype_bytes"] == 4  # no fp16/bf16 block: fp32
-    assert out["pinned"]["offload_optimizer buffers"] == 4 * _pages(8 * 10**6)
+    assert out["pinned"]["offload_optimizer buffers"] == _pool(4, 8 * 10**6)
     assert config_main(["estimate", str(p), "--params", "1e9", "--activations", "64M"]) == 0
     text = capsys.readouterr().out
     assert "predicted peak RSS" in text and re.search(r"activations +64\.0 MiB", text)

@@ -362,6 +362,22 @@ TEST(pinned_buffer_locked_is_accounted) {
   CHECK_EQ(aio::PinnedBuffer::total_locked_bytes(), before);
 }
 
+TEST(pinned_mapping_is_whole_huge_pages_where_that_is_cheap) {
+  const size_t huge = size_t{2} << 20, ps = aio::page_size();
+  CHECK_EQ(aio::mapped_size(5000), 8192u);
+  CHECK_EQ(aio::mapped_size(huge + ps), huge + ps);        // doubling it: whole pages only
+  CHECK_EQ(aio::mapped_size(16007168), size_t{16} << 20);  // four 4 MB slots: +4.8 %
+  const uint64_t before = aio::PinnedBuffer::total_locked_bytes();
+  std::unique_ptr<aio::PinnedBuffer> b;
+  try {
+    b = std::make_unique<aio::PinnedBuffer>(16007168, true);
+  } catch (const aio::Error& e) {
+    SKIP(std::string("cannot mlock here: ") + e.what());
+  }
+  CHECK_EQ(b->size(), 16007168u);  // what was asked for; the whole mapping is locked
+  CHECK_EQ(aio::PinnedBuffer::total_locked_bytes(), before + (size_t{16} << 20));
+}
+
 TEST(pinned_pool_leases_distinct_aligned_slots) {
   aio::PinnedPool pool(3, 5000, false);
   CHECK_EQ(pool.count(), 3u);
