@@ -6,7 +6,7 @@ tier, every variant in a process group of its own (gloo on CPU; NCCL where
     python bench/fsdp_step.py [--world 2] [--variants torch,cpu-adam,nvme,nvme-drive,ds-nvme]
         [--layers 4 --width 512 --heads 8 --vocab 8192 --seq 64 --batch 2]
         [--warmup 1] [--steps 3] [--dir /local_nvme [--dir /nvme1 ...]] [--drive-mib 256]
-        [--rounds 1] [--json out.json]
+        [--rounds 1] [--no-replay] [--json out.json]
         [--sub-group-size 1000000] [--buffer-count 4]
         [--aio-block-size B] [--aio-queue-depth N] [--aio-threads N]
 
@@ -56,6 +56,18 @@ Columns, per rank (the median over ranks; figures over the timed steps):
                   speed; all ranks of one drive stepping at once is what the
                   drive sees, so one rank's bytes alone would understate the
                   floor by the number of ranks sharing it
+  replay s        the same bytes again, right after each timed step: every
+                  rank at once (a barrier first) writes then reads the bytes
+                  aio's optimizer wrote and read in that step, in a scratch
+                  file of its own in its folder (O_DIRECT, a fresh handle at
+                  aio's defaults, as the rates above), one call per 64 MiB;
+                  the job's time is the slowest rank's. The floor measured
+                  at the very minute of the step, on the drive as it is then
+                  (a shared disk's rate moves minute to minute, so rates taken
+                  before and after a run can be far off); --no-replay skips it
+  opt / replay    per timed step, the slowest rank's optimizer step against
+                  that step's replay; the median over steps. 1.0 = the step
+                  moved its bytes as fast as serial whole-file I/O did then
 
 --sub-group-size and --buffer-count are NVMeAdamW's (elements per sub-group;
 pinned buffers of one sub-group tensor each: pinned MiB is about their
@@ -65,7 +77,7 @@ product times 4 bytes); --aio-block-size, --aio-queue-depth and
 are measured with).
 
 --rounds N runs the variant list N times and prints each variant's median
-over rounds of opt / floor, opt s and s/step, and the per-round ratio of
+over rounds of opt / floor, opt / replay, opt s and s/step, and the per-round ratio of
 the first two variants' optimizer steps, median [min..max] (interleaved
 A/B: list them as A,B or A,B,B,A).
 
@@ -113,6 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--drive-mib", type=int, default=256, help="MiB each way for the drive's rates (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="run the variant list this many times")
+    ap.add_argument(
+        "--no-replay", dest="replay", action="store_false",
+        help="do not move each step's optimizer bytes again after it (the replay s column)",
+    )  # fmt: skip
     ap.add_argument("--sub-group-size", type=int, default=1_000_000, help="nvme: elements per sub-group")
     ap.add_argument(
         "--buffer-count", type=int, default=4, help="nvme: pinned sub-group buffers (few: the state pages)"
@@ -208,17 +224,74 @@ def _peak_rss() -> int:
     return 0
 
 
+REPLAY_CHUNK = 64 << 20  # bytes a replay call moves (the handle keeps its queue depth within)
+
+
+class Replay:
+    """Moves a step's bytes again, in a scratch file of this rank's own, to
+    time what the drive gives whole-file I/O of that size right now (the
+    ``replay s`` column). Opened in `folder` (the rank's private swap
+    folder), O_DIRECT, removed by close()."""
+
+    def __init__(self, folder: str) -> None:
+        import fcntl
+
+        import torch
+
+        from aio.handle import AsyncIOHandle
+        from aio.pinned import locked_nbytes, new_locked_tensor
+
+        self.fd, self.path = tempfile.mkstemp(prefix="replay-", suffix=".bin", dir=folder)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
+        self.h = AsyncIOHandle()
+        self.buf = new_locked_tensor(REPLAY_CHUNK, torch.uint8)
+        self.locked = locked_nbytes(self.buf)
+        self.buf.random_(0, 256)
+        self.size = 0
+
+    def _each(self, fn: Any, nbytes: int) -> None:
+        for off in range(0, nbytes, REPLAY_CHUNK):
+            n = min(REPLAY_CHUNK, nbytes - off)
+            fn(self.buf[:n], self.fd, off)
+
+    def __call__(self, read: int, written: int) -> float:
+        """Seconds to write `written` then read `read` bytes (each rounded up
+        to 4 KiB), every rank of the group starting together."""
+        import torch.distributed as dist
+
+        read, written = (-(-n // 4096) * 4096 for n in (read, written))
+        if max(read, written) > self.size:  # allocated first, untimed (a first write allocates)
+            self.size = max(read, written)
+            self._each(self.h.sync_pwrite, self.size)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self._each(self.h.sync_pwrite, written)
+        self._each(self.h.sync_pread, read)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        from aio.pinned import free_locked_tensor
+
+        self.h.close()
+        free_locked_tensor(self.buf)
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
 def _steps(
-    a: argparse.Namespace, rank: int, fwd_bwd: Any, opt_step: Any, aio_io: Any = None
+    a: argparse.Namespace, rank: int, fwd_bwd: Any, opt_step: Any, aio_io: Any = None, replay: Any = None
 ) -> dict[str, list[float]]:
     """Warm-up then timed steps: per step its seconds, the optimizer's, its
     drive bytes (/proc/self/io) and, for aio's optimizer, the bytes it read
-    and wrote by its own count (`aio_io()`: (read, written) so far)."""
+    and wrote by its own count (`aio_io()`: (read, written) so far) and,
+    given `replay` (a :class:`Replay`), the seconds those bytes took again
+    right after the step."""
     import torch.distributed as dist
 
     from aio.train import batch
 
     out: dict[str, list[float]] = {"step_s": [], "opt_s": [], "io": [], "loss": [], "aio_r": [], "aio_w": []}
+    out["replay_s"] = []
     for step in range(a.warmup + a.steps):
         x, y = batch(step, rank, a.batch, a.seq, a.vocab)
         dist.barrier()
@@ -236,6 +309,8 @@ def _steps(
             out["aio_r"].append(r1 - r0)
             out["aio_w"].append(w1 - w0)
             out["loss"].append(float(loss))
+            if replay is not None:
+                out["replay_s"].append(replay(r1 - r0, w1 - w0))
     return out
 
 
@@ -276,7 +351,16 @@ def _run_rank(a: argparse.Namespace, variant: str, rank: int, folder: str) -> di
             loss.backward()
             return loss.item()
 
-        res = _steps(a, rank, fwd_bwd, opt.step, _aio_counter(opt))
+        counter = _aio_counter(opt)
+        replay = Replay(folder) if a.replay and counter else None
+        try:
+            res = _steps(a, rank, fwd_bwd, opt.step, counter, replay)
+            # What aio's optimizer locked: the replay's own buffer is not its.
+            pinned = locked_bytes() - (replay.locked if replay is not None else 0)
+        finally:
+            if replay is not None:
+                replay.close()
+        return {**res, "peak_rss": _peak_rss(), "pinned": pinned}
     return {**res, "peak_rss": _peak_rss(), "pinned": locked_bytes()}
 
 
@@ -389,12 +473,29 @@ def row(variant: str, ranks: list[dict[str, Any]], devs: list[int], rates: Rates
         out["floor s"] = floor
         out["step / floor"] = step / floor
         out["opt / floor"] = out["opt s"] / floor
+    out.update(replay_ratio(ranks))
+    return out
+
+
+def replay_ratio(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """The job's replay s (each step's slowest rank; median over steps) and
+    opt / replay (per step, the slowest rank's optimizer step against that
+    step's replay; median over steps); empty without replays."""
+    if not all(r.get("replay_s") for r in ranks):
+        return {}
+    steps = range(min(len(r["replay_s"]) for r in ranks))
+    replay = [max(r["replay_s"][k] for r in ranks) for k in steps]
+    opt = [max(r["opt_s"][k] for r in ranks) for k in steps]
+    ratio = [o / p for o, p in zip(opt, replay, strict=True) if p > 0]
+    out = {"replay s": statistics.median(replay)}
+    if ratio:
+        out["opt / replay"] = statistics.median(ratio)
     return out
 
 
 COLUMNS = [
     "s/step", "opt s", "peak RSS GiB", "pinned MiB", "drive MB/step", "aio MB/step", "floor s",
-    "step / floor", "opt / floor",
+    "step / floor", "opt / floor", "replay s", "opt / replay",
 ]  # fmt: skip
 
 
@@ -442,14 +543,14 @@ def _ratio(what: str, a: Any, b: Any) -> str:
 
 
 def summary(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Over rounds: each variant's median opt / floor, opt s and s/step, and
+    """Over rounds: each variant's median opt / floor, opt / replay, opt s and s/step, and
     the per-round ratio of the first variant's optimizer step to the
     second's (interleaved A/B), median [min..max]."""
     med = statistics.median
     out: dict[str, Any] = {}
     for name in dict.fromkeys(r["variant"] for rows in rounds for r in rows):
         rs = [r for rows in rounds for r in rows if r["variant"] == name and "error" not in r]
-        cols = [c for c in ("opt / floor", "opt s", "s/step") if rs and c in rs[0]]
+        cols = [c for c in ("opt / floor", "opt / replay", "opt s", "s/step") if rs and c in rs[0]]
         out[name] = {c: med(r[c] for r in rs) for c in cols}
     names = list(out)
     if len(names) >= 2:

@@ -70,7 +70,7 @@ CASES: dict[str, Case] = {
     "fsdp_step.py": Case(
         "--world 2 --layers 1 --width 32 --heads 2 --vocab 64 --seq 8 --steps 1 --drive-mib 0 "
         "--variants torch,cpu-adam,nvme --dir {dir} --sub-group-size 2000",
-        expect=("| nvme |", "CPUAdamW step"),
+        expect=("| nvme |", "CPUAdamW step", "opt / replay"),
         slow=True,
         clean=True,
     ),
