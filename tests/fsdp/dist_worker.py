@@ -58,7 +58,11 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, WIDTHS[0], generator=g), torch.randn(4, WIDTHS[-1], generator=g)
 
 
-def _shard(model, offload=False, bf16=False, grouped=False, prefetch=False, root_keep=False):
+def _shard(model, offload=False, bf16=False, grouped=False, prefetch=False, root_reshard=False):
+    """FSDP2 over `model`'s blocks and root, as users call it: the root at
+    FSDP2's default (kept unsharded after forward, so a forward that follows
+    gathers nothing; a tier case that set it otherwise hid a stale-weights
+    bug), or resharded after forward with `root_reshard`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -75,7 +79,7 @@ def _shard(model, offload=False, bf16=False, grouped=False, prefetch=False, root
     else:
         for b in blocks[:-1]:
             fully_shard(b, **kw)
-    fully_shard(model, reshard_after_forward=not root_keep, **kw)
+    fully_shard(model, **({"reshard_after_forward": True} if root_reshard else {}), **kw)
     if prefetch and not grouped:
         inner = blocks[:-1]
         for i, b in enumerate(inner):
@@ -222,8 +226,8 @@ def case_grouped(rank, tmp):
     return _compare(rank, tmp, grouped=True)
 
 
-def case_root_keep(rank, tmp):
-    return _compare(rank, tmp, root_keep=True)
+def case_root_reshard(rank, tmp):
+    return _compare(rank, tmp, root_reshard=True, prefetch=True)
 
 
 def case_bf16_offload(rank, tmp):
@@ -260,10 +264,10 @@ def case_nvme(rank, tmp):
 
 def case_nvme_evals(rank, tmp):
     # A look-ahead read from the master at an eval forward that gathered nothing
-    # (the root unsharded: FSDP2's default for it, root_keep here) was left in
-    # flight into the step, then filled with the pre-step values after it:
-    # trained on in silence (from step 3 on).
-    return _compare(rank, tmp, opt_kind="nvme", evals=2, root_keep=True)
+    # (the root unsharded: FSDP2's default for it) was left in flight into
+    # the step, then filled with the pre-step values after it: trained on in
+    # silence (from step 3 on).
+    return _compare(rank, tmp, opt_kind="nvme", evals=2)
 
 
 def case_nvme_own(rank, tmp):

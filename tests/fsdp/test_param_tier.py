@@ -38,7 +38,7 @@ pytestmark = [
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 TWO = [
-    "plain", "prefetch", "ac", "ac_prefetch", "grouped", "root_keep", "bf16_offload",
+    "plain", "prefetch", "ac", "ac_prefetch", "grouped", "root_reshard", "bf16_offload",
     "window1", "miss", "nvme", "nvme_own", "nvme_bf16", "dcp", "dcp_nvme", "late_optimizer", "late_nvme",
     "reads", "reads_nvme", "stream", "stream_prefetch", "stream_accum", "stream_nosync", "nvme_evals",
 ]  # fmt: skip
