@@ -26,6 +26,10 @@ DEFAULTS: dict[str, Any] = {
     "pipeline_write": False,
     "pin_memory": True,
 }
+# Buffers stepping one sub-group takes (aio.swap.OptimizerSwapper's rule for
+# Adam: its gradient, master weights, exp_avg and exp_avg_sq): fewer is
+# refused when NVMeAdamW is made, in its own terms, not at its first step.
+MIN_BUFFERS = 4
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's and aio.config's default
 HOST_MEMORY_BUDGET = 0.5  # aio_zero.host_memory_budget's default, for the whole node
 GRADIENTS = ("cpu", "nvme")
@@ -90,18 +94,11 @@ class SwapOptions:
 
 
 def _paths(nvme_path: Any, info: RankInfo) -> list[str]:
-    from ..swap.drives import nvme_path_list
+    from ..swap.drives import nvme_path_items, nvme_path_list
 
     if nvme_path is None:
         raise ValueError("nvme_path: required (a directory on a local drive, or a list of them)")
-    if isinstance(nvme_path, (str, os.PathLike)):
-        items = [nvme_path]
-    elif isinstance(nvme_path, (list, tuple)):
-        items = list(nvme_path)
-    else:  # bytes too: a str path (or a list of them) is what the templates fill in
-        raise TypeError(
-            f"nvme_path must be a directory path or a list of them, got {type(nvme_path).__name__}"
-        )
+    items = nvme_path_items(nvme_path)  # str paths (or lists of them): what the templates fill in
     out = []
     for p in items:
         if isinstance(p, (str, os.PathLike)):
@@ -150,6 +147,14 @@ def resolve(explicit: dict[str, Any], offload_optimizer: Mapping[str, Any] | Non
     count = merged["buffer_count"]
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"buffer_count must be a positive int, got {count!r}")
+    if count < MIN_BUFFERS:
+        where = (
+            "buffer_count" if explicit.get("buffer_count") is not None else "offload_optimizer.buffer_count"
+        )
+        raise ValueError(
+            f"{where} is {count}: stepping one sub-group takes {MIN_BUFFERS} buffers (its gradient, "
+            f"master weights, exp_avg and exp_avg_sq); give at least {MIN_BUFFERS}"
+        )
     sgs = merged.get("sub_group_size")
     if sgs is not None and (isinstance(sgs, bool) or not isinstance(sgs, int) or sgs < 1):
         raise ValueError(f"sub_group_size must be a positive int, got {sgs!r}")

@@ -292,6 +292,12 @@ def test_errors_name_the_setting_or_parameter(tmp_path) -> None:
         NVMeAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], nvme_path=str(tmp_path))
     with pytest.raises(ValueError, match="gradients"):
         NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), gradients="gpu")
+    # Too few buffers to step a sub-group: refused when made, by the name it was given by.
+    with pytest.raises(ValueError, match=r"^buffer_count is 3: .* at least 4"):
+        NVMeAdamW(m.parameters(), nvme_path=str(tmp_path), buffer_count=3)
+    block = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2}
+    with pytest.raises(ValueError, match=r"^offload_optimizer.buffer_count is 2: "):
+        NVMeAdamW(m.parameters(), offload_optimizer=block)
     with pytest.raises(FileNotFoundError):
         opt = NVMeAdamW(m.parameters(), nvme_path=str(tmp_path / "missing"))
         _steps([(m, opt, None)], 0, 1)
