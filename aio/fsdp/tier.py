@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import os
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -44,7 +43,7 @@ import torch
 
 from .._log import logger
 from ..pinned import Lease, PinnedPool
-from ..swap.drives import SwapSpace
+from ..swap.drives import SwapSpace, nvme_path_items
 from ..swap.storage import align_up
 from ._internals import Shard, TierError, check_torch, fsdp_groups, lazy_init, module_name, shards_of
 from .guard import ShardStandIn
@@ -904,8 +903,10 @@ def _check_types(
 ) -> None:
     """TypeError naming the argument of offload_params that has the wrong
     type, before anything changes."""
-    if not isinstance(nvme_path, (str, os.PathLike, list, tuple)):
-        raise TypeError(f"offload_params: nvme_path must be a directory or a list of them, got {nvme_path!r}")
+    try:
+        nvme_path_items(nvme_path)
+    except TypeError as e:
+        raise TypeError(f"offload_params: {e}") from None
     # By what the bracket uses (a wrapper that forwards them, e.g. Lightning's, works too).
     hooks = ("step", "register_step_pre_hook", "register_step_post_hook")
     if optimizer is not None and not all(callable(getattr(optimizer, n, None)) for n in hooks):

@@ -38,14 +38,23 @@ from .storage import ALIGN, SwapFile, SwapStorage, align_up
 STRIPE_BYTES = 1 << 20
 
 
+def nvme_path_items(nvme_path: Any) -> list[Any]:
+    """What ``nvme_path`` names, as a list: one directory path (str or
+    os.PathLike), or a list or tuple of them; TypeError for anything else
+    (bytes, a set, a generator: every swapper takes the same forms)."""
+    if isinstance(nvme_path, (str, os.PathLike)):
+        return [nvme_path]
+    if isinstance(nvme_path, (list, tuple)):
+        return list(nvme_path)
+    raise TypeError(f"nvme_path must be a directory path or a list of them, got {type(nvme_path).__name__}")
+
+
 def nvme_path_list(nvme_path: str | os.PathLike[str] | Sequence[Any]) -> list[str]:
     """``nvme_path`` as a list of absolute directory paths (one string or a
-    list of them); ValueError for an empty list or a directory given twice
-    (two paths to one folder would stripe a drive against itself)."""
-    if isinstance(nvme_path, (str, os.PathLike)):
-        items = [nvme_path]
-    else:
-        items = list(nvme_path)
+    list of them: :func:`nvme_path_items`); ValueError for an empty list or
+    a directory given twice (two paths to one folder would stripe a drive
+    against itself)."""
+    items = nvme_path_items(nvme_path)
     if not items:
         raise ValueError("nvme_path: give a directory, or a list of directories (one per drive)")
     for p in items:

@@ -139,6 +139,18 @@ def test_bad_directory_lists_are_refused(tmp_path):
         nvme_path_list([str(tmp_path), str(tmp_path) + "/."])
     with pytest.raises(ValueError, match="list of directories"):
         nvme_path_list([])
+    # One form for every swapper: a path or a list/tuple of them; a set (no order
+    # to stripe in), bytes or a generator is a TypeError naming what came.
+    for bad, name in (
+        ({str(tmp_path)}, "set"),
+        (os.fsencode(str(tmp_path)), "bytes"),
+        (iter([]), "list_iterator"),
+    ):
+        with pytest.raises(
+            TypeError, match=f"nvme_path must be a directory path or a list of them, got {name}"
+        ):
+            nvme_path_list(bad)
+    assert nvme_path_list((str(tmp_path),)) == [str(tmp_path)]
 
 
 @pytest.mark.parametrize("how", ["param", "param-list", "optimizer", "list-item"])
