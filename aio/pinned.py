@@ -243,7 +243,7 @@ def locked_size(nbytes: int) -> int:
     where that adds at most an eighth, so that io_uring moves each I/O on it
     in large physically contiguous pieces (a 4 MB read from a pool with a
     tail of small pages went to the disk as six requests instead of one)."""
-    return int(_C.mapped_size(nbytes))
+    return int(_C.mapped_size(nbytes)) if nbytes else 0
 
 
 def locked_nbytes(tensor: Any) -> int:

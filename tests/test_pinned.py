@@ -142,7 +142,7 @@ def test_large_allocations_lock_whole_huge_pages_where_that_is_cheap():
     import gc
 
     page, huge, ls = _C.page_size(), 2 << 20, aio.pinned.locked_size
-    assert ls(1) == page and ls(huge - page + 1) == huge
+    assert ls(0) == 0 and ls(1) == page and ls(huge - page + 1) == huge
     assert ls(4 * 4_000_000) == 16 << 20  # +4.8 %: whole huge pages
     assert ls(17 << 20) == 18 << 20
     assert ls(huge + page) == huge + page  # doubling it: whole pages only

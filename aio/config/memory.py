@@ -58,7 +58,7 @@ def _locked(nbytes: int) -> int:
     """What locking one allocation of `nbytes` locks (aio.pinned.locked_size)."""
     from ..pinned import locked_size  # the extension's rule; imported only to estimate
 
-    return locked_size(nbytes) if nbytes else 0
+    return locked_size(nbytes)
 
 
 _DTYPE_BYTES = {
