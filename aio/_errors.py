@@ -41,7 +41,23 @@ def readable_path(path: str) -> str:
         folder = _os.readlink(prefix + fd)
     except OSError:
         return path
+    # The kernel marks a removed folder so: the path is still the one to name.
+    folder = folder.removesuffix(_DELETED)
     return _os.path.join(folder, rest) if sep else folder
+
+
+_DELETED = " (deleted)"  # readlink of a descriptor whose folder was removed
+
+
+def folder_removed(path: str) -> bool:
+    """Whether ``/proc/self/fd/N/...`` names a file in a folder that was
+    removed while held (someone deleted the swap folder)."""
+    prefix = "/proc/self/fd/"
+    fd = path[len(prefix) :].partition("/")[0] if path.startswith(prefix) else ""
+    try:
+        return fd.isdigit() and _os.readlink(prefix + fd).endswith(_DELETED)
+    except OSError:
+        return False
 
 
 def make_error(
@@ -57,6 +73,8 @@ def make_error(
     past the end, HandleStateError for misuse (errno 0), else the OSError
     subclass of `err`; with ``operation``/``offset``/``length`` attributes."""
     exc: BaseException
+    if folder_removed(path):
+        message += "; its folder was removed while in use (was the swap folder deleted?)"
     path = readable_path(path)
     if eof:
         exc = ReadPastEOFError(_errno.ENODATA, message, path or None)

@@ -370,3 +370,24 @@ def test_write_through_an_append_descriptor_is_refused(engine, direct, tmp_path)
     finally:
         os.close(fd)
     assert path.read_bytes() == old.tobytes()
+
+
+def test_an_error_in_a_removed_held_folder_names_its_path_and_says_so(tmp_path):
+    # The swappers reach files through a held folder descriptor; someone
+    # deleting the folder made errors name ".../<folder> (deleted)/optimizer.swp".
+    from aio._errors import make_error
+
+    folder = tmp_path / "swap"
+    folder.mkdir()
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        held = f"/proc/self/fd/{fd}/optimizer.swp"
+        e = make_error(errno.ENOENT, "open for write failed", held, "write", 0, 4096, False)
+        assert isinstance(e, FileNotFoundError) and "while in use" not in e.strerror
+        assert e.filename == str(folder / "optimizer.swp")
+        os.rmdir(folder)
+        e = make_error(errno.ENOENT, "open for write failed", held, "write", 0, 4096, False)
+        assert isinstance(e, FileNotFoundError) and e.filename == str(folder / "optimizer.swp")
+        assert "folder was removed while in use" in e.strerror
+    finally:
+        os.close(fd)
