@@ -1082,10 +1082,10 @@ class NVMeAdam(torch.optim.Optimizer):
         names = ("param", *MOMENTS) if self._master_mode == "drive" else MOMENTS
         for i, sg in enumerate(self._subgroups):
             values = {n: torch.empty(sg.numel, dtype=torch.float32) for n in names}
-            steps = set()
+            steps: dict[Any, int] = {}  # step count -> the first parameter with it
             for pc in sg.pieces:
                 st = state.get(self._params[pc.param], {})
-                steps.add(_loaded_step(st, pc.param))
+                steps.setdefault(_loaded_step(st, pc.param), pc.param)
                 if "param" in values:
                     values["param"][pc.offset : pc.offset + pc.count].copy_(
                         self._flat(pc.param)[pc.start : pc.start + pc.count]
@@ -1094,12 +1094,13 @@ class NVMeAdam(torch.optim.Optimizer):
                     src = _loaded_moment(st, n, self._params[pc.param], pc.param)
                     values[n][pc.offset : pc.offset + pc.count].copy_(src[pc.start : pc.start + pc.count])
             if len(steps) > 1:
+                each = ", ".join(f"{_name(k)}: {s}" for s, k in steps.items())
                 raise ValueError(
-                    f"sub-group {i} holds parameters with different step counts {sorted(map(str, steps))} "
-                    f"({_name(sg.pieces[0].param)} ...): give them one count, or put them in separate "
-                    "param groups"
+                    f"sub-group {i} holds parameters with different step counts ({each}; None: no "
+                    "state, as torch keeps for a parameter that never had a gradient): give them one "
+                    "count, or put them in separate param groups"
                 )
-            plan.append((values, steps.pop() if steps else None))
+            plan.append((values, next(iter(steps)) if steps else None))
         return plan
 
     def _apply_load(
