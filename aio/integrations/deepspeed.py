@@ -30,13 +30,14 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._log import log_swap_handle, logger, swap_line_pending
 from ..future import AioFuture
 from ..handle import AsyncIOHandle
 from ..pinned import free_locked_tensor, is_locked, new_locked_tensor
+from . import ds_folder_lock
 
 SUPPORTED = ((0, 19), (0, 20))  # [lowest, highest) major.minor
 SUPPORTED_TEXT = "deepspeed>=0.19,<0.20"
@@ -47,6 +48,36 @@ _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
 # the first enable(): modules imported while enabled bind aio's class from
 # there, and disable() gives them this one back.
 _ds_builder: Any = None
+
+
+def _check_handle_types(ints: dict[str, Any], bools: dict[str, Any]) -> None:
+    """TypeError naming ``aio.<key>`` for a setting of the wrong type:
+    DeepSpeed passes its ``aio`` block's values through unchecked, and
+    ``bool("false")`` is True (DeepSpeed's own op refuses them too)."""
+    for name, v in ints.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"aio.{name} must be an integer, got {v!r} ({type(v).__name__})")
+    for name, v in bools.items():
+        if not isinstance(v, bool) and v not in (0, 1):
+            raise TypeError(f"aio.{name} must be true or false, got {v!r} ({type(v).__name__})")
+
+
+def check_aio_block(block: Any) -> None:
+    """ConfigError naming ``aio.<key>`` when a DeepSpeed config's ``aio``
+    block is one aio.config refuses (an unknown key such as ``blok_size``,
+    a block size that is no multiple of 4096, a string for a number):
+    DeepSpeed reads the keys it knows and ignores the rest in silence."""
+    from ..config import AioConfig, ConfigError
+    from ..config.load import validate
+
+    if block is None:
+        return
+    if not isinstance(block, Mapping):
+        raise ConfigError([("aio", f"must be a block of settings, got {type(block).__name__}")])
+    try:
+        validate(AioConfig, block)
+    except ConfigError as e:
+        raise ConfigError([(f"aio.{p}" if p else "aio", m) for p, m in e.problems], e.source) from None
 
 
 def _file_or_fd(filename: Any, fd: Any) -> Any:
@@ -106,12 +137,17 @@ class DeepSpeedAioHandle:
                 intra_op_parallelism = legacy.pop(name)
         if legacy:
             raise TypeError(f"aio_handle() got unexpected keyword arguments {sorted(legacy)}")
+        threads = intra_op_parallelism
+        _check_handle_types(
+            {"block_size": block_size, "queue_depth": queue_depth, "intra_op_parallelism": threads},
+            {"single_submit": single_submit, "overlap_events": overlap_events},
+        )
         self._h = AsyncIOHandle(
-            block_size=int(block_size),
-            queue_depth=int(queue_depth),
+            block_size=block_size,
+            queue_depth=queue_depth,
             single_submit=bool(single_submit),
             overlap_events=bool(overlap_events),
-            thread_count=int(intra_op_parallelism),
+            thread_count=threads,
         )
         # (future, buffer, filename, offset, what) of async requests made with validate=True.
         self._to_validate: list[tuple[AioFuture, Any, Any, int, str]] = []
@@ -453,6 +489,7 @@ def enable() -> None:
         _patch_load_checkpoint()
         _patch_engine_start()
         _patch_engine_destroy()
+        _patched.extend(ds_folder_lock.patch())  # one job per rank's swap folder
     from . import ds_swappers  # aio's buffer rules in DeepSpeed's swappers (AIO_DEEPSPEED_SWAPPERS=0: off)
 
     ds_swappers.install()
@@ -559,7 +596,8 @@ def _patch_load_checkpoint() -> None:
 
 
 def _patch_engine_start() -> None:
-    """Every DeepSpeed engine, once built, says in one line when its NVMe
+    """Every DeepSpeed engine checks its ``aio`` block first
+    (:func:`check_aio_block`) and, once built, says in one line when its NVMe
     parameter offload pages nothing (see :func:`warn_if_params_stay_in_cpu`)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -569,6 +607,8 @@ def _patch_engine_start() -> None:
 
     @functools.wraps(orig_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        # deepspeed.initialize passes the parsed config; the raw aio block is in it.
+        check_aio_block((getattr(kwargs.get("config_class"), "_param_dict", None) or {}).get("aio"))
         orig_init(self, *args, **kwargs)
         warn_if_params_stay_in_cpu(getattr(self, "optimizer", None))
         module = getattr(self, "module", None)
@@ -584,7 +624,8 @@ def _patch_engine_start() -> None:
 
 
 def _patch_engine_destroy() -> None:
-    """``engine.destroy()`` also removes the engine's optimizer swap files."""
+    """``engine.destroy()`` also removes the engine's optimizer swap files and
+    lets their folder's lock go."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     orig_destroy = DeepSpeedEngine.destroy
@@ -597,6 +638,9 @@ def _patch_engine_destroy() -> None:
         cleanup = getattr(self, "_aio_swap_cleanup", None)
         if cleanup is not None:
             cleanup()  # a weakref.finalize: runs once, then never again at exit
+        release = getattr(getattr(self, "optimizer", None), "_aio_folder_release", None)
+        if release is not None:
+            release()  # its swap folder is free for another job (ds_folder_lock)
         return result
 
     destroy._aio_wrapped = True  # type: ignore[attr-defined]

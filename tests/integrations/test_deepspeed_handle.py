@@ -39,6 +39,58 @@ def test_constructor_matches_deepspeed_signature_and_defaults():
     assert h.get_alignment() % 4096 == 0
 
 
+@pytest.mark.parametrize(
+    "kw,key",
+    [
+        ({"single_submit": "false"}, "single_submit"),  # bool("false") is True: flipped in silence before
+        ({"overlap_events": "no"}, "overlap_events"),
+        ({"block_size": 4096.9}, "block_size"),  # truncated to 4096 before
+        ({"queue_depth": "8"}, "queue_depth"),
+        ({"intra_op_parallelism": True}, "intra_op_parallelism"),
+    ],
+)
+def test_a_setting_of_the_wrong_type_is_refused_naming_its_aio_key(kw, key):
+    with pytest.raises(TypeError, match=rf"^aio\.{key} must be "):
+        DeepSpeedAioHandle(**kw)
+    assert DeepSpeedAioHandle(single_submit=1, overlap_events=0).get_single_submit() is True
+
+
+def test_the_aio_block_is_checked_as_aio_config_checks_it():
+    from aio.config import ConfigError
+    from aio.integrations.deepspeed import check_aio_block
+
+    check_aio_block(None)
+    check_aio_block({"block_size": 262144, "queue_depth": 32, "thread_count": 2, "single_submit": False})
+    for block, key, what in (
+        ({"blok_size": 4096}, "aio.blok_size", "did you mean 'block_size'"),  # DeepSpeed ignored it
+        ({"block_size": 1000}, "aio.block_size", "multiple of 4096"),
+        ({"overlap_events": "false"}, "aio.overlap_events", "bool"),
+        ([1], "aio", "block of settings"),
+    ):
+        with pytest.raises(ConfigError) as ei:
+            check_aio_block(block)
+        assert ei.value.problems[0][0] == key and what in str(ei.value), str(ei.value)
+
+
+def test_an_engine_checks_its_aio_block_before_it_is_built():
+    deepspeed = pytest.importorskip("deepspeed")
+    from types import SimpleNamespace
+
+    import aio.integrations.deepspeed as aio_ds
+    from aio.config import ConfigError
+
+    before = aio_ds.is_enabled()
+    aio_ds.enable()
+    try:
+        engine = object.__new__(deepspeed.DeepSpeedEngine)  # nothing built: the check comes first
+        cfg = SimpleNamespace(_param_dict={"aio": {"blok_size": 4096}})
+        with pytest.raises(ConfigError, match="aio.blok_size"):
+            deepspeed.DeepSpeedEngine.__init__(engine, config_class=cfg)
+    finally:
+        if not before:
+            aio_ds.disable()
+
+
 def test_return_codes(tmp_path):
     h = DeepSpeedAioHandle(intra_op_parallelism=2)
     p = str(tmp_path / "swap.bin")
