@@ -37,6 +37,7 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (
 )
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+from .deepspeed import register_param_swapper_cleanup
 from .ds_swappers import (
     PARAM_COUNTERS,
     buffers_short,
@@ -78,6 +79,8 @@ class EvictingParamSwapper(AsyncPartitionedParameterSwapper):
         # The cap first: a bad aio_zero block fails before any buffer is pinned.
         self.cap = held_cap(getattr(ds_config, "_param_dict", None))
         super().__init__(ds_config, model_dtype)
+        # Its files go with it, engine or not (an initialize that fails after zero.Init).
+        register_param_swapper_cleanup(self)
         self.counters: dict[str, int] = dict.fromkeys(PARAM_COUNTERS, 0)
         self._released: set[int] = set()  # gathered, partition released past the cap (on the drive)
         self._capped = False  # a gathered partition kept its buffer for want of room under the cap

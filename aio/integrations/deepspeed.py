@@ -609,7 +609,11 @@ def _patch_engine_start() -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         # deepspeed.initialize passes the parsed config; the raw aio block is in it.
         check_aio_block((getattr(kwargs.get("config_class"), "_param_dict", None) or {}).get("aio"))
-        orig_init(self, *args, **kwargs)
+        try:
+            orig_init(self, *args, **kwargs)
+        except BaseException:
+            _clean_failed_start(self)
+            raise
         warn_if_params_stay_in_cpu(getattr(self, "optimizer", None))
         module = getattr(self, "module", None)
         if module is not None:
@@ -621,6 +625,18 @@ def _patch_engine_start() -> None:
     __init__._aio_wrapped = True  # type: ignore[attr-defined]
     _patched.append((DeepSpeedEngine, "__init__", orig_init))
     DeepSpeedEngine.__init__ = __init__
+
+
+def _clean_failed_start(engine: Any) -> None:
+    """An engine whose __init__ failed: remove the optimizer swap files it
+    wrote already (a failed write's part too); never masks the failure."""
+    try:
+        _register_swap_cleanup(engine)
+        cleanup = getattr(engine, "_aio_swap_cleanup", None)
+        if cleanup is not None:
+            cleanup()
+    except Exception as e:  # noqa: BLE001 - the start's own error is the one raised
+        logger.warning("DeepSpeed: could not remove the swap files of an engine that failed to start: %s", e)
 
 
 def _patch_engine_destroy() -> None:
@@ -748,6 +764,14 @@ def _register_param_swap_cleanup(module: Any) -> None:
     swapper = next(
         (p.nvme_swapper for p in module.parameters() if getattr(p, "nvme_swapper", None) is not None), None
     )
+    register_param_swapper_cleanup(swapper)
+
+
+def register_param_swapper_cleanup(swapper: Any) -> None:
+    """Remove DeepSpeed parameter swapper `swapper`'s files (those named in
+    its ``id_to_path``, read when it goes) when it is collected or at exit;
+    once per swapper. aio's swapper registers itself when made, so the files
+    zero.Init wrote go even when ``deepspeed.initialize`` then fails."""
     id_to_path = getattr(swapper, "id_to_path", None)
     folder = getattr(swapper, "swap_folder", None)
     if getattr(swapper, "_aio_cleanup", False):

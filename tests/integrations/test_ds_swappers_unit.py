@@ -407,3 +407,20 @@ def test_deepspeeds_pipelined_swapper_keeps_the_first_step_state(tmp_path, monke
     b = first_step(sw, fp32_b, async_swap=False)
     assert all(op is None for op in sw.swap_ops.values())  # every write completed
     assert moments(a) == [OPT_NUMEL] * 2 and moments(b) == [OPT_NUMEL] * 2
+
+
+def test_its_files_go_with_it_engine_or_not(make_swapper):
+    # zero.Init makes the swapper and writes its files before deepspeed.initialize;
+    # an initialize that then failed left them (the clean-up was the engine's).
+    import gc
+    import os
+
+    swapper = make_swapper(2)
+    path = os.path.join(swapper.swap_folder, "5_param.tensor.swp")
+    open(path, "wb").close()
+    swapper.id_to_path[5] = path
+    other = os.path.join(swapper.swap_folder, "notes.txt")  # not its own: stays
+    open(other, "w").close()
+    del swapper
+    gc.collect()
+    assert not os.path.exists(path) and os.path.exists(other)
