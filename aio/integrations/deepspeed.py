@@ -778,7 +778,7 @@ def register_param_swapper_cleanup(swapper: Any) -> None:
         return
     if not isinstance(id_to_path, dict) or not isinstance(folder, str):
         return
-    swapper._aio_cleanup = True  # type: ignore[union-attr]
+    swapper._aio_cleanup = True
     owned = functools.partial(_param_swap_file, id_to_path)
     _finalize_in_this_process(swapper, folder, owned)
 
