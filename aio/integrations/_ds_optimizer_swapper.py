@@ -49,6 +49,10 @@ class BackpressurePipelinedOptimizerSwapper(PipelinedOptimizerSwapper):
     from ordinary memory once its write has completed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        swap_config = kwargs.get("swap_config", args[0] if args else None)
+        count = getattr(swap_config, "buffer_count", 1)
+        if isinstance(count, int) and count < 1:  # DeepSpeed's pool: an IndexError naming nothing
+            raise buffers_short("offload_optimizer", count, 1, "stepping a sub-group")
         super().__init__(*args, **kwargs)
         self.counters: dict[str, int] = dict.fromkeys(OPTIMIZER_COUNTERS, 0)
         self._states_seen = 0  # most swapped state tensors a sub-group has had (Adam: 2)

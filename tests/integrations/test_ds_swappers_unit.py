@@ -424,3 +424,14 @@ def test_its_files_go_with_it_engine_or_not(make_swapper):
     del swapper
     gc.collect()
     assert not os.path.exists(path) and os.path.exists(other)
+
+
+def test_no_optimizer_buffers_is_refused_naming_the_key(tmp_path, monkeypatch, enabled):
+    # DeepSpeed's pool raised IndexError ("list index out of range") for buffer_count 0.
+    cls = ds_swappers.optimizer_swapper_class()
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+    swap = SimpleNamespace(buffer_count=0, pipeline_read=True, pipeline_write=True)
+    aio_config = {"use_gds": False, "block_size": 1 << 20, "queue_depth": 8, "single_submit": False,
+                  "overlap_events": True, "intra_op_parallelism": 1}  # fmt: skip
+    with pytest.raises(ValueError, match=r"offload_optimizer\.buffer_count=0 is too small"):
+        cls(swap, aio_config, str(tmp_path), SimpleNamespace(state={}), OPT_NUMEL, "cpu", torch.float32, None)
