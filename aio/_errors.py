@@ -28,9 +28,10 @@ class HandleStateError(ValueError):
 
 
 def readable_path(path: str) -> str:
-    """``/proc/self/fd/N/name`` (how the swappers reach files through a held,
-    verified folder descriptor) as the folder's real path plus ``name``, so
-    errors name a file a person can find. Anything else is returned as is."""
+    """``/proc/self/fd/N`` or ``/proc/self/fd/N/name`` (how the swappers
+    reach files through a held, verified descriptor) as the real path (plus
+    ``name``), so errors name a file a person can find. Anything else is
+    returned as is."""
     prefix = "/proc/self/fd/"
     if not path.startswith(prefix):
         return path
@@ -50,8 +51,8 @@ _DELETED = " (deleted)"  # readlink of a descriptor whose folder was removed
 
 
 def folder_removed(path: str) -> bool:
-    """Whether ``/proc/self/fd/N/...`` names a file in a folder that was
-    removed while held (someone deleted the swap folder)."""
+    """Whether ``/proc/self/fd/N[/name]`` names a file (or a file in a
+    folder) that was removed while held (someone deleted the swap folder)."""
     prefix = "/proc/self/fd/"
     fd = path[len(prefix) :].partition("/")[0] if path.startswith(prefix) else ""
     try:
@@ -74,7 +75,7 @@ def make_error(
     subclass of `err`; with ``operation``/``offset``/``length`` attributes."""
     exc: BaseException
     if folder_removed(path):
-        message += "; its folder was removed while in use (was the swap folder deleted?)"
+        message += "; it was deleted while in use (was the swap folder removed?)"
     path = readable_path(path)
     if eof:
         exc = ReadPastEOFError(_errno.ENODATA, message, path or None)

@@ -388,6 +388,6 @@ def test_an_error_in_a_removed_held_folder_names_its_path_and_says_so(tmp_path):
         os.rmdir(folder)
         e = make_error(errno.ENOENT, "open for write failed", held, "write", 0, 4096, False)
         assert isinstance(e, FileNotFoundError) and e.filename == str(folder / "optimizer.swp")
-        assert "folder was removed while in use" in e.strerror
+        assert "deleted while in use" in e.strerror
     finally:
         os.close(fd)

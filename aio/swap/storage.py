@@ -7,9 +7,12 @@ The per-user folder is created mode 0700 and, before any use, checked to be
 a real directory (not a symlink), owned by this user and closed to others:
 on a drive shared by several users (a 1777 scratch folder) users never
 collide, and nobody can plant a symlink that makes us write through it.
-Every later access goes through descriptors held on the verified folders
-(``SwapFile.path`` is ``/proc/self/fd/<dirfd>/<name>``), so renaming a path
-component afterwards cannot redirect our I/O either.
+Every later access goes through descriptors held on what was verified
+(``SwapFile.path`` is ``/proc/self/fd/<fd>``, the swap file's own
+descriptor), so renaming a path component afterwards cannot redirect our
+I/O either, and removing the folder (an ``rm -rf`` of the swap folder while
+a job runs) does not take the job's state with it: the file lives on until
+the swapper closes it.
 
 Cleanup removes only folders that carry our marker: on close(), at
 interpreter exit, and -- for jobs that were killed (SIGKILL, or SIGTERM,
@@ -657,18 +660,21 @@ class SwapFile:
     """One file of extents (byte ranges handed out by allocate()); each starts
     on an ALIGN boundary, so an extent is one aligned direct I/O.
 
-    ``path`` is what to hand to an AsyncIOHandle: ``/proc/self/fd/<dirfd>/
-    <name>``, resolved through the descriptor of our verified folder, so no
-    path component can be swapped under us. ``real_path`` is for people."""
+    ``path`` is what to hand to an AsyncIOHandle: ``/proc/self/fd/<fd>``,
+    this file's own descriptor (created exclusively in our verified folder),
+    so no path component can be swapped under us and the file stays usable
+    if its folder is removed (an audit deleted a rank's swap folder between
+    steps: the state kept in memory could then never be saved). ``real_path``
+    is for people."""
 
     def __init__(self, dir_fd: int, name: str, real_path: str) -> None:
         self.real_path = real_path
-        self.path = f"/proc/self/fd/{dir_fd}/{name}" if _PROC_FD else real_path
         self.size = 0
         self._lock = threading.Lock()
         # O_EXCL|O_NOFOLLOW: a planted file or symlink is an error, never reused.
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self._fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        self.path = f"/proc/self/fd/{self._fd}" if _PROC_FD else real_path
 
     def allocate(self, nbytes: int) -> int:
         """Reserve an aligned extent of at least nbytes; returns its offset.

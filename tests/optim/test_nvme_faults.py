@@ -560,3 +560,28 @@ def test_stepping_saving_or_loading_after_close_is_refused_clearly(tmp_path, ste
     assert _equal(_params(m), before)
     root = tmp_path / f"aio-swap-{os.geteuid()}"
     assert not root.exists() or os.listdir(root) == []  # no swap folder made again
+
+
+@pytest.mark.parametrize("buffers", [4, 16], ids=["paging", "in-buffers"])
+def test_a_swap_folder_removed_while_training_takes_nothing_with_it(tmp_path, buffers) -> None:
+    # An audit removed a rank's swap folder between steps: with the state in its
+    # buffers the loss showed only at the next state_dict(), which could then
+    # never be taken; paging, the next step failed. Each file is reached through
+    # its own descriptor now: it lives on until the optimizer closes it.
+    import shutil
+
+    for d in ("ref", "run"):
+        (tmp_path / d).mkdir()
+    ref_m = _model()
+    ref = _opt(ref_m, tmp_path / "ref", buffer_count=buffers)
+    _run(ref_m, ref, range(5))
+    m = _model()
+    opt = _opt(m, tmp_path / "run", buffer_count=buffers)
+    _run(m, opt, range(2))
+    (folder,) = (d["swap_dir"] for d in opt.swap_stats()["drives"])
+    shutil.rmtree(folder)
+    _run(m, opt, range(2, 5))
+    assert _equal(_params(m), _params(ref_m)) and _same_state(opt.state_dict(), ref.state_dict())
+    assert not os.path.exists(folder)
+    for o in (opt, ref):
+        o.close()
