@@ -26,6 +26,7 @@ import functools
 import importlib
 import inspect
 import os
+import shutil
 import sys
 import threading
 import types
@@ -487,6 +488,7 @@ def enable() -> None:
         _patch_builders()
         _patch_accelerator()
         _patch_load_checkpoint()
+        _patch_save_checkpoint()
         _patch_engine_start()
         _patch_engine_destroy()
         _patched.extend(ds_folder_lock.patch())  # one job per rank's swap folder
@@ -593,6 +595,48 @@ def _patch_load_checkpoint() -> None:
     load_checkpoint._aio_wrapped = True  # type: ignore[attr-defined]
     _patched.append((DeepSpeedEngine, "load_checkpoint", orig_load))
     DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def _patch_save_checkpoint() -> None:
+    """A second ``save_checkpoint`` of the same tag at the same step (HF's
+    Trainer saves the model, then the optimizer, into one folder) works with
+    NVMe optimizer offload: DeepSpeed copies the swap folder into
+    ``<tag>/offloaded_tensors/rank<r>`` refusing an existing one
+    (FileExistsError), so the copy this engine made of this very step is
+    removed first. Any other folder there is left, and refused as before."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    orig_save = DeepSpeedEngine.save_checkpoint
+    if getattr(orig_save, "_aio_wrapped", False):
+        return
+
+    @functools.wraps(orig_save)
+    def save_checkpoint(self: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        copy = _offloaded_copy(self, save_dir, tag)
+        if copy is not None and getattr(self, "_aio_saved_copy", None) == copy and os.path.isdir(copy[0]):
+            shutil.rmtree(copy[0])  # this engine's own copy of this step, from the save just before
+        result = orig_save(self, save_dir, tag, *args, **kwargs)
+        if copy is not None:
+            self._aio_saved_copy = copy
+        return result
+
+    save_checkpoint._aio_wrapped = True  # type: ignore[attr-defined]
+    _patched.append((DeepSpeedEngine, "save_checkpoint", orig_save))
+    DeepSpeedEngine.save_checkpoint = save_checkpoint
+
+
+def _offloaded_copy(engine: Any, save_dir: str, tag: Any) -> tuple[str, int] | None:
+    """(the folder DeepSpeed 0.19's save copies the optimizer swap folder
+    to, the step) for `engine`'s save into `save_dir` / `tag`; None without
+    NVMe optimizer offload."""
+    if not engine.zero_nvme_offload_optimizer():
+        return None
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
+
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    folder = os.path.join(os.path.abspath(save_dir), tag, "offloaded_tensors", "rank" + dp_index_to_str(rank))
+    return folder, int(engine.global_steps)
 
 
 def _patch_engine_start() -> None:

@@ -2,7 +2,7 @@
 integration tests and bench/deepspeed_step.py.
 
     python ds_train.py --io aio|dsop --offload nvme|cpu --nvme DIR --steps 10 --out losses.json
-                       [--pipeline] [--save CKPT --save-at N [--reload]] [--load CKPT]
+                       [--pipeline] [--save CKPT --save-at N [--save-twice] [--reload]] [--load CKPT]
 
 --reload: after the last step, load CKPT back into the same (trained) engine
 and replay the steps after N (their losses: "replay_losses").
@@ -80,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--save")
     ap.add_argument("--save-at", type=int, default=0)
+    # As HF's Trainer does (the model, then the optimizer): two saves of one tag.
+    ap.add_argument("--save-twice", action="store_true")
     ap.add_argument("--load")
     ap.add_argument("--reload", action="store_true")
     ap.add_argument("--sub-group-size", type=int, default=400_000)
@@ -165,7 +167,8 @@ def train(a: argparse.Namespace, torch, deepspeed, rank: int, world: int) -> dic
         losses.append(one_step(torch, engine, batches[step], rank))
         times.append(time.perf_counter() - t0)
         if a.save and step + 1 == a.save_at:
-            engine.save_checkpoint(a.save, client_state={"step": step + 1})
+            for _ in range(2 if a.save_twice else 1):
+                engine.save_checkpoint(a.save, client_state={"step": step + 1})
     replay = []
     if a.reload:
         engine.load_checkpoint(a.save)
