@@ -32,33 +32,29 @@ def readable_path(path: str) -> str:
     reach files through a held, verified descriptor) as the real path (plus
     ``name``), so errors name a file a person can find. Anything else is
     returned as is."""
+    return _resolve_held(path)[0]
+
+
+_DELETED = " (deleted)"  # readlink of a descriptor whose file or folder was removed
+
+
+def _resolve_held(path: str) -> tuple[str, bool]:
+    """(:func:`readable_path` of `path`, whether the held file or folder it
+    goes through was removed while in use: someone deleted the swap folder)."""
     prefix = "/proc/self/fd/"
     if not path.startswith(prefix):
-        return path
+        return path, False
     fd, sep, rest = path[len(prefix) :].partition("/")
     if not fd.isdigit():
-        return path
+        return path, False
     try:
-        folder = _os.readlink(prefix + fd)
+        target = _os.readlink(prefix + fd)
     except OSError:
-        return path
-    # The kernel marks a removed folder so: the path is still the one to name.
-    folder = folder.removesuffix(_DELETED)
-    return _os.path.join(folder, rest) if sep else folder
-
-
-_DELETED = " (deleted)"  # readlink of a descriptor whose folder was removed
-
-
-def folder_removed(path: str) -> bool:
-    """Whether ``/proc/self/fd/N[/name]`` names a file (or a file in a
-    folder) that was removed while held (someone deleted the swap folder)."""
-    prefix = "/proc/self/fd/"
-    fd = path[len(prefix) :].partition("/")[0] if path.startswith(prefix) else ""
-    try:
-        return fd.isdigit() and _os.readlink(prefix + fd).endswith(_DELETED)
-    except OSError:
-        return False
+        return path, False
+    # The kernel marks a removed file so: the path is still the one to name.
+    removed = target.endswith(_DELETED)
+    target = target.removesuffix(_DELETED)
+    return (_os.path.join(target, rest) if sep else target), removed
 
 
 def make_error(
@@ -74,9 +70,9 @@ def make_error(
     past the end, HandleStateError for misuse (errno 0), else the OSError
     subclass of `err`; with ``operation``/``offset``/``length`` attributes."""
     exc: BaseException
-    if folder_removed(path):
+    path, removed = _resolve_held(path)
+    if removed:
         message += "; it was deleted while in use (was the swap folder removed?)"
-    path = readable_path(path)
     if eof:
         exc = ReadPastEOFError(_errno.ENODATA, message, path or None)
     elif err == 0:
